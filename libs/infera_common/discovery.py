@@ -1,0 +1,148 @@
+"""Discovery on the NATS plane: a JetStream KV bucket, one key per worker, kept alive by heartbeats.
+
+``Registrar`` is used by a worker-agent to announce its worker; ``Watcher`` by every service that
+needs the live fleet. Liveness bookkeeping itself is the pure ``FleetView``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.client import JetStreamContext
+from nats.js.errors import BucketNotFoundError
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+
+from infera_common.fleet import Change, FleetView
+from infera_common.logs import get_logger
+from infera_common.schemas import WorkerRecord, WorkerStatus, decode, encode
+from infera_common.subjects import DISCOVERY_BUCKET
+
+log = get_logger("discovery")
+
+#: The bucket only cleans storage; liveness comes from each record's own ttl.
+BUCKET_MAX_AGE = 120.0
+
+
+async def open_bucket(js: JetStreamContext) -> KeyValue:
+    try:
+        return await js.key_value(DISCOVERY_BUCKET)
+    except BucketNotFoundError:
+        try:
+            return await js.create_key_value(
+                KeyValueConfig(bucket=DISCOVERY_BUCKET, history=1, ttl=BUCKET_MAX_AGE, storage=StorageType.MEMORY)
+            )
+        except Exception:  # another service created it first
+            return await js.key_value(DISCOVERY_BUCKET)
+
+
+class Registrar:
+    """Keeps one worker record in discovery: put, heartbeat every ttl/3, delete on stop."""
+
+    def __init__(self, js: JetStreamContext, record: WorkerRecord) -> None:
+        self._js = js
+        self.record = record
+        self._kv: KeyValue | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._kv = await open_bucket(self._js)
+        await self._put()
+        self._task = asyncio.create_task(self._heartbeat(), name="discovery-heartbeat")
+
+    async def set_status(self, status: WorkerStatus) -> None:
+        self.record = self.record.model_copy(update={"status": status})
+        await self._put()
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._kv is not None:
+            try:
+                await self._kv.delete(self.record.worker_id)
+            except Exception as exc:  # broker gone: the entry ages out on its own
+                log.warning("deregister_failed", worker_id=self.record.worker_id, error=str(exc))
+
+    async def _put(self) -> None:
+        assert self._kv is not None
+        self.record = self.record.model_copy(update={"heartbeat_at": time.time()})
+        await self._kv.put(self.record.worker_id, encode(self.record))
+
+    async def _heartbeat(self) -> None:
+        interval = self.record.ttl / 3
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self._put()
+            except Exception as exc:  # keep beating through broker hiccups
+                log.warning("heartbeat_failed", worker_id=self.record.worker_id, error=str(exc))
+
+
+class Watcher:
+    """Follows the discovery bucket into a ``FleetView``; calls ``on_change`` for joins/updates/leaves."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        on_change: Callable[[Change], None] | None = None,
+        sweep_interval: float = 0.25,
+    ) -> None:
+        self._js = js
+        self.view = FleetView()
+        self._on_change = on_change
+        self._sweep_interval = sweep_interval
+        self._tasks: list[asyncio.Task] = []
+        self._kv_watcher = None
+        self.ready = asyncio.Event()
+
+    async def start(self) -> None:
+        kv = await open_bucket(self._js)
+        self._kv_watcher = await kv.watchall()
+        self._tasks = [
+            asyncio.create_task(self._follow(), name="discovery-watch"),
+            asyncio.create_task(self._sweep(), name="discovery-sweep"),
+        ]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._kv_watcher is not None:
+            try:
+                await self._kv_watcher.stop()
+            except Exception:  # connection already closed
+                pass
+
+    def _emit(self, change: Change | None) -> None:
+        if change is not None and self._on_change is not None:
+            try:
+                self._on_change(change)
+            except Exception:
+                log.exception("discovery_callback_failed", worker_id=change.record.worker_id)
+
+    async def _follow(self) -> None:
+        assert self._kv_watcher is not None
+        async for entry in self._kv_watcher:
+            if entry is None:  # initial values delivered
+                self.ready.set()
+                continue
+            if entry.operation in (KV_DEL, KV_PURGE):
+                self._emit(self.view.delete(entry.key))
+                continue
+            try:
+                record = decode(WorkerRecord, entry.value)
+            except ValueError as exc:
+                log.warning("bad_worker_record", key=entry.key, error=str(exc))
+                continue
+            self._emit(self.view.put(record, time.monotonic(), time.time()))
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self._sweep_interval)
+            for change in self.view.expire(time.monotonic()):
+                log.info("worker_expired", worker_id=change.record.worker_id)
+                self._emit(change)

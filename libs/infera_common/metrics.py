@@ -1,0 +1,28 @@
+"""Prometheus exposition for services: a per-service registry and a tiny /metrics HTTP server."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+
+def metrics_response(registry: CollectorRegistry) -> web.Response:
+    resp = web.Response(body=generate_latest(registry))
+    resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+    return resp
+
+
+async def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve ``/metrics`` (and ``/health``) for a service without its own HTTP server.
+
+    ``port`` 0 picks a free port; the bound port is returned.
+    """
+    app = web.Application()
+    app.router.add_get("/metrics", lambda _req: metrics_response(registry))
+    app.router.add_get("/health", lambda _req: web.json_response({"status": "ok"}))
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, bound

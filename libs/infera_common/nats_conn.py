@@ -1,0 +1,84 @@
+"""Connecting to NATS, and making sure the JetStream objects a service needs exist."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.client import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from infera_common.logs import get_logger
+from infera_common.subjects import request_stream, work_subject
+
+log = get_logger("nats")
+
+
+async def connect(url: str, name: str, connect_timeout: float = 10.0) -> NATS:
+    """Connect (retrying until ``connect_timeout``), then reconnect forever on loss."""
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats_error", error=str(exc))
+
+    async def on_disconnect() -> None:
+        log.warning("nats_disconnected")
+
+    async def on_reconnect() -> None:
+        log.info("nats_reconnected")
+
+    deadline = asyncio.get_running_loop().time() + connect_timeout
+    while True:
+        try:
+            return await nats.connect(
+                servers=url.split(","),
+                name=name,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+                connect_timeout=2,
+                allow_reconnect=True,
+            )
+        except Exception as exc:  # nats raises several types while the server is not up
+            if asyncio.get_running_loop().time() >= deadline:
+                raise ConnectionError(
+                    f"cannot reach NATS at {url} ({exc}); start nats-server with JetStream (-js) "
+                    f"or pass --nats-url / INFERA_NATS_URL"
+                ) from exc
+            await asyncio.sleep(0.2)
+
+
+async def ensure_request_stream(js: JetStreamContext, worker_id: str, max_pending: int, max_age: float) -> str:
+    """Create (or update) the worker's work-queue stream; returns its name.
+
+    In memory: a request lives only while its requester waits, and a broker restart ends those
+    waits anyway. ``max_msgs`` with discard-new makes the broker refuse a publish when the worker
+    already holds ``max_pending`` unfinished requests; the router turns that refusal into 429.
+    """
+    name = request_stream(worker_id)
+    config = StreamConfig(
+        name=name,
+        subjects=[work_subject(worker_id)],
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.MEMORY,
+        max_msgs=max_pending,
+        discard=DiscardPolicy.NEW,
+        max_age=max_age,
+        num_replicas=1,
+    )
+    try:
+        await js.stream_info(name)
+        await js.update_stream(config)
+    except NotFoundError:
+        await js.add_stream(config)
+    return name
+
+
+async def delete_stream_quietly(js: JetStreamContext, name: str) -> None:
+    try:
+        await js.delete_stream(name)
+    except Exception as exc:  # already gone, or the broker is down at shutdown
+        log.info("stream_delete_skipped", stream=name, error=str(exc))

@@ -1,0 +1,181 @@
+"""Typed messages that cross a service boundary, and their msgpack encoding.
+
+Every message on the bus is one of these models, msgpack-encoded with ``encode`` and read
+back with ``decode``. Request bodies travel as the client's raw JSON bytes so that no hop
+re-serialises them.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import StrEnum
+from typing import Literal, TypeVar
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field
+
+from infera_common.subjects import TOKEN_RE
+
+EngineKind = Literal["sglang", "vllm", "mock"]
+DiscoveryBackend = Literal["nats", "etcd"]
+RequestTransport = Literal["nats", "http"]
+KvEventTransport = Literal["nats", "zmq"]
+
+
+class Role(StrEnum):
+    AGGREGATED = "aggregated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class WorkerStatus(StrEnum):
+    STARTING = "starting"
+    ACTIVE = "active"
+    DRAINING = "draining"
+
+
+class Endpoint(StrEnum):
+    """The engine HTTP endpoints a request can be addressed to."""
+
+    CHAT = "/v1/chat/completions"
+    COMPLETIONS = "/v1/completions"
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=False)
+
+
+class PdParams(_Msg):
+    """Prefill/decode transfer parameters of a disaggregated worker (issue 4)."""
+
+    protocol: Literal["sglang-bootstrap", "vllm-mooncake"]
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    engine_id: str | None = None
+
+
+class WorkerRecord(_Msg):
+    """What discovery holds for one worker (one engine behind one worker-agent)."""
+
+    worker_id: str = Field(pattern=TOKEN_RE.pattern)
+    model: str  # the served model name clients ask for
+    engine: EngineKind
+    role: Role = Role.AGGREGATED
+    url: str  # the engine's HTTP base URL, e.g. http://10.0.0.5:30000
+    advertise_host: str
+    discovery_backend: DiscoveryBackend = "nats"
+    request_transport: RequestTransport = "nats"
+    kv_event_transport: KvEventTransport = "nats"
+    dp_size: int = 1
+    dp_rank: int | None = None
+    kv_block_size: int | None = None
+    kv_events_endpoints: list[str] = Field(default_factory=list)
+    pd: PdParams | None = None
+    status: WorkerStatus = WorkerStatus.STARTING
+    max_pending: int = 0  # broker-enforced pending limit (0 = unknown)
+    version: str = ""
+    started_at: float = Field(default_factory=time.time)
+    ttl: float = 6.0  # seconds without a heartbeat after which watchers drop this worker
+    heartbeat_at: float = Field(default_factory=time.time)  # wall clock of the last heartbeat
+
+
+class LoadReport(_Msg):
+    """Periodic load report of a worker-agent."""
+
+    worker_id: str
+    in_flight: int  # requests the agent has handed to the engine and not finished
+    engine_running: int = 0
+    engine_waiting: int = 0
+    kv_usage: float = 0.0  # fraction of the engine's KV cache in use, 0..1
+    ts: float = Field(default_factory=time.time)
+
+
+class RouteRequest(_Msg):
+    """Frontend -> router: route this request and hand it to the chosen worker."""
+
+    request_id: str
+    model: str
+    endpoint: Endpoint
+    body: bytes  # the OpenAI request body as JSON bytes, forwarded verbatim
+    stream: bool = False
+    reply_subject: str  # where the worker streams response frames
+    prompt_tokens: int = 0
+    token_ids: list[int] | None = None
+    session_id: str | None = None
+    deadline: float  # unix time after which nobody waits for the answer
+    exclude: list[str] = Field(default_factory=list)  # worker ids not to pick (retries)
+
+
+class RouteReply(_Msg):
+    """Router -> frontend: where the request went, or why it went nowhere.
+
+    ``status`` follows HTTP: 200 routed, 404 unknown model, 429 every candidate full,
+    503 no active worker, 500 router failure.
+    """
+
+    status: int
+    message: str = ""
+    worker_id: str | None = None
+    lease_id: str | None = None
+    router_id: str | None = None
+
+
+class WorkEnvelope(_Msg):
+    """Router -> worker-agent, on the worker's work-queue stream."""
+
+    request_id: str
+    endpoint: Endpoint
+    body: bytes
+    stream: bool = False
+    reply_subject: str
+    deadline: float
+    lease_id: str
+    router_id: str
+
+
+FrameKind = Literal["head", "data", "end", "error"]
+
+
+class Frame(_Msg):
+    """Worker-agent -> requester: one piece of a response.
+
+    ``head`` carries the engine's HTTP status (and, for a non-streaming answer, the whole body);
+    ``data`` one SSE event payload (JSON bytes, without ``data: `` framing); ``end`` closes the
+    response; ``error`` is an agent-side failure with an HTTP-like status and message.
+    """
+
+    kind: FrameKind
+    seq: int = 0
+    status: int = 200
+    body: bytes = b""
+    message: str = ""
+
+
+class Release(_Msg):
+    """Worker-agent -> router: the request behind this lease is finished."""
+
+    lease_id: str
+    worker_id: str
+    outcome: Literal["ok", "error", "cancelled", "expired"]
+
+
+class Cancel(_Msg):
+    """Frontend -> worker-agent: stop this request (client gone or timed out)."""
+
+    request_id: str
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def encode(msg: BaseModel) -> bytes:
+    return msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)
+
+
+def decode(cls: type[M], data: bytes) -> M:
+    """Decode a bus message; raises ``ValueError`` (pydantic's or msgpack's) when malformed."""
+    try:
+        raw = msgpack.unpackb(data, raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ValueError(f"not msgpack: {exc}") from exc
+    return cls.model_validate(raw)

@@ -1,0 +1,144 @@
+"""Settings declared once: one pydantic field = one ``--flag`` + one ``INFERA_*`` env var + default + help.
+
+``parse_cli`` builds the command-line parser from the settings model itself, so a service never
+declares a flag twice. Precedence: command line > environment > default. A bad value fails at
+once with the field's name, the value and what is allowed (argparse's exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+import typing
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+from pydantic import AliasChoices, Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "INFERA_"
+
+
+class InferaSettings(BaseSettings):
+    """Base of every service's settings: env vars are ``INFERA_<FIELD>``."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", validate_default=True)
+
+
+class LogSettings(InferaSettings):
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    log_format: Literal["json", "console"] = Field(
+        "json", description="Log line format: one JSON object a line, or human-readable console lines."
+    )
+
+
+class NatsSettings(InferaSettings):
+    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated.")
+
+
+class PlaneSettings(NatsSettings):
+    """The three planes; every service takes the same flags (DESIGN.md, 'Planes')."""
+
+    discovery_backend: Literal["nats", "etcd"] = Field(
+        "nats", description="Where workers register: a NATS JetStream KV bucket, or etcd leases."
+    )
+    request_transport: Literal["nats", "http"] = Field(
+        "nats", description="How requests reach engines: a JetStream work queue per worker, or direct HTTP."
+    )
+    kv_event_transport: Literal["nats", "zmq"] = Field(
+        "nats", description="How engine KV events reach the index: relayed into JetStream, or read from ZMQ."
+    )
+    etcd_endpoint: str = Field("127.0.0.1:2379", description="etcd host:port, with --discovery-backend etcd.")
+    discovery_ttl: float = Field(
+        6.0, gt=0.5, le=60.0,
+        description="Seconds after its last heartbeat that a worker's discovery entry ages out.",
+    )
+
+    def require_supported(self) -> None:
+        """Refuse plane choices this build cannot serve yet, naming the flag to change."""
+        unsupported = {
+            "discovery_backend": ("etcd",),
+            "request_transport": ("http",),
+            "kv_event_transport": ("zmq",),
+        }
+        for name, values in unsupported.items():
+            value = getattr(self, name)
+            if value in values:
+                flag = "--" + name.replace("_", "-")
+                raise SystemExit(
+                    f"error: {flag} {value} is not available in this build yet; use {flag} nats"
+                )
+
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    origin = get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def build_parser(cls: type[BaseSettings], prog: str, description: str = "") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
+    prefix = cls.model_config.get("env_prefix", ENV_PREFIX)
+    for name, field in cls.model_fields.items():
+        annotation = _unwrap_optional(field.annotation)
+        env = prefix + name.upper()
+        default = field.get_default(call_default_factory=True)
+        help_text = f"{field.description or ''} [env {env}; default {default!r}]"
+        flags = [_flag(name)]
+        if isinstance(field.validation_alias, AliasChoices):
+            flags += [_flag(a) for a in field.validation_alias.choices if isinstance(a, str) and a != name]
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
+        if annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif get_origin(annotation) is Literal:
+            choices = get_args(annotation)
+            kwargs["choices"] = choices
+            kwargs["type"] = type(choices[0])
+        elif get_origin(annotation) is list:
+            kwargs["action"] = "append"
+        elif annotation in (int, float, str):
+            kwargs["type"] = annotation
+        parser.add_argument(*flags, **kwargs)
+    return parser
+
+
+def parse_cli(
+    cls: type[S],
+    argv: list[str] | None = None,
+    *,
+    prog: str,
+    description: str = "",
+    allow_unknown: bool = False,
+) -> tuple[S, list[str]]:
+    """Parse ``argv`` into ``cls``; with ``allow_unknown`` the unrecognised args are returned in order."""
+    parser = build_parser(cls, prog, description)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if allow_unknown:
+        ns, rest = parser.parse_known_args(argv)
+    else:
+        ns, rest = parser.parse_args(argv), []
+    try:
+        settings = cls(**vars(ns))
+    except ValidationError as exc:
+        parser.error(_explain(exc))
+    return settings, rest
+
+
+def _explain(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "settings"
+        flag = _flag(loc) if "." not in loc else loc
+        env = ENV_PREFIX + loc.upper()
+        lines.append(f"{flag} (env {env}): {err['msg']} (got {err.get('input')!r})")
+    return "invalid setting: " + "; ".join(lines)

@@ -1,0 +1,84 @@
+"""Every NATS subject, stream, consumer and bucket name Infera uses.
+
+Nothing else in the project spells a subject: import the names from here.
+Worker ids are used as subject tokens, so they must match ``TOKEN_RE``.
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "infera"
+
+#: A subject token: no dots, spaces or wildcards.
+TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+# --- discovery plane (NATS) -------------------------------------------------
+#: JetStream KV bucket holding one key per worker (the key is the worker id).
+DISCOVERY_BUCKET = "infera_workers"
+
+# --- request plane (NATS) ---------------------------------------------------
+def work_subject(worker_id: str) -> str:
+    """Subject a worker-agent consumes its requests from."""
+    return f"{PREFIX}.work.{_token(worker_id)}"
+
+
+def work_consumer(worker_id: str) -> str:
+    """Durable consumer name of a worker-agent on the request stream."""
+    return f"agent-{_token(worker_id)}"
+
+
+def cancel_subject(worker_id: str) -> str:
+    """Core-NATS subject on which a worker's in-flight requests are cancelled."""
+    return f"{PREFIX}.cancel.{_token(worker_id)}"
+
+
+# --- load reports -------------------------------------------------------------
+LOAD_SUBJECTS = f"{PREFIX}.load.*"
+
+
+def load_subject(worker_id: str) -> str:
+    """Core-NATS subject a worker-agent publishes its periodic load report on."""
+    return f"{PREFIX}.load.{_token(worker_id)}"
+
+
+# --- router RPC ----------------------------------------------------------------
+#: Request/reply: pick a worker for a request (queue group ``ROUTER_QUEUE``).
+ROUTER_ROUTE = f"{PREFIX}.router.route"
+ROUTER_QUEUE = "infera-router"
+
+
+def router_release_subject(router_id: str) -> str:
+    """Subject on which the router instance that issued a lease takes it back."""
+    return f"{PREFIX}.router.release.{_token(router_id)}"
+
+
+# --- frontend API for NATS clients -------------------------------------------
+FRONTEND_QUEUE = "infera-frontend"
+API_CHAT_COMPLETIONS = f"{PREFIX}.api.v1.chat.completions"
+API_COMPLETIONS = f"{PREFIX}.api.v1.completions"
+API_MODELS = f"{PREFIX}.api.v1.models"
+API_WORKERS = f"{PREFIX}.api.v1.workers"
+
+# --- KV events (issue 3) --------------------------------------------------------
+KV_EVENT_STREAM = "INFERA_KV_EVENTS"
+KV_EVENT_SUBJECTS = f"{PREFIX}.kv.>"
+
+
+def kv_event_subject(worker_id: str) -> str:
+    return f"{PREFIX}.kv.{_token(worker_id)}"
+
+
+def _token(value: str) -> str:
+    if not TOKEN_RE.match(value):
+        raise ValueError(f"{value!r} is not a valid subject token (allowed: letters, digits, '_', '-')")
+    return value
+
+
+def request_stream(worker_id: str) -> str:
+    """Name of the work-queue stream holding one worker's pending requests.
+
+    One stream per worker, so the broker itself enforces that worker's pending limit
+    (``max_msgs`` with discard-new) atomically for every router that publishes to it.
+    """
+    return f"INFERA_REQ_{_token(worker_id)}"

@@ -1,0 +1,70 @@
+import asyncio
+import time
+
+from infera_common.discovery import Registrar, Watcher
+from infera_common.fleet import FleetView
+from infera_common.nats_conn import connect
+from infera_common.schemas import WorkerRecord, WorkerStatus
+
+
+def _record(wid: str, ttl: float = 1.5, **kw) -> WorkerRecord:
+    return WorkerRecord(worker_id=wid, model="m", engine="mock", url="http://127.0.0.1:1",
+                        advertise_host="127.0.0.1", ttl=ttl, **kw)
+
+
+def test_fleet_view_expires_by_record_ttl():
+    view = FleetView()
+    now_w = time.time()
+    assert view.put(_record("a", ttl=2.0, status=WorkerStatus.ACTIVE), 100.0, now_w).kind == "join"
+    assert view.put(_record("a", ttl=2.0, status=WorkerStatus.ACTIVE), 101.0, now_w).kind == "update"
+    assert view.models() == ["m"]
+    assert view.expire(102.9) == []
+    gone = view.expire(103.0)
+    assert [c.record.worker_id for c in gone] == ["a"] and len(view) == 0
+
+
+def test_fleet_view_stale_record_seen_late_counts_its_age():
+    view = FleetView()
+    rec = _record("a", ttl=2.0).model_copy(update={"heartbeat_at": time.time() - 1.5})
+    view.put(rec, 50.0, time.time())
+    assert [c.record.worker_id for c in view.expire(50.6)] == ["a"]
+
+
+def test_draining_worker_is_known_but_not_active():
+    view = FleetView()
+    view.put(_record("a", status=WorkerStatus.DRAINING), 1.0, time.time())
+    assert view.models() == [] and view.known_model("m") and view.active("m") == []
+
+
+async def test_register_watch_deregister_and_age_out(nats_server):
+    nc = await connect(nats_server, "t")
+    js = nc.jetstream()
+    changes = []
+    watcher = Watcher(js, on_change=changes.append, sweep_interval=0.05)
+    await watcher.start()
+    reg_a = Registrar(js, _record("a", status=WorkerStatus.ACTIVE))
+    reg_b = Registrar(js, _record("b", status=WorkerStatus.ACTIVE))
+    await reg_a.start()
+    await reg_b.start()
+    for _ in range(100):
+        if len(watcher.view) == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert {r.worker_id for r in watcher.view.workers()} == {"a", "b"}
+    # heartbeats keep "a" alive past its ttl
+    await asyncio.sleep(2.0)
+    assert watcher.view.get("a") is not None
+    # an explicit deregistration is seen at once
+    await reg_a.stop()
+    await asyncio.sleep(0.2)
+    assert watcher.view.get("a") is None
+    # a registrant that stops beating (crash) ages out within its ttl
+    reg_b._task.cancel()
+    t0 = time.monotonic()
+    while watcher.view.get("b") is not None and time.monotonic() - t0 < 5:
+        await asyncio.sleep(0.05)
+    assert watcher.view.get("b") is None
+    assert time.monotonic() - t0 <= 1.5 + 0.5
+    assert [c.kind for c in changes if c.record.worker_id == "b"][-1] == "leave"
+    await watcher.stop()
+    await nc.close()
