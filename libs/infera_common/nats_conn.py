@@ -17,7 +17,12 @@ log = get_logger("nats")
 
 
 async def connect(url: str, name: str, connect_timeout: float = 10.0) -> NATS:
-    """Connect (retrying until ``connect_timeout``), then reconnect forever on loss."""
+    """Connect within ``connect_timeout`` (else ``ConnectionError`` naming the fix), then reconnect forever.
+
+    nats-py retries an unreachable server forever inside ``nats.connect`` when reconnecting is
+    unlimited, and on Python 3.11 one cancellation can be lost inside its own ``wait_for``; so the
+    attempt runs as a task with a deadline and is re-cancelled until it has really stopped.
+    """
 
     async def on_error(exc: Exception) -> None:
         log.warning("nats_error", error=str(exc))
@@ -28,27 +33,42 @@ async def connect(url: str, name: str, connect_timeout: float = 10.0) -> NATS:
     async def on_reconnect() -> None:
         log.info("nats_reconnected")
 
-    deadline = asyncio.get_running_loop().time() + connect_timeout
-    while True:
-        try:
-            return await nats.connect(
-                servers=url.split(","),
-                name=name,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                error_cb=on_error,
-                disconnected_cb=on_disconnect,
-                reconnected_cb=on_reconnect,
-                connect_timeout=2,
-                allow_reconnect=True,
-            )
-        except Exception as exc:  # nats raises several types while the server is not up
-            if asyncio.get_running_loop().time() >= deadline:
-                raise ConnectionError(
-                    f"cannot reach NATS at {url} ({exc}); start nats-server with JetStream (-js) "
-                    f"or pass --nats-url / INFERA_NATS_URL"
-                ) from exc
-            await asyncio.sleep(0.2)
+    task = asyncio.create_task(
+        nats.connect(
+            servers=url.split(","),
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+            connect_timeout=2,
+            allow_reconnect=True,
+        ),
+        name="nats-connect",
+    )
+    try:
+        done, _ = await asyncio.wait({task}, timeout=connect_timeout)
+    finally:  # also when the caller itself is cancelled (SIGTERM during start-up)
+        await cancel_until_done(task)
+    if not done or task.exception() is not None:
+        cause = task.exception() if done else None
+        raise ConnectionError(
+            f"cannot reach NATS at {url} within {connect_timeout:g}s"
+            + (f" ({cause})" if cause else "")
+            + "; start nats-server with JetStream (nats-server -js) or pass --nats-url / INFERA_NATS_URL"
+        ) from cause
+    return task.result()
+
+
+async def cancel_until_done(task: asyncio.Task, attempts: int = 100) -> None:
+    """Cancel ``task`` and wait until it has stopped, re-cancelling if a cancellation was swallowed."""
+    for _ in range(attempts):
+        if task.done():
+            return
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    log.error("task_ignores_cancellation", task=task.get_name())
 
 
 async def ensure_request_stream(js: JetStreamContext, worker_id: str, max_pending: int, max_age: float) -> str:

@@ -92,8 +92,11 @@ def build_parser(cls: type[BaseSettings], prog: str, description: str = "") -> a
     for name, field in cls.model_fields.items():
         annotation = _unwrap_optional(field.annotation)
         env = prefix + name.upper()
-        default = field.get_default(call_default_factory=True)
-        help_text = f"{field.description or ''} [env {env}; default {default!r}]"
+        if field.is_required():
+            help_text = f"{field.description or ''} [env {env}; required]"
+        else:
+            default = field.get_default(call_default_factory=True)
+            help_text = f"{field.description or ''} [env {env}; default {default!r}]"
         flags = [_flag(name)]
         if isinstance(field.validation_alias, AliasChoices):
             flags += [_flag(a) for a in field.validation_alias.choices if isinstance(a, str) and a != name]
@@ -140,5 +143,8 @@ def _explain(exc: ValidationError) -> str:
         loc = ".".join(str(p) for p in err["loc"]) or "settings"
         flag = _flag(loc) if "." not in loc else loc
         env = ENV_PREFIX + loc.upper()
-        lines.append(f"{flag} (env {env}): {err['msg']} (got {err.get('input')!r})")
+        if err["type"] == "missing":
+            lines.append(f"{flag} (env {env}) is required")
+        else:
+            lines.append(f"{flag} (env {env}): {err['msg']} (got {err.get('input')!r})")
     return "invalid setting: " + "; ".join(lines)

@@ -1,0 +1,154 @@
+"""Overhead of the Infera path (frontend -> router -> worker-agent -> engine) over calling the engine directly.
+
+Starts its own fleet (nats-server, router, frontend, one worker-agent over one mock engine), then
+drives the SAME engine two ways in one run: through the frontend, and straight at the engine's
+URL. For each concurrency it measures short non-streaming requests (p50/p99 latency, requests/s)
+and streamed tokens/s, and prints each Infera figure as a ratio of the direct one.
+
+    .venv/bin/python bench/overhead.py [--concurrency 1 32 128] [--seconds 8] [--speedup 1]
+
+The mock engine keeps its GPU-like timing model (the published Dynamo curves, divided by
+--speedup), so the direct path is a realistic engine, not a no-op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+
+from infera.fleet_plan import plan_fleet
+from infera.procs import free_port, start_nats, stop_process, wait_port
+from infera_common.models import BUNDLED_MODEL_NAME
+
+PROMPT = [{"role": "user", "content": "Write one short sentence about the sea."}]
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, body: bytes, stream: bool) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    tokens = 0
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status}: {await resp.text()}")
+        if stream:
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                        tokens += 1
+        else:
+            data = await resp.json()
+            tokens = data["usage"]["completion_tokens"]
+    return time.perf_counter() - t0, tokens
+
+
+async def drive(url: str, concurrency: int, seconds: float, stream: bool, max_tokens: int) -> dict:
+    body = json.dumps({"model": BUNDLED_MODEL_NAME, "messages": PROMPT, "max_tokens": max_tokens,
+                       "stream": stream, "temperature": 0}).encode()
+    latencies: list[float] = []
+    tokens = 0
+    errors = 0
+    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as session:
+        for _ in range(2):  # warm-up
+            await one_request(session, url, body, stream)
+        stop_at = time.perf_counter() + seconds
+
+        async def worker() -> None:
+            nonlocal tokens, errors
+            while time.perf_counter() < stop_at:
+                try:
+                    lat, n = await one_request(session, url, body, stream)
+                except Exception:
+                    errors += 1
+                    continue
+                latencies.append(lat)
+                tokens += n
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - t0
+    latencies.sort()
+    return {
+        "n": len(latencies),
+        "errors": errors,
+        "p50_ms": 1000 * statistics.median(latencies),
+        "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        "rps": len(latencies) / elapsed,
+        "tok_s": tokens / elapsed,
+    }
+
+
+def start_fleet(tmp: Path, speedup: float) -> tuple[list[subprocess.Popen], str, str]:
+    nats_port, http_port = free_port(), free_port()
+    procs = [start_nats(nats_port, tmp / "js")]
+    plan = plan_fleet(
+        nats_url=f"nats://127.0.0.1:{nats_port}", host="127.0.0.1", port=http_port, workers=1,
+        router_policy=None, engine_args=["--speedup", str(speedup)],
+        metrics_ports=[free_port(), free_port()],
+    )
+    for spec in plan:
+        log = open(tmp / f"{spec.name}.log", "ab")
+        procs.append(subprocess.Popen(spec.argv(sys.executable), stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    wait_port("127.0.0.1", http_port, 30)
+    frontend = f"http://127.0.0.1:{http_port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{frontend}/v1/workers", timeout=1) as r:
+                workers = [w for w in json.load(r)["data"] if w["status"] == "active"]
+            if workers:
+                return procs, frontend, workers[0]["url"]
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"fleet not ready; logs in {tmp}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128])
+    ap.add_argument("--seconds", type=float, default=8.0, help="measuring time per cell")
+    ap.add_argument("--speedup", type=float, default=1.0, help="mock engine --speedup")
+    ap.add_argument("--max-tokens", type=int, default=8, help="completion length of the short requests")
+    ap.add_argument("--stream-tokens", type=int, default=64, help="completion length of the streamed requests")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="infera-bench-"))
+    procs, frontend, engine = start_fleet(tmp, args.speedup)
+    rows = []
+    try:
+        for c in args.concurrency:
+            for label, stream, mt in (("short", False, args.max_tokens), ("stream", True, args.stream_tokens)):
+                direct = asyncio.run(drive(f"{engine}/v1/chat/completions", c, args.seconds, stream, mt))
+                infera = asyncio.run(drive(f"{frontend}/v1/chat/completions", c, args.seconds, stream, mt))
+                rows.append((c, label, direct, infera))
+    finally:
+        for p in reversed(procs):
+            stop_process(p)
+    print(f"\nmock engine speedup {args.speedup}; short = non-streaming, max_tokens {args.max_tokens}; "
+          f"stream = max_tokens {args.stream_tokens}; {args.seconds:.0f}s per cell; logs {tmp}\n")
+    hdr = (f"{'conc':>4} {'kind':<6} | {'direct p50':>10} {'p99':>8} {'req/s':>8} {'tok/s':>8} | "
+           f"{'infera p50':>10} {'p99':>8} {'req/s':>8} {'tok/s':>8} | {'+p50 ms':>7} {'req/s %':>7} {'tok/s %':>7}")
+    print(hdr)
+    print("-" * len(hdr))
+    for c, label, d, i in rows:
+        print(f"{c:>4} {label:<6} | {d['p50_ms']:>10.2f} {d['p99_ms']:>8.2f} {d['rps']:>8.1f} {d['tok_s']:>8.0f} | "
+              f"{i['p50_ms']:>10.2f} {i['p99_ms']:>8.2f} {i['rps']:>8.1f} {i['tok_s']:>8.0f} | "
+              f"{i['p50_ms'] - d['p50_ms']:>7.2f} {100 * i['rps'] / d['rps']:>6.0f}% "
+              f"{100 * i['tok_s'] / max(d['tok_s'], 1e-9):>6.0f}%")
+        if d["errors"] or i["errors"]:
+            print(f"     errors: direct {d['errors']}, infera {i['errors']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""`infera up`: start nats-server, router, frontend and N mock workers as local processes.
+
+Ctrl-C or SIGTERM stops everything it started (each child runs in its own process group and is
+stopped TERM-then-KILL), leaving no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from pydantic import Field
+
+from infera.fleet_plan import ProcSpec, plan_fleet
+from infera.procs import free_port, start_nats, stop_process
+from infera_common.models import BUNDLED_MODEL_NAME
+from infera_common.settings import InferaSettings, parse_cli
+from infera_router.settings import PolicyName
+
+
+class UpSettings(InferaSettings):
+    host: str = Field("127.0.0.1", description="Address the frontend listens on.")
+    port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI HTTP endpoint.")
+    workers: int = Field(2, ge=1, le=64, description="Number of mock engines (each behind a worker-agent).")
+    router_policy: PolicyName | None = Field(  # type: ignore[valid-type]  # the router's own choices
+        None, description="Routing policy passed to the router (default: the router's own default)."
+    )
+    engine_arg: list[str] = Field(
+        default_factory=list,
+        description="Extra mock-engine arguments, shell-split, e.g. --engine-arg='--speedup 10'. Repeatable.",
+    )
+    nats_port: int = Field(0, ge=0, le=65535, description="nats-server port (0: a free port).")
+    state_dir: str | None = Field(None, description="Directory for JetStream state and logs (default: a temp dir).")
+    ready_timeout: float = Field(60.0, gt=0, description="Seconds to wait for the fleet to become ready.")
+
+
+def main(argv: list[str]) -> int:
+    settings, _ = parse_cli(UpSettings, argv, prog="infera up", description=__doc__)
+    state = Path(settings.state_dir or tempfile.mkdtemp(prefix="infera-up-"))
+    logs = state / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    nats_port = settings.nats_port or free_port()
+    nats_url = f"nats://127.0.0.1:{nats_port}"
+    engine_args = [a for raw in settings.engine_arg for a in shlex.split(raw)]
+    plan = plan_fleet(
+        nats_url=nats_url,
+        host=settings.host,
+        port=settings.port,
+        workers=settings.workers,
+        router_policy=settings.router_policy,
+        engine_args=engine_args,
+        metrics_ports=[free_port() for _ in range(settings.workers + 1)],
+    )
+    running: list[tuple[str, subprocess.Popen]] = []
+    stopping = False
+
+    def request_stop(signum, _frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    try:
+        with open(logs / "nats-server.log", "ab") as f:
+            running.append(("nats-server", start_nats(nats_port, state / "jetstream", log_file=f)))
+        for spec in plan:
+            running.append((spec.name, _spawn(spec, logs)))
+        url = f"http://{_client_host(settings.host)}:{settings.port}"
+        if not _wait_ready(url, settings.workers, settings.ready_timeout, running, lambda: stopping):
+            return 1
+        _print_banner(url, nats_url, logs)
+        reported: set[str] = set()
+        while not stopping:
+            for name, proc in running:
+                if proc.poll() is None or name in reported:
+                    continue
+                reported.add(name)
+                print(f"infera up: {name} exited with {proc.returncode}; see {logs / (name + '.log')}",
+                      file=sys.stderr)
+                _tail(logs / f"{name}.log")
+                if not name.startswith("worker"):
+                    return 1  # the control plane is gone: stop the fleet
+                # a worker leaving is what the fleet is built to survive: the rest keep serving
+            time.sleep(0.2)
+        return 0
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # workers first (they drain and stop their engines), then the control plane, then NATS
+        for name, proc in reversed(running):
+            stop_process(proc, timeout=40.0 if name.startswith("worker") else 10.0)
+        print("infera up: stopped", file=sys.stderr)
+
+
+def _spawn(spec: ProcSpec, logs: Path) -> subprocess.Popen:
+    log = open(logs / f"{spec.name}.log", "ab")
+    return subprocess.Popen(
+        spec.argv(sys.executable), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def _wait_ready(url: str, workers: int, timeout: float, running, stopping) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not stopping():
+        for name, proc in running:
+            if proc.poll() is not None:
+                print(f"infera up: {name} exited with {proc.returncode} during start-up", file=sys.stderr)
+                return False
+        try:
+            with urllib.request.urlopen(f"{url}/v1/workers", timeout=1) as resp:
+                data = json.load(resp)
+            active = [w for w in data.get("data", []) if w.get("status") == "active"]
+            if len(active) >= workers:
+                return True
+        except OSError:
+            pass
+        time.sleep(0.25)
+    if not stopping():
+        print(f"infera up: the fleet was not ready within {timeout:.0f}s", file=sys.stderr)
+    return False
+
+
+def _tail(path: Path, lines: int = 20) -> None:
+    try:
+        for line in path.read_text(errors="replace").splitlines()[-lines:]:
+            print(f"  {line}", file=sys.stderr)
+    except OSError:
+        pass
+
+
+def _print_banner(url: str, nats_url: str, logs: Path) -> None:
+    body = json.dumps({"model": BUNDLED_MODEL_NAME, "messages": [{"role": "user", "content": "Hello!"}],
+                       "max_tokens": 16})
+    print(f"Infera is up: OpenAI endpoint {url}/v1  (NATS {nats_url}; logs in {logs})")
+    print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
+    print("Ctrl-C stops the fleet.", flush=True)

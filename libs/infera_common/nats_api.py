@@ -1,0 +1,36 @@
+"""The OpenAI API on NATS request/reply: the wire contract between the frontend and NATS clients.
+
+Subjects (``infera_common.subjects``), served by every frontend in queue group ``FRONTEND_QUEUE``
+so several frontends share the load:
+
+- ``API_CHAT_COMPLETIONS`` (``infera.api.v1.chat.completions``) and ``API_COMPLETIONS``
+  (``infera.api.v1.completions``): request data = the OpenAI JSON body, exactly as it would be
+  POSTed; optional NATS header ``X-Request-Id`` (1-128 of ``[A-Za-z0-9._:-]``, else generated)
+  and ``X-Session-Id``.
+- ``API_MODELS`` / ``API_WORKERS``: empty request; the reply is the JSON of ``GET /v1/models`` /
+  ``GET /v1/workers``.
+
+Replies (every reply carries ``X-Request-Id`` on completion subjects):
+
+- not streaming (no ``"stream": true``): ONE message, data = the JSON response body, header
+  ``Infera-Status: <HTTP status>``. A status >= 400 means the data is an OpenAI error body
+  ``{"error": {"message", "type", "param", "code"}}`` (and ``Infera-Kind: error`` is set).
+- streaming (``"stream": true``): SEVERAL messages to the request's reply subject: each SSE event's
+  JSON payload with header ``Infera-Kind: data`` (no ``data: `` framing, no ``[DONE]``), then a
+  final empty message with ``Infera-Kind: end``. A failure, before or during the stream, is a
+  final message with ``Infera-Kind: error``, ``Infera-Status: <status>`` and an OpenAI error body.
+
+A streaming client therefore subscribes to its own inbox, publishes the request with that inbox
+as reply subject, and reads until ``end`` or ``error``. ``infera.client.InferaClient`` does this.
+"""
+
+from __future__ import annotations
+
+HEADER_STATUS = "Infera-Status"
+HEADER_KIND = "Infera-Kind"
+HEADER_REQUEST_ID = "X-Request-Id"
+HEADER_SESSION_ID = "X-Session-Id"
+
+KIND_DATA = "data"
+KIND_END = "end"
+KIND_ERROR = "error"

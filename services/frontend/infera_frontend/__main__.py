@@ -1,0 +1,3 @@
+from infera_frontend.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""The OpenAI HTTP API (aiohttp): completions relayed through the fleet, plus models, workers, health.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/workers,
+GET /health (process up), GET /ready (NATS connected and discovery synced, else 503),
+GET /metrics (Prometheus). Every error is an OpenAI error body; every completion response carries
+``X-Request-Id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+
+from infera_common.fleet import FleetView
+from infera_common.logs import get_logger
+from infera_common.metrics import metrics_response
+from infera_common.openai_errors import error_body
+from infera_common.schemas import Endpoint
+
+from infera_frontend import sse
+from infera_frontend.listing import models_list, workers_list
+from infera_frontend.metrics import FrontendMetrics
+from infera_frontend.pipeline import Pipeline, new_request_id
+from infera_frontend.relay import Exchange
+from infera_frontend.validation import ApiError, Parsed
+
+log = get_logger("frontend.http")
+
+_JSON = "application/json"
+
+
+def error_response(err: ApiError, request_id: str | None) -> web.Response:
+    body = error_body(err.status, err.message, type=err.type, param=err.param, code=err.code)
+    headers = {"X-Request-Id": request_id} if request_id else None
+    return web.Response(body=json.dumps(body).encode(), status=err.status, content_type=_JSON, headers=headers)
+
+
+class HttpApi:
+    def __init__(
+        self, pipeline: Pipeline, view: FleetView, metrics: FrontendMetrics, ready: Callable[[], list[str]],
+    ) -> None:
+        self.pipeline = pipeline
+        self.view = view
+        self.metrics = metrics
+        self._not_ready = ready  # returns the reasons the frontend is not ready (empty: ready)
+
+    def build(self, max_body_bytes: int) -> web.Application:
+        # aiohttp refuses bodies of client_max_size bytes or more: allow exactly max_body_bytes
+        app = web.Application(client_max_size=max_body_bytes + 1)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/workers", self.workers)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_page)
+        return app
+
+    # --- completions --------------------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, Endpoint.CHAT)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, Endpoint.COMPLETIONS)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        size = request.content_length
+        if size is not None and size > self.pipeline.max_body_bytes:
+            raise self.pipeline.too_large(size)
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise self.pipeline.too_large(self.pipeline.max_body_bytes + 1) from None
+
+    async def _complete(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        m = self.metrics
+        ep = endpoint.value
+        status = 500
+        parsed: Parsed | None = None
+        ex: Exchange | None = None
+        request_id: str | None = None
+        m.started("http")
+        try:
+            request_id = self.pipeline.request_id(request.headers.get("X-Request-Id"))
+            session_id = self.pipeline.session_id(request.headers.get("X-Session-Id"))
+            body = await self._read_body(request)
+            parsed = self.pipeline.parse(endpoint, body)
+            ex = await self.pipeline.open(parsed, body, request_id, session_id)
+            status, payload = await ex.head()
+            m.first_byte("http", ep, time.perf_counter() - t0)
+            if payload is not None:
+                return web.Response(body=payload, status=status, content_type=_JSON,
+                                    headers={"X-Request-Id": request_id})
+            resp = web.StreamResponse(status=status, headers={**sse.HEADERS, "X-Request-Id": request_id})
+            await resp.prepare(request)
+            try:
+                await self._stream(resp, ex)
+            except ConnectionResetError:  # the client went away mid-stream
+                status = 499
+                m.client_disconnects.labels(ep).inc()
+                ex.cancel("client_disconnect")
+            return resp
+        except ApiError as err:
+            status = err.status
+            return error_response(err, request_id or new_request_id())
+        except asyncio.CancelledError:  # the client went away (aiohttp cancels the handler)
+            status = 499  # client closed the request (nginx's convention)
+            m.client_disconnects.labels(ep).inc()
+            if ex is not None:
+                ex.cancel("client_disconnect")
+            raise
+        except Exception as exc:  # one bad request never takes the service down
+            log.exception("request_failed", request_id=request_id, error=str(exc))
+            if ex is not None:
+                ex.cancel("error")
+            status = 500
+            return error_response(ApiError(500, "internal error"), request_id)
+        finally:
+            if ex is not None:
+                ex.close()
+            m.finished("http", ep, status, self.pipeline.model_label(parsed), time.perf_counter() - t0)
+
+    @staticmethod
+    async def _stream(resp: web.StreamResponse, ex: Exchange) -> None:
+        try:
+            while not ex.done:
+                payloads = await ex.read()
+                if payloads:
+                    await resp.write(sse.events(payloads))
+        except ApiError as err:  # mid-stream: the status line is gone, so a final error event
+            await resp.write(sse.error_event(
+                error_body(err.status, err.message, type=err.type, param=err.param, code=err.code)
+            ))
+        await resp.write(sse.DONE)
+        await resp.write_eof()
+
+    # --- fleet, health, metrics -----------------------------------------------------------------
+
+    async def models(self, _request: web.Request) -> web.Response:
+        return web.json_response(models_list(self.view))
+
+    async def workers(self, _request: web.Request) -> web.Response:
+        return web.json_response(workers_list(self.view))
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, _request: web.Request) -> web.Response:
+        reasons = self._not_ready()
+        if reasons:
+            return web.json_response({"status": "not ready", "reasons": reasons}, status=503)
+        return web.json_response({"status": "ready"})
+
+    async def metrics_page(self, _request: web.Request) -> web.Response:
+        return metrics_response(self.metrics.registry)

@@ -1,0 +1,100 @@
+"""One reply subscription per frontend process, dispatching messages to per-request mailboxes.
+
+Every request gets its own subject ``_INBOX.<frontend_id>.<n>``: the router's ``RouteReply``
+and the worker's ``Frame``s for that request both arrive there, through the single wildcard
+subscription ``_INBOX.<frontend_id>.*`` (no subscription per request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class Mailbox:
+    """A request's messages in arrival order; lighter than ``asyncio.Queue`` (one waiter at most)."""
+
+    __slots__ = ("_loop", "_items", "_waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: deque[Msg] = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, msg: Msg) -> None:
+        self._items.append(msg)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def push_front(self, msgs: list[Msg]) -> None:
+        """Put back messages taken out early, ahead of everything else."""
+        self._items.extendleft(reversed(msgs))
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def get_nowait(self) -> Msg:
+        return self._items.popleft()
+
+    async def get(self, timeout: float) -> Msg:
+        """The next message; ``TimeoutError`` if none arrives within ``timeout`` seconds."""
+        if self._items:
+            return self._items.popleft()
+        waiter = self._waiter = self._loop.create_future()
+        timer = self._loop.call_later(timeout, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+        if self._items:
+            return self._items.popleft()
+        raise TimeoutError
+
+
+class Inbox:
+    def __init__(self, nc: NATS, frontend_id: str) -> None:
+        self._nc = nc
+        self.prefix = f"_INBOX.{frontend_id}."
+        self._boxes: dict[str, Mailbox] = {}
+        self._ids = itertools.count(1)
+        self._sub = None
+
+    async def start(self) -> None:
+        self._sub = await self._nc.subscribe(self.prefix + "*", cb=self._on_msg)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except NatsError:  # connection already closed
+                pass
+            self._sub = None
+
+    def open(self) -> tuple[str, Mailbox]:
+        subject = f"{self.prefix}{next(self._ids)}"
+        box = Mailbox(asyncio.get_running_loop())
+        self._boxes[subject] = box
+        return subject, box
+
+    def release(self, subject: str) -> None:
+        self._boxes.pop(subject, None)
+
+    def __len__(self) -> int:
+        return len(self._boxes)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        box = self._boxes.get(msg.subject)
+        if box is not None:  # else: for a request no longer waiting (e.g. `end` after a whole body)
+            box.put(msg)

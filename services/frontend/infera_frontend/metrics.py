@@ -1,0 +1,87 @@
+"""The frontend's Prometheus metrics, on its own registry (served at GET /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TOKENIZE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+#: Label value for a model no worker serves (keeps label cardinality bounded).
+UNKNOWN_MODEL = "_unknown"
+
+
+class FrontendMetrics:
+    def __init__(self) -> None:
+        self._children: dict[int, dict[tuple[str, ...], object]] = {}
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "infera_frontend_requests", "Requests answered, by transport (http|nats), endpoint, HTTP status and model.",
+            ["transport", "endpoint", "status", "model"], registry=r,
+        )
+        self.ttfb = Histogram(
+            "infera_frontend_time_to_first_byte_seconds",
+            "Request arrival to the response head (status line / first NATS reply).",
+            ["transport", "endpoint"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.duration = Histogram(
+            "infera_frontend_request_duration_seconds", "Request arrival to the end of the response.",
+            ["transport", "endpoint"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.in_flight = Gauge(
+            "infera_frontend_requests_in_flight", "Completion requests being served.", ["transport"], registry=r,
+        )
+        self.client_disconnects = Counter(
+            "infera_frontend_client_disconnects",
+            "Clients gone before their response was complete (request cancelled).",
+            ["endpoint"], registry=r,
+        )
+        self.tokenize_seconds = Histogram(
+            "infera_frontend_tokenize_seconds", "Chat template + tokenization time per request.",
+            ["endpoint"], buckets=_TOKENIZE_BUCKETS, registry=r,
+        )
+        self.token_invariant_failures = Counter(
+            "infera_frontend_token_invariant_failures",
+            "Requests routed without token ids because the chat template could not be rendered.",
+            registry=r,
+        )
+        self.route_errors = Counter(
+            "infera_frontend_route_errors",
+            "Requests the router did not place, by status (503 includes router unreachable).",
+            ["status"], registry=r,
+        )
+        self.upstream_timeouts = Counter(
+            "infera_frontend_upstream_timeouts",
+            "Requests cancelled because no frame came within --upstream-timeout.",
+            ["endpoint"], registry=r,
+        )
+        self.cancels = Counter(
+            "infera_frontend_cancels_sent", "Cancel messages published to worker-agents, by reason.", ["reason"], registry=r,
+        )
+        self.bad_frames = Counter(
+            "infera_frontend_bad_frames", "Response frames that could not be decoded or came out of order.", registry=r,
+        )
+
+    # --- per-request recording with pre-resolved label children (labels() costs a lock + checks) ---
+
+    def _child(self, metric, *key: str):
+        cache = self._children.setdefault(id(metric), {})
+        child = cache.get(key)
+        if child is None:
+            child = cache[key] = metric.labels(*key)
+        return child
+
+    def started(self, transport: str) -> None:
+        self._child(self.in_flight, transport).inc()
+
+    def tokenized(self, endpoint: str, seconds: float) -> None:
+        self._child(self.tokenize_seconds, endpoint).observe(seconds)
+
+    def first_byte(self, transport: str, endpoint: str, seconds: float) -> None:
+        self._child(self.ttfb, transport, endpoint).observe(seconds)
+
+    def finished(self, transport: str, endpoint: str, status: int, model: str, seconds: float) -> None:
+        self._child(self.in_flight, transport).dec()
+        self._child(self.requests, transport, endpoint, str(status), model).inc()
+        self._child(self.duration, transport, endpoint).observe(seconds)

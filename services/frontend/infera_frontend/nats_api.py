@@ -1,0 +1,164 @@
+"""The OpenAI API for NATS request/reply clients (the wire contract is in ``infera_common.nats_api``).
+
+Subjects ``infera.api.v1.chat.completions``, ``infera.api.v1.completions``, ``infera.api.v1.models``
+and ``infera.api.v1.workers``, queue group ``infera-frontend``. A completion request's data is the
+OpenAI JSON body. Not streaming: one reply, the JSON body with header ``Infera-Status``. Streaming
+(``"stream": true``): one message per SSE event payload (``Infera-Kind: data``), then an empty
+``Infera-Kind: end``; any failure is a final ``Infera-Kind: error`` message with ``Infera-Status``
+and an OpenAI error body. The request runs through the same pipeline as HTTP requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from infera_common.fleet import FleetView
+from infera_common.logs import get_logger
+from infera_common.nats_api import (
+    HEADER_KIND,
+    HEADER_REQUEST_ID,
+    HEADER_SESSION_ID,
+    HEADER_STATUS,
+    KIND_DATA,
+    KIND_END,
+    KIND_ERROR,
+)
+from infera_common.openai_errors import error_body
+from infera_common.schemas import Endpoint
+from infera_common.subjects import (
+    API_CHAT_COMPLETIONS,
+    API_COMPLETIONS,
+    API_MODELS,
+    API_WORKERS,
+    FRONTEND_QUEUE,
+)
+
+from infera_frontend.listing import models_list, workers_list
+from infera_frontend.metrics import FrontendMetrics
+from infera_frontend.pipeline import Pipeline, new_request_id
+from infera_frontend.relay import Exchange
+from infera_frontend.validation import ApiError, Parsed
+
+log = get_logger("frontend.nats_api")
+
+_DATA = {HEADER_KIND: KIND_DATA}
+
+
+class NatsApi:
+    def __init__(self, nc: NATS, pipeline: Pipeline, view: FleetView, metrics: FrontendMetrics) -> None:
+        self._nc = nc
+        self.pipeline = pipeline
+        self.view = view
+        self.metrics = metrics
+        self._subs: list[Any] = []
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        routes: list[tuple[str, Callable[[Msg], Any]]] = [
+            (API_CHAT_COMPLETIONS, self._spawner(Endpoint.CHAT)),
+            (API_COMPLETIONS, self._spawner(Endpoint.COMPLETIONS)),
+            (API_MODELS, self._listing(models_list)),
+            (API_WORKERS, self._listing(workers_list)),
+        ]
+        for subject, cb in routes:
+            self._subs.append(await self._nc.subscribe(subject, queue=FRONTEND_QUEUE, cb=cb))
+
+    async def stop(self) -> None:
+        """Stop taking requests, then end the ones in flight (their workers get a Cancel)."""
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # connection already closed
+                pass
+        self._subs.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawner(self, endpoint: Endpoint):
+        async def cb(msg: Msg) -> None:  # subscription callbacks run one at a time: serve in a task
+            task = asyncio.get_running_loop().create_task(self._serve(msg, endpoint))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return cb
+
+    def _listing(self, build: Callable[[FleetView], dict[str, Any]]):
+        async def cb(msg: Msg) -> None:
+            if msg.reply:
+                try:
+                    await self._nc.publish(msg.reply, json.dumps(build(self.view)).encode(),
+                                           headers={HEADER_STATUS: "200"})
+                except Exception as exc:
+                    log.warning("nats_api_reply_failed", subject=msg.subject, error=str(exc))
+        return cb
+
+    async def _error(self, reply: str, err: ApiError, request_id: str) -> None:
+        body = error_body(err.status, err.message, type=err.type, param=err.param, code=err.code)
+        await self._nc.publish(reply, json.dumps(body).encode(), headers={
+            HEADER_KIND: KIND_ERROR, HEADER_STATUS: str(err.status), HEADER_REQUEST_ID: request_id,
+        })
+
+    async def _serve(self, msg: Msg, endpoint: Endpoint) -> None:
+        reply = msg.reply
+        if not reply:  # a publish without a reply subject: nobody to answer
+            return
+        t0 = time.perf_counter()
+        m = self.metrics
+        ep = endpoint.value
+        status = 500
+        parsed: Parsed | None = None
+        ex: Exchange | None = None
+        headers = msg.headers or {}
+        request_id = new_request_id()
+        m.started("nats")
+        try:
+            request_id = self.pipeline.request_id(headers.get(HEADER_REQUEST_ID))
+            session_id = self.pipeline.session_id(headers.get(HEADER_SESSION_ID))
+            parsed = self.pipeline.parse(endpoint, msg.data)
+            ex = await self.pipeline.open(parsed, msg.data, request_id, session_id)
+            status, payload = await ex.head()
+            m.first_byte("nats", ep, time.perf_counter() - t0)
+            if payload is not None:
+                hdrs = {HEADER_STATUS: str(status), HEADER_REQUEST_ID: request_id}
+                if status >= 400:
+                    hdrs[HEADER_KIND] = KIND_ERROR
+                await self._nc.publish(reply, payload, headers=hdrs)
+                return
+            publish = self._nc.publish
+            try:
+                while not ex.done:
+                    for p in await ex.read():
+                        await publish(reply, p, headers=_DATA)
+            except ApiError as err:
+                status = err.status
+                await self._error(reply, err, request_id)
+                return
+            await publish(reply, b"", headers={HEADER_KIND: KIND_END, HEADER_REQUEST_ID: request_id})
+        except ApiError as err:
+            status = err.status
+            await self._error(reply, err, request_id)
+        except asyncio.CancelledError:  # frontend shutting down
+            status = 503
+            if ex is not None:
+                ex.cancel("shutdown")
+            raise
+        except Exception as exc:  # one bad request never takes the API down
+            log.exception("nats_api_request_failed", request_id=request_id, error=str(exc))
+            if ex is not None:
+                ex.cancel("error")
+            try:
+                await self._error(reply, ApiError(500, "internal error"), request_id)
+            except Exception:
+                pass
+        finally:
+            if ex is not None:
+                ex.close()
+            m.finished("nats", ep, status, self.pipeline.model_label(parsed), time.perf_counter() - t0)

@@ -1,0 +1,107 @@
+"""Before routing: is the model served, and which token ids does the prompt become. Pure, no I/O."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from infera_common.fleet import Change
+from infera_common.schemas import Endpoint, WorkerStatus
+from infera_common.tokenizer import ChatTemplateError, ChatTokenizer
+
+from infera_frontend.validation import ApiError, Parsed
+
+#: Prompts longer than this (characters) are tokenized in a worker thread, off the event loop.
+OFFLOAD_CHARS = 8_192
+
+
+class ModelTable:
+    """Per model: how many workers serve it, how many are active. Follows discovery changes."""
+
+    def __init__(self) -> None:
+        self._workers: dict[str, tuple[str, bool]] = {}  # worker_id -> (model, active)
+        self._known: Counter[str] = Counter()
+        self._active: Counter[str] = Counter()
+
+    def apply(self, change: Change) -> None:
+        rec = change.record
+        old = self._workers.pop(rec.worker_id, None)
+        if old is not None:
+            self._known[old[0]] -= 1
+            if old[1]:
+                self._active[old[0]] -= 1
+        if change.kind != "leave":
+            active = rec.status == WorkerStatus.ACTIVE
+            self._workers[rec.worker_id] = (rec.model, active)
+            self._known[rec.model] += 1
+            if active:
+                self._active[rec.model] += 1
+
+    def is_known(self, model: str) -> bool:
+        return self._known[model] > 0
+
+    def check(self, model: str) -> None:
+        """Raise the client's error when ``model`` cannot be served now: 404 unknown, 503 none active."""
+        if self._active[model] > 0:
+            return
+        if self._known[model] <= 0:
+            raise ApiError(
+                404, f"The model `{model}` does not exist.", type="invalid_request_error", param="model",
+                code="model_not_found",
+            )
+        raise ApiError(503, f"No active worker serves the model `{model}` right now; retry shortly.",
+                       type="service_unavailable_error")
+
+
+@dataclass(slots=True)
+class Tokens:
+    """What the router needs of the prompt: its token ids (``None`` if unknown) and their count."""
+
+    token_ids: list[int] | None
+    prompt_tokens: int
+    ok: bool = True  # False: the engine's token ids could not be reproduced (token invariant)
+
+
+def prompt_chars(parsed: Parsed) -> int:
+    """A cheap size of the text to tokenize, to decide whether to leave the event loop."""
+    data = parsed.data
+    if parsed.endpoint == Endpoint.CHAT:
+        n = 0
+        for m in data["messages"]:
+            c = m.get("content")
+            if isinstance(c, str):
+                n += len(c)
+            elif isinstance(c, list):
+                n += sum(len(p.get("text") or "") for p in c if isinstance(p, dict))
+        return n
+    prompt = data["prompt"]
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) for p in prompt if isinstance(p, str))
+
+
+def tokenize(tok: ChatTokenizer, parsed: Parsed) -> Tokens:
+    """Token ids for routing, as the engine will compute them.
+
+    Chat: the chat template (generation prompt added) then encode without special tokens.
+    Completions: a text prompt with the tokenizer's special tokens; token ids used as given. A batch
+    prompt (list) is routed by its first prompt and counted in full.
+    """
+    data = parsed.data
+    if parsed.endpoint == Endpoint.CHAT:
+        kwargs: Any = data.get("chat_template_kwargs")
+        try:
+            ids = tok.chat_ids(data["messages"], tools=data.get("tools"),
+                               template_kwargs=kwargs if isinstance(kwargs, dict) else None)
+        except ChatTemplateError:
+            return Tokens(None, 0, ok=False)
+        return Tokens(ids, len(ids))
+    prompt = data["prompt"]
+    if isinstance(prompt, str):
+        ids = tok.prompt_ids(prompt)
+        return Tokens(ids, len(ids))
+    if isinstance(prompt[0], int):
+        return Tokens(prompt, len(prompt))
+    batches = [p if isinstance(p, list) else tok.prompt_ids(p) for p in prompt]
+    return Tokens(batches[0], sum(len(b) for b in batches))

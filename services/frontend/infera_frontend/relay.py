@@ -1,0 +1,314 @@
+"""Routing a request and relaying its response frames; the same for HTTP and NATS clients.
+
+``Relay.open`` publishes a ``RouteRequest`` on ``ROUTER_ROUTE`` with the request's own inbox
+subject (``inbox.py``) both as the NATS reply subject (for the router's ``RouteReply``) and as
+``reply_subject`` (for the worker's ``Frame``s). Frames that overtake the router's reply are kept.
+It returns an ``Exchange``: ``head()`` waits for the engine's status (and whole body unless
+streaming), ``read()`` returns the next SSE payloads of a stream. Timeouts, error frames and router
+refusals surface as ``ApiError``; ``cancel()`` publishes ``Cancel`` to the worker's cancel subject.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from infera_common.logs import get_logger
+from infera_common.openai_errors import normalize_error
+from infera_common.schemas import Cancel, Endpoint, Frame, RouteReply, RouteRequest, decode, encode
+from infera_common.subjects import ROUTER_ROUTE, cancel_subject
+
+from infera_frontend.inbox import Inbox, Mailbox
+from infera_frontend.metrics import FrontendMetrics
+from infera_frontend.validation import ApiError
+
+log = get_logger("frontend.relay")
+
+DONE_PAYLOAD = b"[DONE]"
+
+_ROUTER_ERROR_TYPES = {
+    400: ("invalid_request_error", None),
+    404: ("invalid_request_error", "model_not_found"),
+    429: ("rate_limit_error", None),
+    503: ("service_unavailable_error", None),
+}
+
+
+def router_error(reply: RouteReply) -> ApiError:
+    """The client's error for a router refusal (its status is passed through)."""
+    status = reply.status if 400 <= reply.status < 600 else 500
+    etype, code = _ROUTER_ERROR_TYPES.get(status, ("internal_server_error" if status >= 500 else None, None))
+    message = reply.message or {
+        404: "The model does not exist.",
+        429: "Every worker for this model is at its pending limit; retry later.",
+        503: "No active worker for this model.",
+    }.get(status, f"the router could not place the request (status {reply.status})")
+    param = "model" if status == 404 else None
+    return ApiError(status, message, type=etype, param=param, code=code)
+
+
+def frame_error(frame: Frame) -> ApiError:
+    status = frame.status if 400 <= frame.status < 600 else 502
+    return ApiError(status, frame.message or f"upstream error (status {frame.status})")
+
+
+def router_unavailable() -> ApiError:
+    return ApiError(503, "router unavailable", type="service_unavailable_error")
+
+
+class _NoRouter(Exception):
+    """NATS answered the route request with 'no responders': no router is subscribed."""
+
+
+def _is_no_responders(msg: Msg) -> bool:
+    return not msg.data and bool(msg.headers) and msg.headers.get("Status") == "503"
+
+
+class Relay:
+    def __init__(
+        self, nc: NATS, inbox: Inbox, metrics: FrontendMetrics, *, route_timeout: float, upstream_timeout: float,
+        request_timeout: float,
+    ) -> None:
+        self._nc = nc
+        self.inbox = inbox
+        self.metrics = metrics
+        self.route_timeout = route_timeout
+        self.upstream_timeout = upstream_timeout
+        self.request_timeout = request_timeout
+        self._background: set[asyncio.Task] = set()
+
+    def spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain_background(self) -> None:
+        if self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    def publish_cancel(self, worker_id: str, request_id: str, reason: str) -> None:
+        self.metrics.cancels.labels(reason).inc()
+        self.spawn(self._publish_cancel(worker_id, request_id, reason))
+
+    async def _publish_cancel(self, worker_id: str, request_id: str, reason: str) -> None:
+        try:
+            await self._nc.publish(cancel_subject(worker_id), encode(Cancel(request_id=request_id)))
+            await self._nc.flush(timeout=2)
+        except Exception as exc:  # NATS down: the agent's own deadline ends the request
+            log.warning("cancel_publish_failed", request_id=request_id, worker_id=worker_id, error=str(exc))
+        else:
+            log.info("request_cancelled", request_id=request_id, worker_id=worker_id, reason=reason)
+
+    async def open(
+        self,
+        *,
+        request_id: str,
+        endpoint: Endpoint,
+        model: str,
+        body: bytes,
+        stream: bool,
+        token_ids: list[int] | None,
+        prompt_tokens: int,
+        session_id: str | None = None,
+    ) -> Exchange:
+        """Ask the router to place the request; raises ``ApiError`` when it is not placed."""
+        subject, box = self.inbox.open()
+        data = encode(RouteRequest(
+            request_id=request_id, model=model, endpoint=endpoint, body=body, stream=stream,
+            reply_subject=subject, prompt_tokens=prompt_tokens, token_ids=token_ids, session_id=session_id,
+            deadline=time.time() + self.deadline_in(stream),
+        ))
+        try:
+            await self._nc.publish(ROUTER_ROUTE, data, reply=subject)
+            reply, early = await self._route_reply(box)
+        except asyncio.CancelledError:  # the client left while the router decides: cancel once placed
+            self.spawn(self._cancel_when_routed(subject, box, request_id))
+            raise
+        except (_NoRouter, TimeoutError, OSError) as exc:
+            self.inbox.release(subject)
+            self.metrics.route_errors.labels("503").inc()
+            log.warning("router_unavailable", request_id=request_id, error=repr(exc))
+            raise router_unavailable() from None
+        except ValueError as exc:
+            self.inbox.release(subject)
+            self.metrics.route_errors.labels("500").inc()
+            log.error("bad_route_reply", request_id=request_id, error=str(exc))
+            raise ApiError(500, "the router sent an unreadable reply") from None
+        except Exception as exc:  # NATS connection closed or draining
+            self.inbox.release(subject)
+            self.metrics.route_errors.labels("503").inc()
+            log.warning("router_unavailable", request_id=request_id, error=repr(exc))
+            raise router_unavailable() from None
+        if reply.status != 200 or not reply.worker_id:
+            self.inbox.release(subject)
+            self.metrics.route_errors.labels(str(reply.status)).inc()
+            raise router_error(reply)
+        if early:
+            box.push_front(early)
+        return Exchange(self, request_id, reply.worker_id, subject, box, stream, endpoint)
+
+    def deadline_in(self, stream: bool) -> float:
+        """Seconds until nobody waits for the answer: a non-streaming answer is the head the frontend
+        waits for (route + upstream timeouts); a stream lives while frames flow, up to the request timeout."""
+        if stream:
+            return max(self.request_timeout, self.route_timeout + self.upstream_timeout)
+        return self.route_timeout + self.upstream_timeout
+
+    async def _route_reply(self, box: Mailbox) -> tuple[RouteReply, list[Msg]]:
+        """The router's reply, and any frames that arrived before it (kept in order)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.route_timeout
+        early: list[Msg] = []
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError
+            msg = await box.get(remaining)
+            if _is_no_responders(msg):
+                raise _NoRouter
+            try:
+                raw = msgpack.unpackb(msg.data, raw=False)
+            except Exception as exc:  # msgpack raises several unrelated types
+                raise ValueError(f"not msgpack: {exc}") from exc
+            if isinstance(raw, dict) and "kind" in raw:  # a worker's frame overtook the router's reply
+                early.append(msg)
+                continue
+            return RouteReply.model_validate(raw), early
+
+    async def _cancel_when_routed(self, subject: str, box: Mailbox, request_id: str) -> None:
+        try:
+            reply, _ = await self._route_reply(box)
+        except Exception:  # never placed (or unreadable): nothing to cancel
+            return
+        finally:
+            self.inbox.release(subject)
+        if reply.status == 200 and reply.worker_id:
+            self.publish_cancel(reply.worker_id, request_id, "client_disconnect")
+
+
+class Exchange:
+    """One placed request: its frames, in order, until ``end``."""
+
+    __slots__ = ("_relay", "request_id", "worker_id", "_subject", "_box", "stream", "endpoint", "done",
+                 "_closed", "_cancelled", "_error")
+
+    def __init__(
+        self, relay: Relay, request_id: str, worker_id: str, subject: str, box: Mailbox, stream: bool,
+        endpoint: Endpoint,
+    ) -> None:
+        self._relay = relay
+        self.request_id = request_id
+        self.worker_id = worker_id
+        self._subject = subject
+        self._box = box
+        self.stream = stream
+        self.endpoint = endpoint
+        self.done = False
+        self._closed = False
+        self._cancelled = False
+        self._error: ApiError | None = None  # an error frame met after payloads not yet returned
+
+    def close(self) -> None:
+        """Stop receiving frames (always call, e.g. in ``finally``)."""
+        if not self._closed:
+            self._closed = True
+            self._relay.inbox.release(self._subject)
+
+    def cancel(self, reason: str) -> None:
+        """Tell the worker to abort this request (at most once; nothing once the response ended)."""
+        if not self._cancelled and not self.done:
+            self._cancelled = True
+            self._relay.publish_cancel(self.worker_id, self.request_id, reason)
+
+    async def _next(self) -> Frame:
+        box = self._box
+        if box.empty():
+            try:
+                msg = await box.get(self._relay.upstream_timeout)
+            except TimeoutError:
+                self._relay.metrics.upstream_timeouts.labels(self.endpoint.value).inc()
+                self.cancel("upstream_timeout")
+                raise ApiError(
+                    504, f"the engine sent nothing for {self._relay.upstream_timeout:g}s; request cancelled",
+                    type="timeout_error",
+                ) from None
+        else:
+            msg = box.get_nowait()
+        try:
+            return decode(Frame, msg.data)
+        except ValueError as exc:
+            self._relay.metrics.bad_frames.inc()
+            self.cancel("bad_frame")
+            log.error("bad_frame", request_id=self.request_id, worker_id=self.worker_id, error=str(exc))
+            raise ApiError(502, "the worker sent an unreadable response frame") from None
+
+    async def head(self) -> tuple[int, bytes | None]:
+        """The engine's status and, unless a stream follows, the whole body (``None`` for a stream).
+
+        Error statuses (>= 400) come with the body in the OpenAI error shape.
+        """
+        frame = await self._next()
+        if frame.kind == "error":
+            self.done = True
+            raise frame_error(frame)
+        if frame.kind != "head":
+            self._relay.metrics.bad_frames.inc()
+            self.cancel("bad_frame")
+            raise ApiError(502, f"the worker sent a '{frame.kind}' frame before the response head")
+        status = frame.status
+        if self.stream and status < 400 and not frame.body:
+            return status, None  # a stream follows (a head with a body: the engine answered without SSE)
+        body = frame.body or await self._collect()
+        self.done = True
+        if status >= 400:
+            body = normalize_error(status, body)
+        return status, body
+
+    async def _collect(self) -> bytes:
+        """A body sent as data frames after an empty head."""
+        parts: list[bytes] = []
+        while True:
+            frame = await self._next()
+            if frame.kind == "data":
+                if frame.body != DONE_PAYLOAD:
+                    parts.append(frame.body)
+            elif frame.kind == "end":
+                return b"".join(parts)
+            elif frame.kind == "error":
+                self.done = True
+                raise frame_error(frame)
+
+    async def read(self) -> list[bytes]:
+        """The next SSE payloads of a stream (at least one, or none once ``done``).
+
+        Raises ``ApiError`` for an error frame or a timeout mid-stream.
+        """
+        if self._error is not None:
+            err, self._error = self._error, None
+            self.done = True
+            raise err
+        out: list[bytes] = []
+        box = self._box
+        while not self.done:
+            frame = await self._next()
+            kind = frame.kind
+            if kind == "data":
+                if frame.body != DONE_PAYLOAD:
+                    out.append(frame.body)
+            elif kind == "end":
+                self.done = True
+            elif kind == "error":
+                if not out:
+                    self.done = True
+                    raise frame_error(frame)
+                self._error = frame_error(frame)  # raised by the next call, after these payloads
+                break
+            else:
+                self._relay.metrics.bad_frames.inc()
+            if out and box.empty():
+                break
+        return out

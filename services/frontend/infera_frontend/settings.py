@@ -1,0 +1,59 @@
+"""The frontend's settings: one field = one ``--flag`` + one ``INFERA_*`` env var + default + help."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import SettingsConfigDict
+
+from infera_common.models import default_model_path
+from infera_common.settings import LogSettings, PlaneSettings
+from infera_common.subjects import TOKEN_RE
+
+
+class FrontendSettings(PlaneSettings, LogSettings):
+    # the env prefix also applies to aliases: INFERA_MODEL_PATH / INFERA_ROUTER_TOKENIZER_PATH
+    model_config = SettingsConfigDict(env_prefix_target="all")
+
+    host: str = Field("127.0.0.1", description="Address the OpenAI HTTP API listens on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port of the OpenAI HTTP API (0: a free port).")
+    model_path: str = Field(
+        default_factory=lambda: str(default_model_path()),
+        validation_alias=AliasChoices("model_path", "router_tokenizer_path"),
+        description="Model directory holding tokenizer.json and tokenizer_config.json (chat template), "
+        "used to tokenize prompts for routing; must be the engines' tokenizer. "
+        "Default: the bundled SmolLM2-135M-Instruct tokenizer.",
+    )
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="Largest request body accepted, in bytes; larger bodies get 413."
+    )
+    upstream_timeout: float = Field(
+        60.0, gt=0,
+        description="Seconds to wait for the engine's first response frame, and between frames of a "
+        "stream; then the request is cancelled and the client gets 504.",
+    )
+    request_timeout: float = Field(
+        3600.0, gt=0,
+        description="Longest a streaming request may run end to end: sent as the request's deadline, after "
+        "which the worker abandons it. A non-streaming request's deadline is --route-timeout + "
+        "--upstream-timeout (its whole answer is the head the frontend waits for).",
+    )
+    route_timeout: float = Field(
+        5.0, gt=0, description="Seconds to wait for the router's answer; then the client gets 503 'router unavailable'."
+    )
+    frontend_id: str | None = Field(
+        None, pattern=TOKEN_RE.pattern,
+        description="This frontend's id (letters, digits, '_', '-'); names its reply inbox. Default: generated.",
+    )
+    enable_nats_api: bool = Field(
+        True, description="Also serve the OpenAI API to NATS request/reply clients (subjects infera.api.v1.*)."
+    )
+    access_log: bool = Field(False, description="Log one line per HTTP request (off by default: it costs latency).")
+
+    @field_validator("model_path")
+    @classmethod
+    def _has_tokenizer(cls, value: str) -> str:
+        if not (Path(value) / "tokenizer.json").is_file():
+            raise ValueError(f"no tokenizer.json in {value} (pass a model directory holding the engines' tokenizer)")
+        return value

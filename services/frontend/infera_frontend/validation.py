@@ -1,0 +1,198 @@
+"""OpenAI request validation: pydantic models of the request bodies and pure checks. No I/O.
+
+The models check what the frontend must know to be right (model, messages or prompt, stream,
+token limits, n); every other field is allowed and left alone: the frontend forwards the client's
+original JSON bytes, it never re-serialises the body.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import field_validator, model_validator
+
+from infera_common.schemas import Endpoint
+
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+Number = StrictFloat  # strict floats accept JSON integers too
+
+
+class ApiError(Exception):
+    """A request answered with an OpenAI error: HTTP status + the error object's fields."""
+
+    def __init__(
+        self, status: int, message: str, *, type: str | None = None, param: str | None = None,  # noqa: A002
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, type="invalid_request_error", param=param, code=code)
+
+
+# --- request models -----------------------------------------------------------------------------
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ContentPart(_Open):
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "user", "assistant", "tool", "developer", "function"]
+    content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        if isinstance(self.content, list):
+            for part in self.content:
+                if part.type == "text" and part.text is None:
+                    raise ValueError("a text content part needs 'text'")
+        return self
+
+
+class _Common(_Open):
+    model: StrictStr = Field(min_length=1)
+    stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None
+    max_tokens: StrictInt | None = Field(None, gt=0)
+    n: StrictInt | None = None
+    temperature: Number | None = Field(None, ge=0)
+    top_p: Number | None = Field(None, gt=0, le=1)
+    stop: StrictStr | list[StrictStr] | None = None
+    presence_penalty: Number | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(None, ge=-2, le=2)
+    seed: StrictInt | None = None
+    user: StrictStr | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _single_choice(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError("n must be at least 1")
+        if v is not None and v > 1:
+            raise ValueError("n > 1 is not supported; send n separate requests")
+        return v
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(None, gt=0)
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: StrictStr | list[Any]
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return v
+        if not v:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(x, str) for x in v):
+            return v
+        if all(_is_token(x) for x in v):
+            return v
+        if all(isinstance(x, list) and x and all(_is_token(t) for t in x) for x in v):
+            return v
+        raise ValueError(
+            "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids"
+        )
+
+
+def _is_token(x: Any) -> bool:
+    return type(x) is int and x >= 0
+
+
+REQUEST_MODELS: dict[Endpoint, type[_Common]] = {
+    Endpoint.CHAT: ChatCompletionRequest,
+    Endpoint.COMPLETIONS: CompletionRequest,
+}
+
+
+# --- checks ---------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Parsed:
+    """A validated request: its model, the parsed JSON (for templating) and whether it streams."""
+
+    endpoint: Endpoint
+    model: str
+    stream: bool
+    data: dict[str, Any]
+
+
+def _param(loc: tuple[Any, ...], data: Any) -> str:
+    """The client's field path of an error location (pydantic's union branch tags dropped)."""
+    out = ""
+    cur = data
+    last = len(loc) - 1
+    for i, part in enumerate(loc):
+        if isinstance(part, int) and isinstance(cur, list) and 0 <= part < len(cur):
+            out += f"[{part}]"
+            cur = cur[part]
+        elif isinstance(cur, dict) and (part in cur or i == last):
+            out += ("." if out else "") + str(part)
+            cur = cur.get(part)
+        # else: a union branch tag such as 'str' or 'list[ContentPart]', not part of the path
+    return out
+
+
+def _error_message(exc: ValidationError, data: Any) -> tuple[str, str | None]:
+    """The first validation error as (message, param), in the client's terms."""
+    # a union reports one error per branch: the deepest location is the branch the client meant
+    err = max(exc.errors(include_url=False), key=lambda e: len(e["loc"]))
+    param = _param(tuple(err["loc"]), data) or None
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if err["type"] == "missing":
+        return f"'{param}' is a required property", param
+    if err["type"] == "extra_forbidden":
+        return f"unknown field '{param}'", param
+    return (f"{param}: {msg}" if param else msg), param
+
+
+def parse_body(endpoint: Endpoint, body: bytes) -> Parsed:
+    """Parse and validate an OpenAI request body; raises ``ApiError`` (400) with the reason."""
+    try:
+        data = json.loads(body)
+    except ValueError as exc:
+        raise invalid(f"We could not parse the JSON body of your request: {exc}") from None
+    if not isinstance(data, dict):
+        raise invalid("The request body must be a JSON object.")
+    try:
+        req = REQUEST_MODELS[endpoint].model_validate(data)
+    except ValidationError as exc:
+        message, param = _error_message(exc, data)
+        raise invalid(message, param=param) from None
+    return Parsed(endpoint, req.model, req.stream, data)
+
+
+def check_request_id(value: str | None, generate) -> str:
+    """The client's request id if valid, a generated one if absent; ``ApiError`` 400 if malformed."""
+    if value is None:
+        return generate()
+    if not REQUEST_ID_RE.fullmatch(value):
+        raise invalid("X-Request-Id must be 1-128 characters of letters, digits and . _ : -", param="X-Request-Id")
+    return value

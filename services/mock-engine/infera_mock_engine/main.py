@@ -1,0 +1,198 @@
+"""Command line of the mock engine: SGLang- and vLLM-style flags (plain argparse) → EngineConfig → serve.
+
+Flags a real engine has but the mock does not simulate (`--tp 8`, `--trust-remote-code`, ...) are
+accepted and ignored with one warning line, so a runbook command line can be pointed at the mock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from infera_mock_engine.config import DEFAULT_PORTS, FLAVORS, EngineConfig, default_context_length, read_model_config
+
+log = logging.getLogger("infera_mock_engine")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be within 0..65535, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="infera-mock-engine",
+        description="Simulated LLM engine speaking the SGLang and vLLM HTTP APIs with a GPU-like timing model. "
+        "Usage: infera-mock-engine --model-path DIR [flags]  (or vLLM-style: infera-mock-engine [serve] DIR [flags]). "
+        "Unknown real-engine flags are accepted and ignored with a warning.",
+        allow_abbrev=False,
+    )
+    p.add_argument("--model-path", "--model", dest="model_path",
+                   help="local model directory holding tokenizer.json (SGLang --model-path, vLLM --model)")
+    p.add_argument("--tokenizer-path", "--tokenizer", dest="tokenizer_path",
+                   help="directory holding tokenizer.json (default: the model path)")
+    p.add_argument("--served-model-name", nargs="+", dest="served_model_name",
+                   help="name(s) the API answers to; the first is reported (default: the model path as given)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=_port, default=None,
+                   help="port to listen on (default 30000 for the sglang flavour, 8000 for vllm; 0 = any free port)")
+    p.add_argument("--engine-flavor", "--engine-flavour", choices=FLAVORS, default="sglang",
+                   help="which engine to imitate: error shapes, metric names, default port (default sglang)")
+    p.add_argument("--speedup", "--speedup-ratio", type=_positive_float, default=1.0,
+                   help="divide every simulated step time by this (default 1.0)")
+    p.add_argument("--max-running-requests", "--max-num-seqs", type=_positive_int, default=256,
+                   dest="max_running_requests", help="most sequences running at once (default 256)")
+    p.add_argument("--max-num-batched-tokens", "--chunked-prefill-size", type=_positive_int, default=8192,
+                   dest="max_num_batched_tokens", help="prefill tokens per scheduler step (default 8192)")
+    p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=_positive_int, default=None,
+                   dest="num_kv_blocks", help="KV cache blocks (default 16384, or --max-total-tokens / page size)")
+    p.add_argument("--max-total-tokens", type=_positive_int, default=None,
+                   help="KV cache capacity in tokens (SGLang); sets --num-kv-blocks = this / page size")
+    p.add_argument("--page-size", "--block-size", type=_positive_int, default=64, dest="page_size",
+                   help="tokens per KV block (default 64)")
+    p.add_argument("--context-length", "--max-model-len", type=_positive_int, default=None, dest="context_length",
+                   help="context length (default: config.json max_position_embeddings)")
+    p.add_argument("--startup-delay", type=_non_negative_float, default=0.0,
+                   help="seconds /health answers 503 after start, simulating a cold start (default 0)")
+    p.add_argument("--enable-metrics", action="store_true",
+                   help="accepted for SGLang compatibility; /metrics is always served")
+    p.add_argument("--mock-output-len", type=_positive_int, default=128,
+                   help="tokens generated when a request sets no max_tokens; the output then ends with "
+                   "finish_reason 'stop' as if EOS was sampled (default 128, SGLang's max_new_tokens default)")
+    p.add_argument("--log-level", default="info", type=str.lower,
+                   choices=["debug", "info", "warning", "error", "critical"], help="log level (default info)")
+    return p
+
+
+def _split_positional(argv: list[str]) -> tuple[str | None, list[str]]:
+    """`[serve] MODEL --flags` (vLLM style): the leading bare word is the model."""
+    args = list(argv)
+    if args and args[0] == "serve":
+        args.pop(0)
+    if args and not args[0].startswith("-"):
+        return args[0], args[1:]
+    return None, args
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, str]:
+    """Parse a command line into the resolved config and the log level; exits 2 on a bad one."""
+    parser = build_parser()
+    positional, rest = _split_positional(list(sys.argv[1:] if argv is None else argv))
+    ns, unknown = parser.parse_known_args(rest)
+    if positional and ns.model_path and positional != ns.model_path:
+        parser.error(f"two models given: positional {positional!r} and --model-path {ns.model_path!r}")
+    model = ns.model_path or positional
+    if not model:
+        parser.error("no model given: pass --model-path DIR (SGLang style) or --model DIR (vLLM style); "
+                     "DIR must hold the model's tokenizer.json")
+    model_dir = Path(model).expanduser()
+    if not model_dir.is_dir():
+        parser.error(f"model path {model!r} is not a local directory (the mock engine needs the model's "
+                     "tokenizer.json on disk; it downloads nothing)")
+    tok_dir = Path(ns.tokenizer_path).expanduser() if ns.tokenizer_path else model_dir
+    if not (tok_dir / "tokenizer.json").is_file():
+        parser.error(f"{tok_dir / 'tokenizer.json'} not found: the mock engine needs the model's tokenizer.json")
+    model_config = read_model_config(model_dir)
+    num_blocks = ns.num_kv_blocks
+    if num_blocks is None:
+        num_blocks = max(1, ns.max_total_tokens // ns.page_size) if ns.max_total_tokens else 16384
+    config = EngineConfig(
+        model_path=model,
+        tokenizer_path=str(ns.tokenizer_path or model),
+        served_model_names=tuple(ns.served_model_name or [model]),
+        host=ns.host,
+        port=DEFAULT_PORTS[ns.engine_flavor] if ns.port is None else ns.port,
+        engine_flavor=ns.engine_flavor,
+        speedup=ns.speedup,
+        max_running_requests=ns.max_running_requests,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        num_kv_blocks=num_blocks,
+        page_size=ns.page_size,
+        context_length=ns.context_length or default_context_length(model_config, tok_dir),
+        startup_delay=ns.startup_delay,
+        enable_metrics=ns.enable_metrics,
+        mock_output_len=ns.mock_output_len,
+        ignored_args=tuple(unknown),
+        model_config=model_config,
+    )
+    return config, ns.log_level
+
+
+def _install_uvloop() -> None:
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config, level = parse_args(argv)
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if config.ignored_args:
+        log.warning("ignoring flags the mock engine does not simulate: %s", " ".join(config.ignored_args))
+    import signal
+    import socket
+
+    from infera_mock_engine.listen import bind_socket
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # until the event loop installs its own handler
+
+    # Listen before the heavy imports: a busy port fails at once, and clients can connect immediately
+    # (their connections queue until the app serves them; /health says 503 until then).
+    try:
+        sock = bind_socket(config.host, config.port)
+    except (OSError, socket.gaierror) as e:
+        log.error("cannot listen on %s:%d: %s", config.host, config.port, e)
+        return 1
+    from infera_mock_engine.server import run_forever
+
+    _install_uvloop()
+    try:
+        asyncio.run(run_forever(config, sock))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""Prometheus metrics under each engine's own names, read from the scheduler at scrape time.
+
+sglang: sglang:num_running_reqs, sglang:num_queue_reqs, sglang:token_usage, sglang:num_used_tokens,
+        sglang:cache_hit_rate, sglang:max_total_num_tokens, sglang:prompt_tokens_total,
+        sglang:generation_tokens_total, sglang:cached_tokens_total, sglang:num_requests_total
+vllm:   vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc,
+        vllm:gpu_cache_usage_perc (older name), vllm:prompt_tokens_total, vllm:generation_tokens_total,
+        vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total, vllm:num_preemptions_total,
+        vllm:request_success_total{finished_reason}
+Every sample is labelled model_name (vLLM also engine="0", as vLLM V1 does). Usage gauges are
+fractions 0..1 in both engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from infera_mock_engine.engine import Engine
+
+
+class EngineCollector:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.flavor = engine.config.engine_flavor
+        self.model = engine.config.served_model_name
+
+    def collect(self) -> Iterator[Metric]:
+        yield from (self._vllm() if self.flavor == "vllm" else self._sglang())
+
+    def _sglang(self) -> Iterator[Metric]:
+        e, s = self.engine, self.engine.scheduler
+        labels, values = ["model_name"], [self.model]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        st = s.stats
+        yield gauge("sglang:num_running_reqs", "The number of running requests.", s.num_running)
+        yield gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", s.num_waiting)
+        yield gauge("sglang:token_usage", "The token usage (fraction of KV cache in use).", e.kv.usage)
+        yield gauge("sglang:num_used_tokens", "The number of used tokens.", e.kv.used_blocks * e.kv.page_size)
+        yield gauge("sglang:max_total_num_tokens", "KV cache capacity in tokens.", e.kv.capacity_tokens)
+        hit = st.cached_tokens / st.prompt_tokens if st.prompt_tokens else 0.0
+        yield gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", hit)
+        yield counter("sglang:prompt_tokens", "Number of prefill tokens processed.", st.prompt_tokens)
+        yield counter("sglang:generation_tokens", "Number of generation tokens processed.", st.generation_tokens)
+        yield counter("sglang:cached_tokens", "Number of cached prompt tokens.", st.cached_tokens)
+        yield counter("sglang:num_requests", "Number of requests processed.", sum(st.finished.values()))
+
+    def _vllm(self) -> Iterator[Metric]:
+        e, s = self.engine, self.engine.scheduler
+        labels, values = ["model_name", "engine"], [self.model, "0"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        st = s.stats
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", e.kv.usage)
+        yield gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", e.kv.usage)
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", st.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", st.generation_tokens)
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of tokens.", st.prompt_tokens)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of tokens.", st.cached_tokens)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemptions.", st.preemptions)
+        done = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
+                                   labels=[*labels, "finished_reason"])
+        for reason in ("stop", "length", "abort"):
+            done.add_metric([*values, reason], st.finished.get(reason, 0))
+        yield done
+
+
+def make_registry(engine: Engine) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(engine))
+    return registry
+
+
+def render(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
+    """The exposition the scraper asked for (Accept header) and its content type."""
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(registry), content_type

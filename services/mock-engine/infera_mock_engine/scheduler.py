@@ -1,0 +1,259 @@
+"""Continuous-batching scheduler loop with a GPU-like timing model.
+
+Per step: sequences already decoding each grow by one token (preempting the newest running
+sequence back to the queue when KV blocks run out, as vLLM does); sequences still prefilling get
+their next chunk; then waiting sequences are admitted in FIFO order while there is a running slot,
+prefill token budget and KV blocks for their prompt. The step costs `TimingModel.step_seconds`
+(divided by the speedup); at its end every sequence whose prefill completed or that was decoding
+emits one token. With nothing to do the loop blocks on an event.
+
+`plan_step`/`finish_step` are synchronous and deterministic, so the policy is testable without a
+clock; `run` is the thin async loop around them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from infera_mock_engine.kv_blocks import KvBlockManager
+from infera_mock_engine.timing import TimingModel
+
+log = logging.getLogger("infera_mock_engine.scheduler")
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Last event of a sequence: why it ended ("length", "stop", "abort")."""
+
+    reason: str
+    message: str = ""
+
+
+@dataclass(eq=False)
+class Sequence:
+    rid: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    limit_reason: str  # finish reason when max_new_tokens is reached: "length", or "stop" (simulated EOS)
+    next_token: Callable[[], int]
+    internal: bool = False  # health probes: not counted in the token counters
+    key: int = field(default_factory=lambda: next(_ids))
+    state: str = WAITING
+    prefill_target: int = 0  # tokens to (re)compute before decoding: prompt (+ generated after preemption)
+    prefilled: int = 0
+    cached_tokens: int = 0
+    generated: int = 0
+    prompt_counted: bool = False
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # token ids, then one Finished
+
+    def __post_init__(self) -> None:
+        self.prefill_target = len(self.prompt_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def total_len(self) -> int:
+        return self.prompt_len + self.generated
+
+    @property
+    def decoding(self) -> bool:
+        return self.state == RUNNING and self.prefilled >= self.prefill_target
+
+
+@dataclass
+class SchedulerConfig:
+    max_running_requests: int = 256
+    max_num_batched_tokens: int = 8192
+
+
+@dataclass
+class Step:
+    """What one step computes: prefill chunks (sequence, tokens) and the sequences that emit a token."""
+
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+    emit: list[Sequence] = field(default_factory=list)
+    prefill_tokens: int = 0
+    decoding: int = 0
+    kv_usage: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.emit
+
+
+@dataclass
+class Stats:
+    """Monotonic counters read by /metrics."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cached_tokens: int = 0
+    preemptions: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KvBlockManager, timing: TimingModel) -> None:
+        self.config = config
+        self.kv = kv
+        self.timing = timing
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = Stats()
+        self._wake = asyncio.Event()
+
+    # ---- requests in and out -------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.cached_tokens = self.kv.lookup_prefix(seq.prompt_ids)
+        seq.state = WAITING
+        self.waiting.append(seq)
+        self._wake.set()
+
+    def finish(self, seq: Sequence, reason: str, message: str = "") -> None:
+        """End `seq` now (abort, stop string, limit): free its blocks, tell its consumer."""
+        if seq.state == FINISHED:
+            return
+        if seq.state == RUNNING:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.kv.release(seq.key)
+        seq.state = FINISHED
+        if not seq.internal:
+            self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        seq.events.put_nowait(Finished(reason, message))
+
+    def abort_all(self, message: str = "aborted") -> int:
+        seqs = list(self.running) + list(self.waiting)
+        for seq in seqs:
+            self.finish(seq, "abort", message)
+        return len(seqs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- the policy (synchronous) -------------------------------------------
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.release(seq.key)
+        seq.state = WAITING
+        seq.prefill_target = seq.total_len
+        seq.prefilled = 0
+        self.waiting.appendleft(seq)
+        self.stats.preemptions += 1
+        log.debug("preempted %s at %d tokens", seq.rid, seq.total_len)
+
+    def _grow_decoding(self) -> list[Sequence]:
+        """Reserve one more token's slot for each decoding sequence, preempting newest-first."""
+        decoders = [s for s in self.running if s.decoding]
+        ready: list[Sequence] = []
+        for seq in decoders:
+            if seq.state != RUNNING:
+                continue  # preempted as a victim of an earlier sequence
+            while not self.kv.reserve(seq.key, seq.total_len + 1):
+                self._preempt(self.running[-1])
+                if seq.state != RUNNING:
+                    break
+            if seq.state == RUNNING:
+                ready.append(seq)
+        return ready
+
+    def plan_step(self) -> Step:
+        step = Step()
+        step.emit = self._grow_decoding()
+        step.decoding = len(step.emit)
+        budget = self.config.max_num_batched_tokens
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if not seq.decoding:
+                chunk = min(seq.prefill_target - seq.prefilled, budget)
+                step.prefill.append((seq, chunk))
+                budget -= chunk
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            seq = self.waiting[0]
+            if not self.kv.reserve(seq.key, seq.prefill_target + 1):
+                break  # FIFO: the head waits for blocks, nobody overtakes it
+            self.waiting.popleft()
+            seq.state = RUNNING
+            seq.prefilled = min(seq.cached_tokens, seq.prefill_target) if not seq.prompt_counted else 0
+            self.running.append(seq)
+            chunk = min(seq.prefill_target - seq.prefilled, budget)
+            step.prefill.append((seq, chunk))
+            budget -= chunk
+        step.prefill_tokens = sum(n for _, n in step.prefill)
+        step.kv_usage = self.kv.usage
+        step.seconds = self.timing.step_seconds(step.prefill_tokens, step.decoding, step.kv_usage)
+        return step
+
+    def finish_step(self, step: Step) -> None:
+        """Apply a step's results after its time has passed (sequences finished meanwhile are skipped)."""
+        emit = [s for s in step.emit if s.state == RUNNING]
+        for seq, chunk in step.prefill:
+            if seq.state != RUNNING:
+                continue
+            seq.prefilled += chunk
+            if seq.prefilled >= seq.prefill_target:
+                if not seq.prompt_counted:
+                    seq.prompt_counted = True
+                    if not seq.internal:
+                        self.stats.prompt_tokens += seq.prompt_len
+                        self.stats.cached_tokens += seq.cached_tokens
+                emit.append(seq)
+        for seq in emit:
+            if seq.state != RUNNING:
+                continue
+            if seq.generated >= seq.max_new_tokens:  # max_new_tokens == 0: prefill only
+                self.finish(seq, seq.limit_reason)
+                continue
+            seq.generated += 1
+            if not seq.internal:
+                self.stats.generation_tokens += 1
+            seq.events.put_nowait(seq.next_token())
+            if seq.generated >= seq.max_new_tokens:
+                self.finish(seq, seq.limit_reason)
+
+    # ---- the loop ------------------------------------------------------------
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.running and not self.waiting:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            t0 = loop.time()
+            try:
+                step = self.plan_step()
+            except Exception:  # noqa: BLE001 - a bug must not stall every request: fail them, keep serving
+                log.exception("scheduler step failed; aborting in-flight requests")
+                self.abort_all("internal error in the mock engine's scheduler")
+                continue
+            if step.empty:  # everything left waits for blocks held by nobody: cannot happen; don't spin
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await asyncio.sleep(max(0.0, t0 + step.seconds - loop.time()))
+            try:
+                self.finish_step(step)
+            except Exception:  # noqa: BLE001
+                log.exception("scheduler step failed; aborting in-flight requests")
+                self.abort_all("internal error in the mock engine's scheduler")

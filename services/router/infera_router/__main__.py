@@ -1,0 +1,3 @@
+from infera_router.main import main
+
+main()

@@ -1,0 +1,97 @@
+"""The router's decisions, without I/O: which workers to try for a request, and the load accounting.
+
+``RouterCore`` owns the fleet state, the lease table and the policy, and keeps each worker's
+in-flight counters equal to the leases it holds (the only place that changes either).
+The NATS adapter (``service.py``) calls it and does the publishing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from infera_common.fleet import Change
+from infera_common.schemas import LoadReport, RouteRequest
+
+from infera_router.leases import Lease, LeaseTable
+from infera_router.policy import Policy
+from infera_router.state import FleetState, WorkerState
+
+
+@dataclass(slots=True)
+class Plan:
+    """Where to try a request: ``status`` 200 with ``order`` (most preferred first), else why not."""
+
+    status: int
+    message: str = ""
+    order: list[WorkerState] = field(default_factory=list)
+
+
+class RouterCore:
+    def __init__(self, policy: Policy, lease_prefix: str, lease_max_age: float) -> None:
+        self.policy = policy
+        self.fleet = FleetState()
+        self.leases = LeaseTable(lease_prefix)
+        self.lease_max_age = lease_max_age
+
+    # --- routing -------------------------------------------------------------------------
+    def plan(self, request: RouteRequest) -> Plan:
+        model = request.model
+        active = self.fleet.active(model)
+        if not active:
+            if not self.fleet.known(model):
+                return Plan(404, f"model {model!r} is not served by any worker")
+            counts = self.fleet.status_counts(model)
+            return Plan(
+                503,
+                f"no active worker for model {model!r} "
+                f"({counts['starting']} starting, {counts['draining']} draining)",
+            )
+        candidates = active
+        if request.exclude:
+            excluded = set(request.exclude)
+            candidates = [w for w in active if w.worker_id not in excluded]
+            if not candidates:
+                return Plan(503, f"all {len(active)} active workers of model {model!r} are excluded by the request")
+        ranked = self.policy.rank(candidates, request)
+        by_id = {w.worker_id: w for w in candidates}
+        return Plan(200, order=[by_id[wid] for wid in ranked])
+
+    # --- leases --------------------------------------------------------------------------
+    def acquire(self, worker: WorkerState, request: RouteRequest, now: float) -> Lease:
+        """Take a lease on ``worker`` for ``request`` (before publishing the work). ``now`` is monotonic."""
+        lease = self.leases.acquire(worker.worker_id, request.request_id, request.prompt_tokens, now)
+        worker.in_flight += 1
+        worker.in_flight_tokens += lease.prompt_tokens
+        return lease
+
+    def release(self, lease_id: str) -> Lease | None:
+        """Drop one lease (released by the agent, or its publish was refused); None if unknown."""
+        lease = self.leases.release(lease_id)
+        if lease is not None:
+            self._unaccount(lease)
+        return lease
+
+    def expire(self, now: float) -> list[Lease]:
+        """The safety net: drop leases older than the max lease age (their release was lost)."""
+        dropped = self.leases.expire(now, self.lease_max_age)
+        for lease in dropped:
+            self._unaccount(lease)
+        return dropped
+
+    def _unaccount(self, lease: Lease) -> None:
+        worker = self.fleet.get(lease.worker_id)
+        if worker is not None:
+            worker.in_flight -= 1
+            worker.in_flight_tokens -= lease.prompt_tokens
+
+    # --- fleet ---------------------------------------------------------------------------
+    def apply_change(self, change: Change) -> list[Lease]:
+        """Apply a discovery change; a leaving worker takes all its leases with it (returned)."""
+        self.fleet.apply(change)
+        if change.kind == "leave":
+            return self.leases.drop_worker(change.record.worker_id)
+        return []
+
+    def apply_load(self, report: LoadReport) -> bool:
+        return self.fleet.set_load(report)
+

@@ -1,0 +1,81 @@
+"""Leases: the router's record of work it handed to a worker and has not seen finish. Pure, no I/O.
+
+A lease is taken before the work is published and dropped on exactly one of: the worker-agent's
+``Release``, a refused publish, the worker leaving discovery, or the max-age safety net.
+Leases are stored in creation order, so expiring the old ones costs only what it drops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class Lease:
+    lease_id: str
+    worker_id: str
+    request_id: str
+    created: float  # monotonic seconds
+    prompt_tokens: int = 0
+
+
+class LeaseTable:
+    def __init__(self, id_prefix: str) -> None:
+        self._prefix = id_prefix
+        self._next = 0
+        self._leases: dict[str, Lease] = {}  # insertion (= creation) order
+        self._by_worker: dict[str, dict[str, Lease]] = {}
+
+    def acquire(self, worker_id: str, request_id: str, prompt_tokens: int, now: float) -> Lease:
+        self._next += 1
+        lease = Lease(f"{self._prefix}-{self._next}", worker_id, request_id, now, prompt_tokens)
+        self._leases[lease.lease_id] = lease
+        self._by_worker.setdefault(worker_id, {})[lease.lease_id] = lease
+        return lease
+
+    def release(self, lease_id: str) -> Lease | None:
+        """Drop one lease; None when it is unknown (already released, dropped, or not ours)."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            held = self._by_worker[lease.worker_id]
+            del held[lease_id]
+            if not held:
+                del self._by_worker[lease.worker_id]
+        return lease
+
+    def drop_worker(self, worker_id: str) -> list[Lease]:
+        """Drop every lease held on a worker (it left the fleet)."""
+        held = self._by_worker.pop(worker_id, None)
+        if not held:
+            return []
+        for lease_id in held:
+            del self._leases[lease_id]
+        return list(held.values())
+
+    def expire(self, now: float, max_age: float) -> list[Lease]:
+        """Drop the leases created ``max_age`` seconds or more before ``now``."""
+        old: list[str] = []
+        for lease_id, lease in self._leases.items():
+            if now - lease.created < max_age:
+                break
+            old.append(lease_id)
+        return [lease for lease_id in old if (lease := self.release(lease_id)) is not None]
+
+    def get(self, lease_id: str) -> Lease | None:
+        return self._leases.get(lease_id)
+
+    def held(self, worker_id: str) -> list[Lease]:
+        """The leases held on one worker, oldest first."""
+        return list(self._by_worker.get(worker_id, {}).values())
+
+    def count(self, worker_id: str) -> int:
+        return len(self._by_worker.get(worker_id, ()))
+
+    def counts(self) -> dict[str, int]:
+        return {wid: len(held) for wid, held in self._by_worker.items()}
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def __contains__(self, lease_id: object) -> bool:
+        return lease_id in self._leases

@@ -1,0 +1,72 @@
+"""The router's Prometheus metrics, on its own registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from infera_common.schemas import WorkerStatus
+
+#: Route handling time, decode to reply: tens of microseconds for the decision plus one
+#: JetStream publish round trip.
+ROUTE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 2.5)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.routed = Counter(
+            "infera_router_routed", "Route requests answered, by model, chosen worker ('' if none) and status.",
+            ["model", "worker", "status"], registry=r,
+        )
+        self.route_seconds = Histogram(
+            "infera_router_route_seconds", "Time to answer a route request (decode, decide, publish, reply).",
+            buckets=ROUTE_BUCKETS, registry=r,
+        )
+        self.publish_refused = Counter(
+            "infera_router_publish_refused",
+            "Work envelopes a worker's stream refused: full (pending limit), gone (no stream), error.",
+            ["worker", "reason"], registry=r,
+        )
+        self.active_leases = Gauge(
+            "infera_router_active_leases", "Leases this router holds, per worker.", ["worker"], registry=r,
+        )
+        self.releases = Counter(
+            "infera_router_lease_releases", "Leases released by the worker-agent, by outcome.", ["outcome"], registry=r,
+        )
+        self.unknown_releases = Counter(
+            "infera_router_unknown_releases",
+            "Releases for leases this router does not hold (already dropped or never issued); ignored.",
+            registry=r,
+        )
+        self.leases_dropped = Counter(
+            "infera_router_leases_dropped",
+            "Leases dropped without a release: worker_left (left discovery), max_age (release lost).",
+            ["reason"], registry=r,
+        )
+        self.bad_messages = Counter(
+            "infera_router_bad_messages", "Messages that could not be decoded, by kind (route, release, load).",
+            ["kind"], registry=r,
+        )
+        self.load_reports = Counter(
+            "infera_router_load_reports", "Load reports received: accepted, or ignored (unknown_worker).",
+            ["result"], registry=r,
+        )
+        self.live_workers = Gauge(
+            "infera_router_live_workers", "Workers in discovery per model and status.", ["model", "status"], registry=r,
+        )
+        self._lease_gauges: dict[str, Gauge] = {}
+
+    def set_leases(self, worker_id: str, count: int) -> None:
+        child = self._lease_gauges.get(worker_id)
+        if child is None:
+            child = self._lease_gauges[worker_id] = self.active_leases.labels(worker_id)
+        child.set(count)
+
+    def forget_worker(self, worker_id: str) -> None:
+        if self._lease_gauges.pop(worker_id, None) is not None:
+            self.active_leases.remove(worker_id)
+
+    def set_live(self, model: str, counts: dict[str, int]) -> None:
+        for status in WorkerStatus:
+            self.live_workers.labels(model, status.value).set(counts.get(status.value, 0))

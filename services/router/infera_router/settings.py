@@ -1,0 +1,45 @@
+"""The router's settings: one pydantic field = one ``--flag`` + one ``INFERA_*`` env var."""
+
+from __future__ import annotations
+
+import re
+import secrets
+import socket
+from typing import Literal
+
+from pydantic import Field
+
+from infera_common.settings import LogSettings, PlaneSettings
+from infera_common.subjects import TOKEN_RE
+
+from infera_router.policies import POLICY_NAMES
+
+PolicyName = Literal[POLICY_NAMES]  # type: ignore[valid-type]  # the registry's names
+
+
+class RouterSettings(PlaneSettings, LogSettings):
+    router_policy: PolicyName = Field(  # type: ignore[valid-type]
+        "round-robin", description="How the router picks a worker among a model's active workers."
+    )
+    lease_max_age: float = Field(
+        900.0, gt=0,
+        description="Seconds after which a lease whose release never arrived is dropped (and counted).",
+    )
+    publish_timeout: float = Field(
+        2.0, gt=0, description="Seconds to wait for JetStream to acknowledge a work envelope."
+    )
+    metrics_host: str = Field("127.0.0.1", description="Address the /metrics HTTP endpoint binds.")
+    metrics_port: int = Field(9100, ge=0, le=65535, description="Port of /metrics (0 = any free port, logged).")
+    router_id: str | None = Field(
+        None, pattern=TOKEN_RE.pattern,
+        description="This router instance's id (a subject token: letters, digits, '_', '-'); "
+        "default: <hostname>-<random>, unique per process.",
+    )
+
+    def resolved_router_id(self) -> str:
+        return self.router_id or new_router_id()
+
+
+def new_router_id() -> str:
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:40] or "router"
+    return f"{host}-{secrets.token_hex(4)}"

@@ -1,0 +1,130 @@
+"""The router's view of the fleet, per model: pure bookkeeping, no I/O.
+
+Fed by discovery changes (``infera_common.fleet.Change``) and load reports. Each worker carries
+the router's own in-flight counters (maintained by ``RouterCore`` together with the lease table)
+so that policies read everything they need from one object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from infera_common.fleet import Change
+from infera_common.schemas import LoadReport, WorkerRecord, WorkerStatus
+
+
+@dataclass(slots=True, eq=False)
+class WorkerState:
+    """One worker as the router sees it."""
+
+    record: WorkerRecord
+    load: LoadReport | None = None  # the latest load report, if any arrived
+    in_flight: int = 0  # leases this router holds on the worker
+    in_flight_tokens: int = 0  # prompt tokens of those leases
+
+    @property
+    def worker_id(self) -> str:
+        return self.record.worker_id
+
+    @property
+    def model(self) -> str:
+        return self.record.model
+
+    @property
+    def active(self) -> bool:
+        return self.record.status == WorkerStatus.ACTIVE
+
+
+@dataclass(slots=True)
+class _ModelFleet:
+    workers: dict[str, WorkerState] = field(default_factory=dict)
+    active: list[WorkerState] = field(default_factory=list)  # sorted by worker id
+
+    def reindex(self) -> None:
+        self.active = sorted((w for w in self.workers.values() if w.active), key=lambda w: w.worker_id)
+
+
+class FleetState:
+    """Workers indexed by id and by model; the active list per model is kept sorted by id."""
+
+    def __init__(self) -> None:
+        self._workers: dict[str, WorkerState] = {}
+        self._models: dict[str, _ModelFleet] = {}
+
+    # --- discovery -------------------------------------------------------------------
+    def apply(self, change: Change) -> WorkerState | None:
+        """Apply a join/update/leave; returns the affected state (the removed one on leave)."""
+        record = change.record
+        if change.kind == "leave":
+            return self._remove(record.worker_id)
+        state = self._workers.get(record.worker_id)
+        if state is None:
+            state = WorkerState(record)
+            self._workers[record.worker_id] = state
+        elif state.record.model != record.model:
+            self._detach(state)
+            state.record = record
+        elif state.record.status == record.status:  # a heartbeat: nothing to re-index
+            state.record = record
+            return state
+        else:
+            state.record = record
+        fleet = self._models.setdefault(record.model, _ModelFleet())
+        fleet.workers[record.worker_id] = state
+        fleet.reindex()
+        return state
+
+    def _remove(self, worker_id: str) -> WorkerState | None:
+        state = self._workers.pop(worker_id, None)
+        if state is not None:
+            self._detach(state)
+        return state
+
+    def _detach(self, state: WorkerState) -> None:
+        fleet = self._models.get(state.model)
+        if fleet is None:
+            return
+        fleet.workers.pop(state.worker_id, None)
+        if fleet.workers:
+            fleet.reindex()
+        else:
+            del self._models[state.model]
+
+    # --- load --------------------------------------------------------------------------
+    def set_load(self, report: LoadReport) -> bool:
+        """Keep the latest report of a known worker; False (ignored) for an unknown one."""
+        state = self._workers.get(report.worker_id)
+        if state is None:
+            return False
+        state.load = report
+        return True
+
+    # --- queries -----------------------------------------------------------------------
+    def get(self, worker_id: str) -> WorkerState | None:
+        return self._workers.get(worker_id)
+
+    def known(self, model: str) -> bool:
+        """True when any worker, in any status, serves ``model``."""
+        return model in self._models
+
+    def active(self, model: str) -> list[WorkerState]:
+        """Active workers of ``model`` sorted by worker id (do not mutate the list)."""
+        fleet = self._models.get(model)
+        return fleet.active if fleet is not None else []
+
+    def status_counts(self, model: str) -> dict[str, int]:
+        counts = {s.value: 0 for s in WorkerStatus}
+        fleet = self._models.get(model)
+        if fleet is not None:
+            for w in fleet.workers.values():
+                counts[w.record.status.value] += 1
+        return counts
+
+    def models(self) -> list[str]:
+        return sorted(self._models)
+
+    def workers(self) -> list[WorkerState]:
+        return list(self._workers.values())
+
+    def __len__(self) -> int:
+        return len(self._workers)

@@ -1,0 +1,3 @@
+from infera_worker_agent.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""The engine's command line and where the engine will be reached: a pure function, no I/O.
+
+The agent reads (never consumes) the engine arguments it needs: ``--port``, ``--host``,
+``--model-path`` / ``--model`` and ``--served-model-name``. What it adds is appended at the end:
+``--port P`` when no port is given, the bundled model for the mock engine when no model is
+given, and ``--enable-metrics`` for SGLang (its /metrics, which the load report reads, is off by
+default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+ENGINE_MODULES = {
+    "mock": "infera_mock_engine",
+    "sglang": "sglang.launch_server",
+    "vllm": "vllm.entrypoints.openai.api_server",
+}
+
+#: Engines that abort a request by id on POST /abort_request {"rid": ...}; vLLM aborts on disconnect.
+ABORT_PATHS = {"mock": "/abort_request", "sglang": "/abort_request", "vllm": None}
+
+_WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}
+LOCAL_HOST = "127.0.0.1"
+
+
+class EngineArgsError(ValueError):
+    """The engine arguments cannot work (e.g. a port that is not a number)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePlan:
+    argv: tuple[str, ...]  # full command line, interpreter first
+    port: int
+    bind_host: str | None  # the engine's --host, if given
+    local_url: str  # how the agent itself reaches the engine
+    advertise_host: str
+    url: str  # registered in discovery
+    model_hint: str | None  # served name or model path; the engine's /v1/models is the truth
+    abort_path: str | None
+
+
+def flag_value(args: Sequence[str], *names: str) -> str | None:
+    """Value of the last occurrence of any of ``names`` (``--x v`` or ``--x=v``), like argparse."""
+    value = None
+    for i, arg in enumerate(args):
+        for name in names:
+            if arg == name and i + 1 < len(args):
+                value = args[i + 1]
+            elif arg.startswith(name + "="):
+                value = arg[len(name) + 1:]
+    return value
+
+
+def has_flag(args: Sequence[str], *names: str) -> bool:
+    return any(arg in names or any(arg.startswith(n + "=") for n in names) for arg in args)
+
+
+def url_host(host: str) -> str:
+    """A host as it appears in a URL (IPv6 literals in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise EngineArgsError(f"engine --port {value!r} is not a number") from None
+    if not 1 <= port <= 65535:
+        raise EngineArgsError(
+            f"engine --port {port} is out of range 1-65535 (omit --port to let the agent pick a free port)"
+        )
+    return port
+
+
+def plan_engine(
+    engine: str,
+    engine_args: Sequence[str],
+    *,
+    python: str,
+    free_port: int,
+    default_model_path: str,
+    advertise_host: str | None = None,
+) -> EnginePlan:
+    """Build the engine command line and the URLs the agent uses and registers.
+
+    ``free_port`` is used only when the arguments name no ``--port``.
+    """
+    if engine not in ENGINE_MODULES:
+        raise EngineArgsError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINE_MODULES)}")
+    args = list(engine_args)
+    extra: list[str] = []
+
+    port_arg = flag_value(args, "--port")
+    if port_arg is None:
+        port = free_port
+        extra += ["--port", str(port)]
+    else:
+        port = _port(port_arg)
+
+    model = flag_value(args, "--model-path", "--model")
+    if engine == "mock" and model is None:  # the mock also takes vLLM's `[serve] MODEL` positional
+        words = args[1:] if args[:1] == ["serve"] else args
+        if words and not words[0].startswith("-"):
+            model = words[0]
+    if engine == "mock" and model is None:
+        model = default_model_path
+        extra += ["--model-path", model]
+    if engine == "sglang" and not has_flag(args, "--enable-metrics"):
+        extra.append("--enable-metrics")
+
+    bind_host = flag_value(args, "--host")
+    reach = LOCAL_HOST if bind_host is None or bind_host in _WILDCARD_HOSTS else bind_host
+    if advertise_host is None:
+        advertise_host = reach
+    served = flag_value(args, "--served-model-name")
+    return EnginePlan(
+        argv=(python, "-m", ENGINE_MODULES[engine], *args, *extra),
+        port=port,
+        bind_host=bind_host,
+        local_url=f"http://{url_host(reach)}:{port}",
+        advertise_host=advertise_host,
+        url=f"http://{url_host(advertise_host)}:{port}",
+        model_hint=served or model,
+        abort_path=ABORT_PATHS[engine],
+    )

@@ -1,0 +1,100 @@
+"""Talking to the engine outside requests: startup health, the served model, aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from enum import StrEnum
+
+import aiohttp
+
+from infera_common.logs import get_logger
+from infera_worker_agent.engine_proc import EngineProcess
+
+log = get_logger("worker_agent.health")
+
+POLL_INTERVAL = 0.25
+PROGRESS_EVERY = 5.0
+
+
+class Startup(StrEnum):
+    HEALTHY = "healthy"
+    EXITED = "exited"  # the engine process ended during startup
+    TIMEOUT = "timeout"
+    STOPPED = "stopped"  # the agent was asked to stop
+
+
+async def is_healthy(session: aiohttp.ClientSession, base_url: str) -> bool:
+    try:
+        async with session.get(f"{base_url}/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        return False
+
+
+async def wait_healthy(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    engine: EngineProcess,
+    timeout: float,
+    stop: asyncio.Event,
+) -> Startup:
+    """Poll the engine's /health until it answers 200, the engine exits, ``timeout`` or ``stop``."""
+    start = time.monotonic()
+    next_progress = start + PROGRESS_EVERY
+    while True:
+        if stop.is_set():
+            return Startup.STOPPED
+        if engine.returncode is not None:
+            return Startup.EXITED
+        if await is_healthy(session, base_url):
+            # a process that answers and then dies at once did not start
+            return Startup.EXITED if engine.returncode is not None else Startup.HEALTHY
+        now = time.monotonic()
+        if now - start >= timeout:
+            return Startup.TIMEOUT
+        if now >= next_progress:
+            next_progress = now + PROGRESS_EVERY
+            log.info("waiting_for_engine", url=base_url, elapsed_s=round(now - start, 1), timeout_s=timeout,
+                     pid=engine.pid)
+        waiter = asyncio.create_task(stop.wait())
+        exited = asyncio.create_task(engine.wait())
+        await asyncio.wait({waiter, exited}, timeout=POLL_INTERVAL, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        exited.cancel()
+
+
+async def served_model(session: aiohttp.ClientSession, base_url: str, attempts: int = 10) -> str | None:
+    """The model id the engine serves, from its /v1/models (first entry)."""
+    for attempt in range(attempts):
+        try:
+            async with session.get(f"{base_url}/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                if resp.status == 200:
+                    data = (await resp.json(content_type=None)).get("data") or []
+                    if data and isinstance(data[0], dict) and data[0].get("id"):
+                        return str(data[0]["id"])
+                log.warning("engine_models_unusable", status=resp.status, attempt=attempt)
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, AttributeError) as exc:
+            log.warning("engine_models_failed", error=str(exc) or type(exc).__name__, attempt=attempt)
+        await asyncio.sleep(0.5)
+    return None
+
+
+class EngineAborter:
+    """POST the engine's abort endpoint for a request id (SGLang and the mock; vLLM aborts on disconnect)."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, path: str | None) -> None:
+        self._session = session
+        self._url = f"{base_url}{path}" if path else None
+
+    async def __call__(self, request_id: str) -> None:
+        if self._url is None:
+            return
+        try:
+            async with self._session.post(
+                self._url, json={"rid": request_id}, timeout=aiohttp.ClientTimeout(total=5)
+            ) as resp:
+                if resp.status >= 400:
+                    log.info("engine_abort_refused", request_id=request_id, status=resp.status)
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            log.info("engine_abort_failed", request_id=request_id, error=str(exc) or type(exc).__name__)

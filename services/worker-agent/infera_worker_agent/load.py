@@ -1,0 +1,139 @@
+"""Engine load: parsing the engine's Prometheus text (pure), and the periodic reporter.
+
+Both engine flavours are understood. Request counts are summed over every series (one per DP
+rank when the engine runs several); KV-cache usage is their mean, as a fraction 0..1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from infera_common.logs import get_logger
+from infera_common.schemas import LoadReport
+
+log = get_logger("worker_agent.load")
+
+RUNNING = ("sglang:num_running_reqs", "vllm:num_requests_running")
+WAITING = ("sglang:num_queue_reqs", "vllm:num_requests_waiting")
+KV_USAGE = ("sglang:token_usage", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+
+
+def parse_engine_metrics(text: str) -> EngineLoad | None:
+    """Engine load from a /metrics page; ``None`` when the page has none of the known series.
+
+    Raises ``ValueError`` when the text is not Prometheus exposition format.
+    """
+    sums = {"running": [], "waiting": [], "kv": []}
+    kinds = {**{n: "running" for n in RUNNING}, **{n: "waiting" for n in WAITING}, **{n: "kv" for n in KV_USAGE}}
+    kv_source: str | None = None
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                kind = kinds.get(sample.name)
+                if kind is None:
+                    continue
+                if kind == "kv":  # older vLLM has gpu_cache_usage_perc; never mix two names
+                    if kv_source is not None and kv_source != sample.name:
+                        continue
+                    kv_source = sample.name
+                sums[kind].append(sample.value)
+    except Exception as exc:  # the parser raises several types on garbage
+        raise ValueError(f"not Prometheus text: {exc}") from exc
+    if not any(sums.values()):
+        return None
+    kv = sums["kv"]
+    return EngineLoad(
+        running=int(sum(sums["running"])),
+        waiting=int(sum(sums["waiting"])),
+        kv_usage=min(max(sum(kv) / len(kv), 0.0), 1.0) if kv else 0.0,
+    )
+
+
+class LoadReporter:
+    """Every ``interval`` seconds: scrape the engine, publish a ``LoadReport``.
+
+    A failed scrape keeps the last known engine figures (the report still carries the agent's
+    own in-flight count).
+    """
+
+    def __init__(
+        self,
+        *,
+        worker_id: str,
+        session: aiohttp.ClientSession,
+        metrics_url: str,
+        interval: float,
+        in_flight: Callable[[], int],
+        publish: Callable[[LoadReport], Awaitable[None]],
+        on_load: Callable[[EngineLoad], None] = lambda _load: None,
+    ) -> None:
+        self._worker_id = worker_id
+        self._session = session
+        self._url = metrics_url
+        self._interval = interval
+        self._in_flight = in_flight
+        self._publish = publish
+        self._on_load = on_load
+        self.last = EngineLoad()
+        self._task: asyncio.Task | None = None
+        self._warned = False
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="load-reporter")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def scrape(self) -> EngineLoad | None:
+        timeout = aiohttp.ClientTimeout(total=max(min(self._interval, 5.0), 0.5))
+        async with self._session.get(self._url, timeout=timeout) as resp:
+            if resp.status != 200:
+                raise ValueError(f"engine /metrics answered {resp.status}")
+            return parse_engine_metrics(await resp.text())
+
+    async def report_once(self) -> LoadReport:
+        try:
+            load = await self.scrape()
+            if load is not None:
+                self.last = load
+                self._warned = False  # warn again if the engine's metrics go away later
+                self._on_load(load)
+            elif not self._warned:
+                self._warned = True
+                log.warning("engine_metrics_without_load", url=self._url)
+        except Exception as exc:
+            if not self._warned:
+                self._warned = True
+                log.warning("engine_metrics_unavailable", url=self._url, error=str(exc) or type(exc).__name__)
+        report = LoadReport(
+            worker_id=self._worker_id,
+            in_flight=self._in_flight(),
+            engine_running=self.last.running,
+            engine_waiting=self.last.waiting,
+            kv_usage=self.last.kv_usage,
+        )
+        await self._publish(report)
+        return report
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.report_once()
+            except Exception as exc:  # NATS hiccup: the next report will do
+                log.warning("load_report_failed", error=str(exc))
+            await asyncio.sleep(self._interval)

@@ -1,0 +1,30 @@
+"""The worker-agent's Prometheus metrics, on its own registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class AgentMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "infera_agent_requests", "Requests finished, by outcome (ok|error|cancelled|expired).",
+            ["outcome"], registry=r,
+        )
+        self.in_flight = Gauge("infera_agent_in_flight", "Requests handed to the engine and not finished.", registry=r)
+        self.engine_running = Gauge("infera_agent_engine_running", "Engine's running requests (last scrape).", registry=r)
+        self.engine_waiting = Gauge("infera_agent_engine_waiting", "Engine's queued requests (last scrape).", registry=r)
+        self.engine_kv_usage = Gauge("infera_agent_engine_kv_usage", "Engine's KV-cache usage, 0..1 (last scrape).", registry=r)
+        self.bad_envelopes = Counter(
+            "infera_agent_bad_envelopes", "Work messages that were not a valid WorkEnvelope (dropped).", registry=r
+        )
+        self.bad_cancels = Counter("infera_agent_bad_cancels", "Cancel messages that were not a valid Cancel.", registry=r)
+        self.cancels = Counter("infera_agent_cancels", "Cancel messages received.", registry=r)
+        self.engine_restarts = Counter("infera_agent_engine_restarts", "Engine restarts by the agent.", registry=r)
+        self.engine_exit_code = Gauge(
+            "infera_agent_engine_exit_code", "Exit code of the engine (-1 while it runs; 128+N for signal N).", registry=r
+        )
+        self.engine_exit_code.set(-1)
+        self.engine_up = Gauge("infera_agent_engine_up", "1 while the engine is healthy and serving.", registry=r)

@@ -1,0 +1,35 @@
+"""Recently seen ids with a time-to-live and a size bound: pure, the clock is passed in.
+
+The agent remembers cancelled request ids, so that an envelope arriving after its cancel is
+dropped instead of run.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class RecentIds:
+    def __init__(self, ttl: float = 60.0, max_size: int = 10_000) -> None:
+        self._ttl = ttl
+        self._max_size = max_size
+        self._seen: OrderedDict[str, float] = OrderedDict()  # id -> time added, oldest first
+
+    def add(self, key: str, now: float) -> None:
+        self._seen.pop(key, None)
+        self._seen[key] = now
+        self._prune(now)
+
+    def contains(self, key: str, now: float) -> bool:
+        self._prune(now)
+        return key in self._seen
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def _prune(self, now: float) -> None:
+        while self._seen:
+            key, added = next(iter(self._seen.items()))
+            if now - added < self._ttl and len(self._seen) <= self._max_size:
+                break
+            del self._seen[key]

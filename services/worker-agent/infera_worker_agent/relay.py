@@ -1,0 +1,96 @@
+"""One request: WorkEnvelope -> engine HTTP API -> Frames on the requester's inbox.
+
+Frames: ``head`` (engine status; the whole body when the answer is not a stream) then ``end``;
+for a stream ``head`` then one ``data`` per SSE event payload, ``[DONE]`` becoming ``end``.
+Agent-side failures (engine unreachable, connection lost mid-stream) give an ``error`` frame 502;
+a deadline passing mid-request gives ``error`` 504. The outcome is returned for the Release.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Literal
+
+import aiohttp
+
+from infera_common.schemas import Frame, FrameKind, WorkEnvelope, encode
+from infera_worker_agent.sse import SseDecoder, is_done
+
+Outcome = Literal["ok", "error", "cancelled", "expired"]
+Publish = Callable[[str, bytes], Awaitable[None]]
+
+SSE_CONTENT_TYPE = "text/event-stream"
+
+
+def outcome_for_status(status: int) -> Outcome:
+    """An engine answer is a worker failure only when the engine says so (5xx); 4xx are the client's."""
+    return "error" if status >= 500 else "ok"
+
+
+class FrameSink:
+    """Numbered frames to one reply subject."""
+
+    def __init__(self, publish: Publish, subject: str) -> None:
+        self._publish = publish
+        self._subject = subject
+        self.seq = 0
+        self.closed = False  # an end or error frame was sent
+
+    async def send(self, kind: FrameKind, *, status: int = 200, body: bytes = b"", message: str = "") -> None:
+        frame = Frame(kind=kind, seq=self.seq, status=status, body=body, message=message)
+        self.seq += 1
+        if kind in ("end", "error"):
+            self.closed = True
+        await self._publish(self._subject, encode(frame))
+
+    async def error(self, status: int, message: str) -> None:
+        await self.send("error", status=status, message=message)
+
+
+class Relay:
+    def __init__(self, session: aiohttp.ClientSession, base_url: str) -> None:
+        self._session = session
+        self._base = base_url.rstrip("/")
+
+    async def run(self, env: WorkEnvelope, sink: FrameSink) -> Outcome:
+        """Forward ``env`` to the engine and stream its answer to ``sink``; cancellable."""
+        deadline = asyncio.timeout(max(env.deadline - time.time(), 0.0))
+        try:
+            async with deadline:
+                return await self._forward(env, sink)
+        except TimeoutError as exc:
+            if deadline.expired():
+                await sink.error(504, "deadline passed while the engine was answering")
+                return "expired"
+            await sink.error(502, f"engine timed out: {exc or type(exc).__name__}")
+            return "error"
+        except (aiohttp.ClientError, OSError) as exc:
+            await sink.error(502, f"engine unreachable or connection lost: {exc or type(exc).__name__}")
+            return "error"
+
+    async def _forward(self, env: WorkEnvelope, sink: FrameSink) -> Outcome:
+        headers = {"Content-Type": "application/json", "X-Request-Id": env.request_id}
+        async with self._session.post(self._base + env.endpoint.value, data=env.body, headers=headers) as resp:
+            streaming = (
+                env.stream and resp.status < 400 and resp.content_type == SSE_CONTENT_TYPE
+            )
+            if not streaming:
+                body = await resp.read()
+                await sink.send("head", status=resp.status, body=body)
+                await sink.send("end")
+                return outcome_for_status(resp.status)
+            await sink.send("head", status=resp.status)
+            decoder = SseDecoder()
+            async for chunk in resp.content.iter_any():
+                for payload in decoder.feed(chunk):
+                    if is_done(payload):
+                        await sink.send("end")
+                        return outcome_for_status(resp.status)
+                    await sink.send("data", body=payload)
+            for payload in decoder.close():
+                if not is_done(payload):
+                    await sink.send("data", body=payload)
+            await sink.send("end")  # the engine closed the stream cleanly without [DONE]
+            return outcome_for_status(resp.status)

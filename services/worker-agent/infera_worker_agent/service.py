@@ -1,0 +1,270 @@
+"""The worker-agent's life: launch the engine, wait for health, register, serve, drain, stop.
+
+Exit status: 0 after a signal-initiated stop; the engine's exit status when the engine dies
+(during startup or while serving); 1 for a health timeout or a startup failure of the agent;
+2 for settings that cannot work (reported before the engine starts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import signal
+import sys
+import time
+
+import aiohttp
+from nats.aio.client import Client as NATS
+
+from infera_common.discovery import Registrar
+from infera_common.logs import get_logger
+from infera_common.metrics import start_metrics_server
+from infera_common.nats_conn import connect, delete_stream_quietly, ensure_request_stream
+from infera_common.schemas import LoadReport, WorkerRecord, WorkerStatus, encode
+from infera_common.subjects import load_subject
+from infera_worker_agent.engine_cmd import EnginePlan
+from infera_worker_agent.engine_proc import EngineProcess, exit_status
+from infera_worker_agent.health import EngineAborter, Startup, served_model, wait_healthy
+from infera_worker_agent.load import EngineLoad, LoadReporter
+from infera_worker_agent.metrics import AgentMetrics
+from infera_worker_agent.relay import Relay
+from infera_worker_agent.settings import AgentSettings
+from infera_worker_agent.worker import RequestWorker, StopReason
+
+log = get_logger("worker_agent")
+
+DRAIN_REFUSAL = StopReason("cancelled", 503, "worker is draining; retry on another worker", abort_engine=False)
+DRAIN_CANCEL = StopReason("cancelled", 503, "worker stopped: drain timeout reached")
+ENGINE_GONE_REFUSAL = StopReason("error", 503, "worker's engine exited; retry on another worker", abort_engine=False)
+ENGINE_GONE = StopReason("error", 502, "engine exited while answering", abort_engine=False)
+SETTLE_TIMEOUT = 5.0  # for stopped requests to send their last frame and release
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("infera")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+class Agent:
+    def __init__(self, settings: AgentSettings, plan: EnginePlan) -> None:
+        self.s = settings
+        self.plan = plan
+        self.worker_id: str = settings.worker_id  # type: ignore[assignment]
+        self.metrics = AgentMetrics()
+        self._stop = asyncio.Event()
+        self._force = asyncio.Event()
+        self._nc: NATS | None = None
+        self._registrar: Registrar | None = None
+        self._engine: EngineProcess | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._worker: RequestWorker | None = None
+        self._reporter: LoadReporter | None = None
+        self._metrics_runner = None
+        self._stream: str | None = None
+        self._started_at = time.time()
+
+    # --- entry point ---------------------------------------------------------------------------
+    async def run(self) -> int:
+        self._install_signals()
+        try:
+            return await self._run()
+        except Exception:
+            log.exception("agent_failed", worker_id=self.worker_id)
+            return 1
+        finally:
+            await self._cleanup()
+
+    def _install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: int) -> None:
+        if self._stop.is_set():
+            log.warning("second_stop_signal_skipping_drain", signal=signal.Signals(sig).name)
+            self._force.set()
+        else:
+            log.info("stop_signal", signal=signal.Signals(sig).name)
+        self._stop.set()
+
+    async def _run(self) -> int:
+        try:
+            self._metrics_runner, port = await start_metrics_server(
+                self.metrics.registry, self.s.metrics_host, self.s.metrics_port
+            )
+        except OSError as exc:
+            log.error("metrics_port_unavailable", host=self.s.metrics_host, port=self.s.metrics_port, error=str(exc),
+                      hint="pass --metrics-port 0 for a free port, or another port")
+            return 2
+        log.info("agent_starting", worker_id=self.worker_id, engine=self.s.engine, engine_url=self.plan.url,
+                 metrics_port=port, argv=list(self.plan.argv))
+        try:
+            self._nc = await connect(self.s.nats_url, name=f"worker-agent-{self.worker_id}")
+        except ConnectionError as exc:
+            log.error("nats_unreachable", error=str(exc))
+            return 1
+        js = self._nc.jetstream()
+        self._registrar = Registrar(js, self._record(self.plan.model_hint or "unknown", WorkerStatus.STARTING))
+        await self._registrar.start()
+
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self.s.max_pending + 64),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+        )
+        self._engine = await EngineProcess.spawn(
+            self.plan.argv, grace=self.s.engine_stop_timeout, echo=sys.stdout.buffer
+        )
+        startup = await wait_healthy(self._session, self.plan.local_url, self._engine, self.s.health_timeout, self._stop)
+        if startup is not Startup.HEALTHY:
+            return await self._startup_failed(startup)
+
+        model = await served_model(self._session, self.plan.local_url) or self.plan.model_hint or "unknown"
+        self._stream = await ensure_request_stream(js, self.worker_id, self.s.max_pending, self.s.request_max_age)
+        self._worker = RequestWorker(
+            nc=self._nc, js=js, worker_id=self.worker_id, max_pending=self.s.max_pending,
+            relay=Relay(self._session, self.plan.local_url),
+            abort=EngineAborter(self._session, self.plan.local_url, self.plan.abort_path),
+            metrics=self.metrics,
+        )
+        await self._worker.start()
+        self._registrar.record = self._record(model, WorkerStatus.STARTING)
+        await self._registrar.set_status(WorkerStatus.ACTIVE)
+        self.metrics.engine_up.set(1)
+        self._reporter = LoadReporter(
+            worker_id=self.worker_id, session=self._session, metrics_url=f"{self.plan.local_url}/metrics",
+            interval=self.s.load_interval, in_flight=lambda: self._worker.in_flight if self._worker else 0,
+            publish=self._publish_load, on_load=self._on_load,
+        )
+        self._reporter.start()
+        log.info("worker_active", worker_id=self.worker_id, model=model, url=self.plan.url)
+
+        engine_exit = asyncio.create_task(self._engine.wait())
+        stop = asyncio.create_task(self._stop.wait())
+        await asyncio.wait({engine_exit, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if engine_exit.done():
+            return await self._engine_died()
+        engine_exit.cancel()
+        return await self._drain_and_stop()
+
+    def _record(self, model: str, status: WorkerStatus) -> WorkerRecord:
+        return WorkerRecord(
+            worker_id=self.worker_id, model=model, engine=self.s.engine, role=self.s.role,
+            url=self.plan.url, advertise_host=self.plan.advertise_host,
+            discovery_backend=self.s.discovery_backend, request_transport=self.s.request_transport,
+            kv_event_transport=self.s.kv_event_transport, status=status, max_pending=self.s.max_pending,
+            version=_version(), ttl=self.s.discovery_ttl, started_at=self._started_at,
+        )
+
+    # --- endings -------------------------------------------------------------------------------
+    async def _startup_failed(self, startup: Startup) -> int:
+        assert self._engine is not None and self._registrar is not None
+        await self._deregister()
+        if startup is Startup.STOPPED:
+            log.info("stopped_during_startup", worker_id=self.worker_id)
+            await self._stop_engine()
+            return 0
+        if startup is Startup.EXITED:
+            code = self._engine.returncode if self._engine.returncode is not None else await self._engine.wait()
+            await self._engine.close()
+            self.metrics.engine_exit_code.set(exit_status(code))
+            log.error("engine_exited_during_startup", exit_code=code, output_tail=self._engine.tail())
+            return exit_status(code)
+        log.error("engine_health_timeout", timeout_s=self.s.health_timeout, url=self.plan.local_url,
+                  output_tail=self._engine.tail()[-10:])
+        await self._stop_engine()
+        return 1
+
+    async def _engine_died(self) -> int:
+        assert self._engine is not None and self._registrar is not None and self._worker is not None
+        code = self._engine.returncode
+        self.metrics.engine_up.set(0)
+        self.metrics.engine_exit_code.set(exit_status(code))
+        log.error("engine_exited", exit_code=code, output_tail=self._engine.tail())
+        await self._deregister()
+        self._worker.begin_drain(ENGINE_GONE_REFUSAL)
+        self._worker.stop_all(ENGINE_GONE)
+        await self._worker.wait_idle(SETTLE_TIMEOUT)
+        await self._close_worker()
+        await self._delete_stream()
+        await self._engine.stop(self.s.engine_stop_timeout)  # its children, if any are left
+        return exit_status(code)
+
+    async def _drain_and_stop(self) -> int:
+        assert self._registrar is not None and self._worker is not None
+        log.info("draining", worker_id=self.worker_id, in_flight=self._worker.in_flight,
+                 drain_timeout_s=self.s.drain_timeout)
+        try:
+            await self._registrar.set_status(WorkerStatus.DRAINING)
+        except Exception as exc:
+            log.warning("draining_status_not_published", error=str(exc))
+        self._worker.begin_drain(DRAIN_REFUSAL)
+        idle = self._worker.wait_idle(self.s.drain_timeout)
+        forced = asyncio.create_task(self._force.wait())
+        idle_task = asyncio.create_task(idle)
+        await asyncio.wait({idle_task, forced}, return_when=asyncio.FIRST_COMPLETED)
+        forced.cancel()
+        if not (idle_task.done() and idle_task.result()):
+            idle_task.cancel()
+            stopped = self._worker.stop_all(DRAIN_CANCEL)
+            log.warning("drain_incomplete_cancelled", cancelled=stopped)
+            await self._worker.wait_idle(SETTLE_TIMEOUT)
+        await self._deregister()
+        await self._close_worker()
+        await self._delete_stream()
+        await self._stop_engine()
+        log.info("stopped", worker_id=self.worker_id)
+        return 0
+
+    async def _deregister(self) -> None:
+        if self._registrar is not None:
+            registrar, self._registrar = self._registrar, None
+            await registrar.stop()
+
+    async def _close_worker(self) -> None:
+        if self._worker is not None:
+            await self._worker.close()
+
+    async def _stop_engine(self) -> None:
+        if self._engine is not None:
+            code = await self._engine.stop(self.s.engine_stop_timeout)
+            self.metrics.engine_up.set(0)
+            self.metrics.engine_exit_code.set(exit_status(code) if code else 0)
+
+    async def _delete_stream(self) -> None:
+        if self._nc is not None and self._stream is not None:
+            await delete_stream_quietly(self._nc.jetstream(), self._stream)
+            self._stream = None
+
+    async def _cleanup(self) -> None:
+        """Whatever the path out: nothing left running, the engine stopped, the entry gone."""
+        steps = [
+            ("load_reporter", self._reporter.stop if self._reporter else None),
+            ("worker", self._close_worker),
+            ("deregister", self._deregister),
+            ("engine", self._stop_engine if self._engine else None),
+            ("http_session", self._session.close if self._session else None),
+            ("nats", self._nc.close if self._nc else None),
+            ("metrics_server", self._metrics_runner.cleanup if self._metrics_runner else None),
+        ]
+        self._reporter = None
+        for name, step in steps:
+            if step is None:
+                continue
+            try:
+                await step()
+            except Exception as exc:
+                log.warning("cleanup_step_failed", step=name, error=str(exc) or type(exc).__name__)
+
+    # --- load ----------------------------------------------------------------------------------
+    async def _publish_load(self, report: LoadReport) -> None:
+        assert self._nc is not None
+        await self._nc.publish(load_subject(self.worker_id), encode(report))
+
+    def _on_load(self, load: EngineLoad) -> None:
+        self.metrics.engine_running.set(load.running)
+        self.metrics.engine_waiting.set(load.waiting)
+        self.metrics.engine_kv_usage.set(load.kv_usage)
+

@@ -1,0 +1,89 @@
+"""The worker-agent's settings: one pydantic field = one ``--flag`` + one ``INFERA_*`` env var.
+
+Every argument the agent does not declare here is the engine's, passed on verbatim and in order;
+so are all arguments after a literal ``--`` (the way to hand the engine a flag whose name the agent
+also uses, e.g. ``-- --log-level debug``). The engine owns ``--host``, ``--port``, ``--model-path``
+/ ``--model`` and ``--served-model-name``: the agent reads them but never declares them.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from infera_common.settings import LogSettings, PlaneSettings, parse_cli
+from infera_common.subjects import TOKEN_RE
+
+PROG = "infera-worker-agent"
+DESCRIPTION = (
+    "Launch one inference engine (mock, sglang or vllm), register it in discovery and relay its "
+    "requests from NATS. Unrecognised arguments, and everything after `--`, go to the engine."
+)
+
+
+class AgentSettings(PlaneSettings, LogSettings):
+    engine: Literal["mock", "sglang", "vllm"] = Field(
+        description="Engine to launch: the mock engine, SGLang (sglang.launch_server) or vLLM "
+        "(vllm.entrypoints.openai.api_server)."
+    )
+    worker_id: str | None = Field(
+        None,
+        pattern=TOKEN_RE.pattern,
+        description="Worker id in discovery and in subject names (letters, digits, '_', '-'); "
+        "default <engine>-<8 random hex digits>.",
+    )
+    advertise_host: str | None = Field(
+        None,
+        description="Host the fleet uses to reach the engine (registered URL http://HOST:PORT); "
+        "default: the engine's --host when it names one address, else 127.0.0.1.",
+    )
+    role: Literal["aggregated", "prefill", "decode"] = Field(
+        "aggregated", description="Serving role recorded in discovery (prefill/decode for disaggregated serving)."
+    )
+    max_pending: int = Field(
+        512, ge=1, le=1_000_000,
+        description="Requests this worker may hold unfinished (queued + running); the broker refuses more.",
+    )
+    request_max_age: float = Field(
+        600.0, gt=0,
+        description="Seconds a request may stay in this worker's queue before the broker discards it.",
+    )
+    health_timeout: float = Field(
+        1800.0, gt=0, description="Seconds to wait for the engine to become healthy before giving up."
+    )
+    drain_timeout: float = Field(
+        30.0, ge=0, description="On SIGTERM, seconds in-flight requests may take to finish before they are cancelled."
+    )
+    engine_stop_timeout: float = Field(
+        10.0, ge=0, description="Seconds between SIGTERM and SIGKILL when stopping the engine's process group."
+    )
+    load_interval: float = Field(
+        1.0, gt=0, le=60, description="Seconds between load reports (engine /metrics scrape + publish)."
+    )
+    metrics_host: str = Field("127.0.0.1", description="Address of the agent's own /metrics endpoint.")
+    metrics_port: int = Field(
+        9200, ge=0, le=65535, description="Port of the agent's own /metrics endpoint (0 = a free port)."
+    )
+
+    @model_validator(mode="after")
+    def _default_worker_id(self) -> "AgentSettings":
+        if self.worker_id is None:
+            self.worker_id = f"{self.engine}-{secrets.token_hex(4)}"
+        return self
+
+
+def split_engine_tail(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split at the first literal ``--``: what follows belongs to the engine untouched."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def parse_agent_cli(argv: list[str]) -> tuple[AgentSettings, list[str]]:
+    """Parse the agent's own flags; returns the settings and the engine's arguments, in order."""
+    own, tail = split_engine_tail(argv)
+    settings, unknown = parse_cli(AgentSettings, own, prog=PROG, description=DESCRIPTION, allow_unknown=True)
+    return settings, unknown + tail

@@ -1,0 +1,176 @@
+"""The whole path on real processes: client -> frontend -> router -> worker-agent -> mock engine, on NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from infera.client import InferaClient, InferaError
+from infera_common.models import BUNDLED_MODEL_NAME
+from tests.e2e.fleet import scrape
+
+MODEL = BUNDLED_MODEL_NAME
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "1+1=?"}], "max_tokens": 12}
+
+
+async def _post(fleet, path: str, body, headers=None):
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(fleet.url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})}) as r:
+            return r.status, r.headers.copy(), await r.read()
+
+
+async def _sse(fleet, path: str, body):
+    events = []
+    async with aiohttp.ClientSession() as s:
+        async with s.post(fleet.url + path, json=body) as r:
+            assert r.status == 200, await r.text()
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            raw = await r.read()
+    for block in raw.decode().split("\n\n"):
+        if block:
+            assert block.startswith("data: "), block
+            events.append(block[len("data: "):])
+    return events
+
+
+async def test_chat_non_streaming_counts_prompt_with_real_template(fleet):
+    status, headers, body = await _post(fleet, "/v1/chat/completions", CHAT, {"X-Request-Id": "e2e-chat-1"})
+    assert status == 200, body
+    data = json.loads(body)
+    assert headers["X-Request-Id"] == "e2e-chat-1"
+    assert data["object"] == "chat.completion"
+    assert data["choices"][0]["message"]["content"]
+    assert data["choices"][0]["finish_reason"] == "length"
+    assert data["usage"]["prompt_tokens"] == 35  # SmolLM2's chat template around "1+1=?"
+    assert data["usage"]["completion_tokens"] == 12
+
+
+async def test_chat_streaming_sse_with_usage(fleet):
+    events = await _sse(fleet, "/v1/chat/completions",
+                        {**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+
+
+async def test_completions_text_and_token_ids(fleet):
+    status, _, body = await _post(fleet, "/v1/completions", {"model": MODEL, "prompt": "Hello, world", "max_tokens": 5})
+    assert status == 200, body
+    text_answer = json.loads(body)
+    assert text_answer["usage"]["prompt_tokens"] == 3
+    status, _, body = await _post(fleet, "/v1/completions",
+                                  {"model": MODEL, "prompt": [19556, 28, 905], "max_tokens": 5})
+    assert status == 200, body
+    assert json.loads(body)["usage"]["prompt_tokens"] == 3
+    events = await _sse(fleet, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "stream": True})
+    assert events[-1] == "[DONE]" and len(events) >= 2
+
+
+async def test_same_seed_same_text_through_the_fleet(fleet):
+    body = {**CHAT, "temperature": 0.8, "seed": 7}
+    answers = set()
+    for _ in range(4):  # round-robin: lands on both engines
+        status, _, raw = await _post(fleet, "/v1/chat/completions", body)
+        assert status == 200
+        answers.add(json.loads(raw)["choices"][0]["message"]["content"])
+    assert len(answers) == 1
+
+
+async def test_nats_client_chat_and_stream(fleet):
+    client = InferaClient(fleet.nats_url)
+    await client.connect()
+    try:
+        answer = await client.chat(CHAT)
+        assert answer["usage"]["prompt_tokens"] == 35
+        chunks = [c async for c in client.stream_chat({**CHAT, "stream": True})]
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        with pytest.raises(InferaError) as err:
+            await client.chat({**CHAT, "model": "no-such-model"})
+        assert err.value.status == 404
+        models = await client.models()
+        assert [m["id"] for m in models["data"]] == [MODEL]
+    finally:
+        await client.close()
+
+
+def test_official_openai_sdk(fleet):
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0)
+    answer = client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=6)
+    assert answer.choices[0].message.content and answer.usage.completion_tokens == 6
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=6, stream=True,
+                                            stream_options={"include_usage": True})
+    pieces = list(stream)
+    assert "".join(p.choices[0].delta.content or "" for p in pieces if p.choices)
+    assert pieces[-1].usage.completion_tokens == 6
+    assert [m.id for m in client.models.list()] == [MODEL]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-nothing", messages=CHAT["messages"])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=-3)
+
+
+async def test_round_robin_sends_traffic_to_both_workers(fleet):
+    workers = fleet.workers_list()
+    assert len(workers) == 2 and {w["status"] for w in workers} == {"active"}
+    before = [scrape(w["url"]).get("sglang:prompt_tokens_total", 0.0) for w in workers]
+    for _ in range(6):
+        status, _, _ = await _post(fleet, "/v1/chat/completions", CHAT)
+        assert status == 200
+    after = [scrape(w["url"]).get("sglang:prompt_tokens_total", 0.0) for w in workers]
+    assert all(a - b >= 35 * 2 for a, b in zip(after, before)), (before, after)
+
+
+@pytest.mark.parametrize(
+    "path, body, status",
+    [
+        ("/v1/chat/completions", b"{not json", 400),
+        ("/v1/chat/completions", {"model": MODEL}, 400),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
+        ("/v1/chat/completions", {**CHAT, "model": "nope"}, 404),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": -1}, 400),
+        ("/v1/completions", {"model": MODEL}, 400),
+        ("/v1/chat/completions", {**CHAT, "n": 3}, 400),
+    ],
+)
+async def test_bad_input_gets_openai_error_and_services_stay_up(fleet, path, body, status):
+    got, _, raw = await _post(fleet, path, body)
+    assert got == status, raw
+    err = json.loads(raw)["error"]
+    assert err["message"] and err["type"]
+    ok, _, _ = await _post(fleet, "/v1/chat/completions", CHAT)
+    assert ok == 200
+
+
+async def test_oversize_body_413(fleet):
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * (9 * 1024 * 1024)}]}
+    got, _, raw = await _post(fleet, "/v1/chat/completions", big)
+    assert got == 413, raw[:200]
+    assert json.loads(raw)["error"]["message"]
+
+
+async def test_client_disconnect_mid_stream_aborts_engine_request(fleet):
+    workers = fleet.workers_list()
+    body = {**CHAT, "max_tokens": 4000, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(fleet.url + "/v1/chat/completions", json=body)
+        assert resp.status == 200
+        await resp.content.readline()  # the stream has started
+        running = sum(scrape(w["url"]).get("sglang:num_running_reqs", 0) for w in workers)
+        assert running >= 1
+        resp.close()  # the client goes away
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        running = sum(scrape(w["url"]).get("sglang:num_running_reqs", 0) for w in workers)
+        if running == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert running == 0

@@ -1,0 +1,140 @@
+"""Test helpers for the frontend: a fake router + worker-agent on real NATS, request bodies.
+
+The fake follows the request-plane contract (docs/architecture.md): it answers ``RouteRequest``s on
+``ROUTER_ROUTE`` with a ``RouteReply`` and then, as the worker-agent would, publishes ``Frame``s to
+the request's ``reply_subject``: ``head`` (with the whole body when not streaming), ``data`` (one
+SSE payload each) and ``end``. It records every route request and every ``Cancel`` it receives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from infera_common.schemas import (
+    Cancel,
+    Frame,
+    RouteReply,
+    RouteRequest,
+    WorkerRecord,
+    WorkerStatus,
+    decode,
+    encode,
+)
+from infera_frontend.service import Frontend
+
+MODEL = "SmolLM2-135M-Instruct"
+WORKER = "w1"
+
+
+def chat_body(content: str = "1+1=?", **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def completion_json(text: str = "2") -> bytes:
+    return json.dumps({
+        "id": "cmpl-1", "object": "chat.completion", "created": 1, "model": MODEL,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 35, "completion_tokens": 1, "total_tokens": 36},
+    }).encode()
+
+
+def chunk_json(i: int, text: str) -> bytes:
+    return json.dumps({
+        "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+        "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}],
+    }).encode()
+
+
+STREAM_TEXTS = ["Two", ",", " of course"]
+
+Script = Callable[["FakeFleet", RouteRequest], Awaitable[None]]  # what the "worker" sends back
+
+
+async def script_ok(fleet: FakeFleet, req: RouteRequest) -> None:
+    """A well-behaved engine: the whole body, or a three-chunk stream."""
+    if not req.stream:
+        await fleet.frame(req, Frame(kind="head", status=200, body=completion_json()))
+        await fleet.frame(req, Frame(kind="end", seq=1))
+        return
+    await fleet.frame(req, Frame(kind="head", status=200))
+    for i, text in enumerate(STREAM_TEXTS):
+        await fleet.frame(req, Frame(kind="data", seq=i + 1, body=chunk_json(i, text)))
+    await fleet.frame(req, Frame(kind="end", seq=len(STREAM_TEXTS) + 1))
+
+
+async def script_silent(fleet: FakeFleet, req: RouteRequest) -> None:
+    """The engine never answers."""
+
+
+async def script_stall_after_first_chunk(fleet: FakeFleet, req: RouteRequest) -> None:
+    await fleet.frame(req, Frame(kind="head", status=200))
+    await fleet.frame(req, Frame(kind="data", seq=1, body=chunk_json(0, "Two")))
+
+
+@dataclass
+class FakeFleet:
+    nc: object
+    route_status: int = 200
+    route_message: str = ""
+    script: Script = script_ok
+    route_silent: bool = False  # the router never answers
+    frames_before_reply: bool = False
+    routed: list[RouteRequest] = field(default_factory=list)
+    cancels: list[tuple[float, str]] = field(default_factory=list)  # (monotonic time, request_id)
+    tasks: set = field(default_factory=set)
+
+    async def frame(self, req: RouteRequest, frame: Frame) -> None:
+        await self.nc.publish(req.reply_subject, encode(frame))
+
+    async def on_route(self, msg) -> None:
+        req = decode(RouteRequest, msg.data)
+        self.routed.append(req)
+        if self.route_status != 200:
+            await msg.respond(encode(RouteReply(status=self.route_status, message=self.route_message)))
+            return
+        if self.route_silent:
+            return
+        ok = encode(RouteReply(status=200, worker_id=WORKER, lease_id="lease-1", router_id="r1"))
+        if self.frames_before_reply:  # the worker overtakes the router's reply
+            await self.script(self, req)
+            await self.nc.flush()
+            await msg.respond(ok)
+            return
+        await msg.respond(ok)
+        task = asyncio.get_running_loop().create_task(self.script(self, req))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def on_cancel(self, msg) -> None:
+        self.cancels.append((time.monotonic(), decode(Cancel, msg.data).request_id))
+
+    async def wait_cancel(self, request_id: str, timeout: float) -> float | None:
+        """Monotonic time the Cancel for ``request_id`` arrived, or None within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for t, rid in self.cancels:
+                if rid == request_id:
+                    return t
+            await asyncio.sleep(0.01)
+        return None
+
+
+def worker_record(worker_id: str = WORKER, model: str = MODEL, status=WorkerStatus.ACTIVE) -> WorkerRecord:
+    return WorkerRecord(worker_id=worker_id, model=model, engine="mock", url="http://127.0.0.1:1",
+                        advertise_host="127.0.0.1", status=status, ttl=6.0)
+
+
+async def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+def url(fe: Frontend, path: str) -> str:
+    return f"http://127.0.0.1:{fe.port}{path}"

@@ -1,0 +1,103 @@
+"""The OpenAI API on NATS request/reply, raw and through infera.client.InferaClient."""
+
+import json
+
+import pytest
+
+from infera.client import InferaClient, InferaError
+from infera_common.nats_api import HEADER_KIND, HEADER_REQUEST_ID, HEADER_STATUS
+from infera_common.nats_conn import connect
+from infera_common.schemas import Endpoint
+from infera_common.subjects import API_CHAT_COMPLETIONS, API_MODELS
+from tests.frontend.frontend_fakes import (
+    MODEL,
+    STREAM_TEXTS,
+    chat_body,
+    completion_json,
+    script_stall_after_first_chunk,
+    wait_until,
+)
+
+
+@pytest.fixture
+async def client(frontend, nats_server):
+    c = InferaClient(nats_server, timeout=5.0)
+    await c.connect()
+    yield c
+    await c.close()
+
+
+async def test_raw_nats_request_gets_body_and_status_header(frontend, fleet, nats_server):
+    nc = await connect(nats_server, "raw-client")
+    try:
+        raw = json.dumps({**chat_body(), "extra_field": True}).encode()
+        msg = await nc.request(API_CHAT_COMPLETIONS, raw, timeout=5, headers={HEADER_REQUEST_ID: "nats-req-1"})
+        assert msg.data == completion_json()
+        assert msg.headers[HEADER_STATUS] == "200" and msg.headers[HEADER_REQUEST_ID] == "nats-req-1"
+        [req] = fleet.routed
+        assert req.request_id == "nats-req-1" and req.body == raw and req.prompt_tokens == 35
+
+        msg = await nc.request(API_CHAT_COMPLETIONS, b"{oops", timeout=5)
+        assert msg.headers[HEADER_STATUS] == "400" and msg.headers[HEADER_KIND] == "error"
+        assert json.loads(msg.data)["error"]["type"] == "invalid_request_error"
+
+        msg = await nc.request(API_MODELS, b"", timeout=5)
+        assert [m["id"] for m in json.loads(msg.data)["data"]] == [MODEL]
+    finally:
+        await nc.close()
+
+
+async def test_client_chat_and_stream(client, fleet):
+    reply = await client.chat(chat_body())
+    assert reply["choices"][0]["message"]["content"] == "2"
+    chunks = [c async for c in client.stream_chat(chat_body(), request_id="stream-1")]
+    assert [c["choices"][0]["delta"]["content"] for c in chunks] == STREAM_TEXTS
+    assert fleet.routed[-1].request_id == "stream-1" and fleet.routed[-1].stream
+
+
+async def test_client_completions_and_listings(client, fleet):
+    await client.completions({"model": MODEL, "prompt": "Hello, world", "max_tokens": 2})
+    assert fleet.routed[-1].endpoint == Endpoint.COMPLETIONS and fleet.routed[-1].token_ids == [19556, 28, 905]
+    chunks = [c async for c in client.stream_completions({"model": MODEL, "prompt": [1, 2]})]
+    assert len(chunks) == len(STREAM_TEXTS)
+    assert [m["id"] for m in (await client.models())["data"]] == [MODEL]
+    assert [w["worker_id"] for w in (await client.workers())["data"]] == ["w1"]
+
+
+async def test_client_errors(client, fleet):
+    with pytest.raises(InferaError) as info:
+        await client.chat({"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    assert info.value.status == 404 and info.value.error["code"] == "model_not_found"
+
+    with pytest.raises(InferaError) as info:
+        async for _ in client.stream_chat(chat_body(max_tokens=0)):
+            pass
+    assert info.value.status == 400 and info.value.error["param"] == "max_tokens"
+
+    fleet.route_status = 429
+    with pytest.raises(InferaError) as info:
+        async for _ in client.stream_chat(chat_body()):
+            pass
+    assert info.value.status == 429
+
+
+async def test_stream_failing_midway_ends_with_error(make_frontend, fleet, nats_server):
+    fe = await make_frontend(upstream_timeout=0.5)
+    await wait_until(lambda: fe.models.is_known(MODEL))
+    fleet.script = script_stall_after_first_chunk
+    got = []
+    async with InferaClient(nats_server, timeout=5.0) as c:
+        with pytest.raises(InferaError) as info:
+            async for chunk in c.stream_chat(chat_body(), request_id="stall-1"):
+                got.append(chunk)
+    assert len(got) == 1 and info.value.status == 504
+    assert await fleet.wait_cancel("stall-1", timeout=2.0) is not None
+
+
+async def test_nats_api_can_be_disabled(make_frontend, fleet, nats_server):
+    fe = await make_frontend(enable_nats_api=False)
+    await wait_until(lambda: fe.models.is_known(MODEL))
+    async with InferaClient(nats_server, timeout=2.0) as c:
+        with pytest.raises(InferaError) as info:
+            await c.models()
+    assert info.value.status == 503

@@ -1,0 +1,152 @@
+"""Request validation, OpenAI error shapes and the model table: pure, no I/O."""
+
+import json
+import time
+
+import pytest
+
+from infera_common.fleet import Change
+from infera_common.openai_errors import error_body, normalize_error
+from infera_common.schemas import Endpoint, WorkerRecord, WorkerStatus
+
+from infera_frontend.prepare import ModelTable
+from infera_frontend.validation import ApiError, check_request_id, parse_body
+
+CHAT = Endpoint.CHAT
+OK_MSG = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields) -> bytes:
+    return json.dumps({"model": "m", "messages": OK_MSG, **fields}).encode()
+
+
+def rejected(endpoint: Endpoint, body: bytes) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse_body(endpoint, body)
+    assert info.value.status == 400 and info.value.type == "invalid_request_error"
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (json.dumps({"messages": OK_MSG}).encode(), "model"),
+        (json.dumps({"model": 7, "messages": OK_MSG}).encode(), "model"),
+        (json.dumps({"model": "m"}).encode(), "messages"),
+        (json.dumps({"model": "m", "messages": []}).encode(), "messages"),
+        (json.dumps({"model": "m", "messages": "hi"}).encode(), "messages"),
+        (json.dumps({"model": "m", "messages": [{"role": "robot", "content": "x"}]}).encode(), "messages[0].role"),
+        (json.dumps({"model": "m", "messages": [{"role": "user", "content": 5}]}).encode(), "messages[0].content"),
+        (json.dumps({"model": "m", "messages": [{"role": "user"}]}).encode(), "messages[0]"),
+        (json.dumps({"model": "m", "messages": [{"role": "user", "content": [{"text": "x"}]}]}).encode(),
+         "messages[0].content[0].type"),
+        (chat(max_tokens=-1), "max_tokens"),
+        (chat(max_tokens=0), "max_tokens"),
+        (chat(max_tokens=1.5), "max_tokens"),
+        (chat(max_completion_tokens=0), "max_completion_tokens"),
+        (chat(n=2), "n"),
+        (chat(n=0), "n"),
+        (chat(stream="yes"), "stream"),
+        (chat(stream=1), "stream"),
+        (chat(temperature=-0.5), "temperature"),
+        (chat(top_p=0), "top_p"),
+        (chat(stop=[1]), "stop[0]"),
+    ],
+)
+def test_invalid_chat_bodies_are_400_naming_the_field(body, param):
+    err = rejected(CHAT, body)
+    assert err.param == param
+    assert err.message
+
+
+def test_valid_chat_keeps_unknown_fields_and_reads_stream():
+    parsed = parse_body(CHAT, chat(stream=True, n=1, max_tokens=5, temperature=0, top_k=3,
+                                   chat_template_kwargs={"enable_thinking": False}))
+    assert parsed.model == "m" and parsed.stream is True
+    assert parsed.data["top_k"] == 3  # extra fields survive (and the raw bytes are forwarded anyway)
+
+
+def test_assistant_tool_call_turn_may_have_null_content():
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": []}]
+    assert parse_body(CHAT, json.dumps({"model": "m", "messages": msgs}).encode()).stream is False
+
+
+@pytest.mark.parametrize("prompt", ["", "text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
+def test_completion_prompt_shapes_accepted(prompt):
+    parse_body(Endpoint.COMPLETIONS, json.dumps({"model": "m", "prompt": prompt}).encode())
+
+
+@pytest.mark.parametrize("prompt", [[], 5, [1, "a"], [-1], [[]], None])
+def test_completion_prompt_shapes_rejected(prompt):
+    assert rejected(Endpoint.COMPLETIONS, json.dumps({"model": "m", "prompt": prompt}).encode()).param == "prompt"
+
+
+def test_request_id_is_validated_or_generated():
+    assert check_request_id("abc.DEF_1:2-3", lambda: "gen") == "abc.DEF_1:2-3"
+    assert check_request_id(None, lambda: "gen") == "gen"
+    for bad in ["", "has space", "x" * 129, "semi;colon", "ünï", "trailing\n"]:
+        with pytest.raises(ApiError) as info:
+            check_request_id(bad, lambda: "gen")
+        assert info.value.status == 400
+
+
+def test_error_body_shape():
+    assert error_body(404, "nope", code="model_not_found", param="model") == {
+        "error": {"message": "nope", "type": "not_found_error", "param": "model", "code": "model_not_found"}
+    }
+    assert error_body(400, "bad")["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("raw", "message", "etype"),
+    [
+        (b'{"error": {"message": "m1", "type": "t", "param": null, "code": 1}}', "m1", "t"),
+        (b'{"error": {"message": "m2"}}', "m2", "invalid_request_error"),
+        (b'{"object": "error", "message": "m3", "type": "BadRequestError", "param": null, "code": 400}', "m3",
+         "BadRequestError"),
+        (b'{"detail": "m4"}', "m4", "invalid_request_error"),
+        (b'{"detail": [{"loc": ["body"], "msg": "m5"}]}', "m5", "invalid_request_error"),
+        (b"plain text failure", "plain text failure", "invalid_request_error"),
+        (b"", "upstream error (HTTP 400)", "invalid_request_error"),
+    ],
+)
+def test_engine_errors_become_openai_errors(raw, message, etype):
+    err = json.loads(normalize_error(400, raw))["error"]
+    assert err["message"] == message and err["type"] == etype
+    assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_an_openai_shaped_engine_error_is_passed_verbatim():
+    raw = b'{"error": {"message": "m", "type": "t", "param": null, "code": null}}'
+    assert normalize_error(400, raw) is raw
+
+
+def _rec(wid: str, model: str, status: WorkerStatus) -> WorkerRecord:
+    return WorkerRecord(worker_id=wid, model=model, engine="mock", url="http://x", advertise_host="x",
+                        status=status, heartbeat_at=time.time())
+
+
+def _status(table: ModelTable, model: str) -> int:
+    try:
+        table.check(model)
+    except ApiError as err:
+        return err.status
+    return 200
+
+
+def test_model_table_follows_discovery():
+    table = ModelTable()
+    assert _status(table, "m") == 404
+    table.apply(Change("join", _rec("a", "m", WorkerStatus.STARTING)))
+    assert _status(table, "m") == 503 and table.is_known("m")
+    table.apply(Change("update", _rec("a", "m", WorkerStatus.ACTIVE)))
+    assert _status(table, "m") == 200
+    table.apply(Change("join", _rec("b", "m", WorkerStatus.ACTIVE)))
+    table.apply(Change("update", _rec("a", "m", WorkerStatus.DRAINING)))
+    assert _status(table, "m") == 200
+    table.apply(Change("leave", _rec("b", "m", WorkerStatus.ACTIVE)))
+    assert _status(table, "m") == 503
+    table.apply(Change("leave", _rec("a", "m", WorkerStatus.DRAINING)))
+    assert _status(table, "m") == 404 and not table.is_known("m")

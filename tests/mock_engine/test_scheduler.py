@@ -1,0 +1,199 @@
+"""Continuous batching policy, driven step by step without a clock."""
+
+import itertools
+
+import pytest
+
+from infera_mock_engine.kv_blocks import KvBlockManager
+from infera_mock_engine.scheduler import RUNNING, WAITING, Finished, Scheduler, SchedulerConfig, Sequence
+from infera_mock_engine.timing import TimingModel
+
+
+def make(max_running=8, budget=8192, blocks=1000, page=16):
+    kv = KvBlockManager(blocks, page)
+    return Scheduler(SchedulerConfig(max_running, budget), kv, TimingModel())
+
+
+def seq(rid, prompt_len, max_new=5, reason="length"):
+    counter = itertools.count(100)
+    return Sequence(rid=rid, prompt_ids=list(range(prompt_len)), max_new_tokens=max_new, limit_reason=reason,
+                    next_token=lambda: next(counter))
+
+
+def drain(s: Sequence) -> list:
+    out = []
+    while not s.events.empty():
+        out.append(s.events.get_nowait())
+    return out
+
+
+def run_step(sched: Scheduler):
+    step = sched.plan_step()
+    sched.finish_step(step)
+    return step
+
+
+def test_requests_are_batched_together_then_decode_one_token_per_step():
+    sched = make()
+    a, b = seq("a", 30), seq("b", 50)
+    sched.add(a)
+    sched.add(b)
+    step = run_step(sched)
+    assert step.prefill_tokens == 80 and step.decoding == 0
+    assert drain(a) == [100] and drain(b) == [100]  # prefill step emits the first token
+    step = run_step(sched)
+    assert step.prefill_tokens == 0 and step.decoding == 2
+    assert drain(a) == [101] and drain(b) == [101]
+
+
+def test_a_request_joins_a_running_batch():
+    sched = make()
+    a = seq("a", 30, max_new=10)
+    sched.add(a)
+    run_step(sched)
+    b = seq("b", 20)
+    sched.add(b)
+    step = run_step(sched)
+    assert step.prefill_tokens == 20 and step.decoding == 1
+    assert sched.num_running == 2
+
+
+def test_step_time_follows_the_timing_model():
+    sched = make(blocks=100, page=16)
+    sched.add(seq("a", 100))
+    step = sched.plan_step()
+    assert step.seconds == pytest.approx(TimingModel().step_seconds(100, 0, 7 / 100))  # ceil(101/16)=7 blocks
+    sched.finish_step(step)
+    step = sched.plan_step()
+    assert step.seconds == pytest.approx(TimingModel().decode_ms(7 / 100) / 1000)
+
+
+def test_max_running_requests_makes_the_rest_wait_fifo():
+    sched = make(max_running=1)
+    a, b, c = seq("a", 10, max_new=2), seq("b", 10), seq("c", 10)
+    for s in (a, b, c):
+        sched.add(s)
+    run_step(sched)
+    assert (sched.num_running, sched.num_waiting) == (1, 2)
+    assert b.state == WAITING and c.state == WAITING
+    run_step(sched)  # a reaches max_new_tokens
+    assert drain(a)[-1] == Finished("length")
+    assert a.state == "finished"
+    run_step(sched)
+    assert b.state == RUNNING and c.state == WAITING
+
+
+def test_prefill_is_chunked_by_the_token_budget():
+    sched = make(budget=40)
+    a = seq("a", 100)
+    sched.add(a)
+    sizes = []
+    for _ in range(3):
+        sizes.append(run_step(sched).prefill_tokens)
+        if len(sizes) < 3:
+            assert drain(a) == []  # no token before the prefill completes
+    assert sizes == [40, 40, 20]
+    assert drain(a) == [100]
+
+
+def test_budget_exhausted_keeps_new_requests_waiting():
+    sched = make(budget=64)
+    sched.add(seq("a", 64))
+    sched.add(seq("b", 10))
+    step = sched.plan_step()
+    assert step.prefill_tokens == 64
+    assert sched.num_waiting == 1
+
+
+def test_no_free_blocks_means_the_next_request_waits():
+    sched = make(blocks=4, page=16)
+    a = seq("a", 40, max_new=3)  # 3 blocks with its first token
+    b = seq("b", 20)  # needs 2 blocks
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    assert a.state == RUNNING and b.state == WAITING
+    assert sched.kv.used_blocks == 3
+
+
+def test_decode_growth_preempts_the_newest_sequence_and_recomputes_it():
+    sched = make(blocks=4, page=16)
+    a = seq("a", 31, max_new=20)
+    b = seq("b", 31, max_new=3)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)  # both prefilled: 2 blocks each (32 tokens with the first output)
+    assert sched.kv.used_blocks == 4
+    run_step(sched)  # a grows to 33 tokens -> needs a 3rd block -> b (newest) is preempted
+    assert b.state == WAITING and sched.stats.preemptions >= 1
+    tokens_b = [e for e in drain(b) if not isinstance(e, Finished)]
+    for _ in range(100):
+        if b.state == "finished" and a.state == "finished":
+            break
+        run_step(sched)
+        tokens_b += [e for e in drain(b) if not isinstance(e, Finished)]
+    assert a.state == "finished" and b.state == "finished"
+    assert len(tokens_b) == 3  # preemption loses no token and repeats none
+    assert sched.kv.used_blocks == 0
+
+
+def test_finish_frees_blocks_and_tells_the_consumer():
+    sched = make()
+    a = seq("a", 30, max_new=50)
+    sched.add(a)
+    run_step(sched)
+    sched.finish(a, "abort", "bye")
+    assert sched.num_running == 0 and sched.kv.used_blocks == 0
+    assert drain(a)[-1] == Finished("abort", "bye")
+    assert sched.plan_step().empty
+    assert sched.stats.finished == {"abort": 1}
+
+
+def test_finish_during_a_step_drops_its_results():
+    sched = make()
+    a = seq("a", 30, max_new=50)
+    sched.add(a)
+    step = sched.plan_step()
+    sched.finish(a, "abort")
+    sched.finish_step(step)
+    assert [e for e in drain(a) if not isinstance(e, Finished)] == []
+    assert sched.stats.prompt_tokens == 0
+
+
+def test_limit_reached_finishes_with_its_reason_and_counts_tokens():
+    sched = make()
+    a = seq("a", 12, max_new=2, reason="stop")
+    sched.add(a)
+    run_step(sched)
+    run_step(sched)
+    assert drain(a) == [100, 101, Finished("stop")]
+    assert (sched.stats.prompt_tokens, sched.stats.generation_tokens) == (12, 2)
+
+
+def test_zero_new_tokens_is_prefill_only():
+    sched = make()
+    a = seq("a", 12, max_new=0)
+    sched.add(a)
+    run_step(sched)
+    assert drain(a) == [Finished("length")]
+
+
+async def test_the_loop_survives_a_failing_step_and_keeps_serving():
+    import asyncio
+
+    sched = Scheduler(SchedulerConfig(), KvBlockManager(100, 16), TimingModel(speedup=1000))
+    task = asyncio.create_task(sched.run())
+    try:
+        def boom() -> int:
+            raise RuntimeError("bug")
+
+        bad = Sequence(rid="bad", prompt_ids=[1, 2], max_new_tokens=3, limit_reason="length", next_token=boom)
+        sched.add(bad)
+        ended = await asyncio.wait_for(bad.events.get(), 5)
+        assert ended.reason == "abort" and "internal error" in ended.message
+        good = seq("good", 5, max_new=2)
+        sched.add(good)
+        got = [await asyncio.wait_for(good.events.get(), 5) for _ in range(3)]
+        assert got == [100, 101, Finished("length")]
+    finally:
+        task.cancel()

@@ -1,0 +1,164 @@
+import random
+
+from infera_common.schemas import WorkerStatus
+
+from infera_router.core import RouterCore
+from infera_router.policy_least_loaded import LeastLoaded
+from infera_router.policy_round_robin import RoundRobin
+
+from router_helpers import join, leave, load, route_request, update
+
+
+def core(policy=None, max_age: float = 100.0) -> RouterCore:
+    return RouterCore(policy or RoundRobin(), "r1", max_age)
+
+
+def ids(plan) -> list[str]:
+    return [w.worker_id for w in plan.order]
+
+
+def test_unknown_model_is_404_and_no_active_worker_is_503():
+    c = core()
+    assert c.plan(route_request("m")).status == 404
+    c.apply_change(join("a", status=WorkerStatus.STARTING))
+    c.apply_change(join("b", status=WorkerStatus.DRAINING))
+    plan = c.plan(route_request("m"))
+    assert plan.status == 503 and "1 starting, 1 draining" in plan.message
+    assert c.plan(route_request("other")).status == 404
+
+
+def test_only_active_workers_get_work_and_status_changes_apply():
+    c = core()
+    c.apply_change(join("a"))
+    c.apply_change(join("b"))
+    assert {ids(c.plan(route_request()))[0] for _ in range(4)} == {"a", "b"}
+    c.apply_change(update("a", status=WorkerStatus.DRAINING))
+    assert [ids(c.plan(route_request())) for _ in range(3)] == [["b"]] * 3
+    c.apply_change(update("a", status=WorkerStatus.ACTIVE))
+    assert sorted(ids(c.plan(route_request()))) == ["a", "b"]
+
+
+def test_exclude_is_honoured():
+    c = core()
+    for wid in "abc":
+        c.apply_change(join(wid))
+    for _ in range(4):
+        assert "b" not in ids(c.plan(route_request(exclude=["b"])))
+    plan = c.plan(route_request(exclude=["a", "b", "c"]))
+    assert plan.status == 503 and "excluded" in plan.message
+
+
+def test_worker_moving_to_another_model_leaves_the_old_one():
+    c = core()
+    c.apply_change(join("a", model="m1"))
+    c.apply_change(update("a", model="m2"))
+    assert c.plan(route_request("m1")).status == 404
+    assert ids(c.plan(route_request("m2"))) == ["a"]
+
+
+def test_leases_count_on_the_worker_and_are_released():
+    c = core()
+    c.apply_change(join("a"))
+    worker = c.fleet.get("a")
+    l1 = c.acquire(worker, route_request(prompt_tokens=30), now=1.0)
+    l2 = c.acquire(worker, route_request(prompt_tokens=12), now=1.0)
+    assert (worker.in_flight, worker.in_flight_tokens) == (2, 42)
+    assert c.release(l1.lease_id) == l1
+    assert c.release(l1.lease_id) is None
+    assert (worker.in_flight, worker.in_flight_tokens) == (1, 12)
+    assert c.leases.get(l2.lease_id).request_id == "r"
+
+
+def test_leaving_worker_takes_its_leases_and_load_with_it():
+    c = core()
+    c.apply_change(join("a"))
+    c.apply_change(join("b"))
+    a, b = c.fleet.get("a"), c.fleet.get("b")
+    assert c.apply_load(load("a", in_flight=3))
+    held = [c.acquire(a, route_request(), 1.0) for _ in range(3)]
+    c.acquire(b, route_request(), 1.0)
+    dropped = c.apply_change(leave("a"))
+    assert sorted(x.lease_id for x in dropped) == sorted(x.lease_id for x in held)
+    assert c.leases.counts() == {"b": 1}
+    assert all(c.release(x.lease_id) is None for x in held)  # late releases are ignored
+    c.apply_change(join("a"))  # it comes back fresh
+    fresh = c.fleet.get("a")
+    assert fresh.load is None and fresh.in_flight == 0
+
+
+def test_load_report_from_unknown_worker_is_ignored():
+    c = core()
+    assert c.apply_load(load("ghost", in_flight=9)) is False
+    c.apply_change(join("ghost"))
+    assert c.fleet.get("ghost").load is None
+
+
+def test_max_age_safety_net_unaccounts_the_worker():
+    c = core(max_age=10.0)
+    c.apply_change(join("a"))
+    a = c.fleet.get("a")
+    c.acquire(a, route_request(prompt_tokens=5), now=0.0)
+    young = c.acquire(a, route_request(prompt_tokens=7), now=8.0)
+    assert c.expire(now=9.0) == []
+    assert len(c.expire(now=10.0)) == 1
+    assert (a.in_flight, a.in_flight_tokens) == (1, 7) and young.lease_id in c.leases
+
+
+def test_least_loaded_spreads_by_leases_through_the_core():
+    c = core(LeastLoaded(random.Random(3)))
+    for wid in "abc":
+        c.apply_change(join(wid))
+    picked = []
+    for _ in range(6):
+        first = c.plan(route_request()).order[0]
+        c.acquire(first, route_request(), 1.0)
+        picked.append(first.worker_id)
+    assert sorted(picked) == ["a", "a", "b", "b", "c", "c"]
+
+
+def test_counters_match_leases_after_many_mixed_operations():
+    rng = random.Random(5)
+    c = core(LeastLoaded(random.Random(5)), max_age=50.0)
+    now = 0.0
+    for step in range(3000):
+        now += rng.random()
+        op = rng.random()
+        wid = f"w{rng.randrange(4)}"
+        if op < 0.05:
+            c.apply_change(leave(wid))
+        elif op < 0.15:
+            c.apply_change(join(wid, status=rng.choice(list(WorkerStatus))))
+        elif op < 0.6:
+            plan = c.plan(route_request(prompt_tokens=rng.randrange(50)))
+            if plan.status == 200:
+                c.acquire(plan.order[0], route_request(prompt_tokens=rng.randrange(50)), now)
+            else:
+                assert plan.status in (404, 503)
+        elif op < 0.9 and len(c.leases):
+            counts = c.leases.counts()
+            victim = rng.choice(list(counts))
+            lease = rng.choice(c.leases.held(victim))
+            assert c.release(lease.lease_id) is not None
+        else:
+            c.expire(now)
+        counts = c.leases.counts()
+        for w in c.fleet.workers():
+            held = c.leases.held(w.worker_id)
+            assert w.in_flight == len(held) == counts.get(w.worker_id, 0)
+            assert w.in_flight_tokens == sum(x.prompt_tokens for x in held)
+        assert set(counts) <= {w.worker_id for w in c.fleet.workers()}
+    for w in c.fleet.workers():
+        c.apply_change(leave(w.worker_id))
+    assert len(c.leases) == 0 and len(c.fleet) == 0
+
+
+def test_heartbeat_update_keeps_counters_and_rotation():
+    c = core()
+    c.apply_change(join("a"))
+    c.apply_change(join("b"))
+    a = c.fleet.get("a")
+    c.acquire(a, route_request(), 1.0)
+    assert ids(c.plan(route_request()))[0] == "a"
+    c.apply_change(update("a"))  # a heartbeat re-puts the same record
+    assert c.fleet.get("a") is a and a.in_flight == 1
+    assert ids(c.plan(route_request()))[0] == "b"

@@ -1,0 +1,240 @@
+"""The router service in-process against a real nats-server, with fake workers registered in discovery."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import pytest
+
+from infera_common.discovery import Registrar
+from infera_common.nats_conn import connect, ensure_request_stream
+from infera_common.schemas import (
+    LoadReport, Release, RouteReply, WorkEnvelope, WorkerStatus, decode, encode,
+)
+from infera_common.subjects import (
+    ROUTER_ROUTE, load_subject, request_stream, router_release_subject, work_consumer, work_subject,
+)
+
+from infera_router.service import RouterService
+from infera_router.settings import RouterSettings
+
+from router_helpers import record, route_request
+
+
+async def eventually(check, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+class Bench:
+    """A router plus a client connection that plays frontend and worker-agents."""
+
+    def __init__(self, router: RouterService, nc) -> None:
+        self.router = router
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.registrars: dict[str, Registrar] = {}
+
+    async def worker(self, wid: str, model: str = "m", max_pending: int = 10, stream: bool = True,
+                     status: WorkerStatus = WorkerStatus.ACTIVE) -> Registrar:
+        if stream:
+            await ensure_request_stream(self.js, wid, max_pending, max_age=60)
+        reg = Registrar(self.js, record(wid, model, status, max_pending=max_pending))
+        await reg.start()
+        self.registrars[wid] = reg
+        await eventually(lambda: (w := self.router.core.fleet.get(wid)) is not None and w.record.status == status)
+        return reg
+
+    async def route(self, model: str = "m", **kw) -> RouteReply:
+        msg = await self.nc.request(ROUTER_ROUTE, encode(route_request(model, **kw)), timeout=5)
+        return decode(RouteReply, msg.data)
+
+    async def raw(self, data: bytes) -> RouteReply:
+        msg = await self.nc.request(ROUTER_ROUTE, data, timeout=5)
+        return decode(RouteReply, msg.data)
+
+    async def pull(self, wid: str, n: int = 10, ack: bool = True) -> list[WorkEnvelope]:
+        sub = await self.js.pull_subscribe(work_subject(wid), durable=work_consumer(wid), stream=request_stream(wid))
+        try:
+            msgs = await sub.fetch(n, timeout=0.5)
+        except Exception:  # nats TimeoutError: nothing queued
+            return []
+        if ack:
+            for m in msgs:
+                await m.ack_sync()
+        return [decode(WorkEnvelope, m.data) for m in msgs]
+
+    def metric(self, name: str, **labels) -> float:
+        return self.router.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    def leases(self, wid: str) -> int:
+        return self.router.core.leases.count(wid)
+
+
+@pytest.fixture
+async def bench(nats_server, request):
+    overrides = getattr(request, "param", {})
+    settings = RouterSettings(nats_url=nats_server, router_id="rt1", **overrides)
+    router = RouterService(settings)
+    await router.start()
+    nc = await connect(nats_server, "test-client")
+    b = Bench(router, nc)
+    yield b
+    for reg in b.registrars.values():
+        await reg.stop()
+    await router.stop()
+    await nc.close()
+
+
+async def test_round_robin_alternates_between_workers_streams(bench):
+    await bench.worker("a")
+    await bench.worker("b")
+    replies = [await bench.route(request_id=f"q{i}", prompt_tokens=7) for i in range(4)]
+    assert [r.status for r in replies] == [200] * 4
+    assert [r.worker_id for r in replies] == ["a", "b", "a", "b"]
+    assert all(r.router_id == "rt1" for r in replies)
+    env_a, env_b = await bench.pull("a"), await bench.pull("b")
+    assert [e.request_id for e in env_a] == ["q0", "q2"] and [e.request_id for e in env_b] == ["q1", "q3"]
+    assert [e.lease_id for e in env_a + env_b] == [replies[i].lease_id for i in (0, 2, 1, 3)]
+    env = env_a[0]
+    assert env.router_id == "rt1" and env.body == b'{"x":1}' and env.reply_subject == "_INBOX.test.1"
+    assert bench.leases("a") == 2 and bench.leases("b") == 2
+    assert bench.metric("infera_router_routed_total", model="m", worker="a", status="200") == 2
+    assert bench.metric("infera_router_active_leases", worker="b") == 2
+    assert bench.metric("infera_router_live_workers", model="m", status="active") == 2
+
+
+async def test_unknown_model_404_and_no_active_worker_503(bench):
+    assert (await bench.route("nope")).status == 404
+    await bench.worker("d", status=WorkerStatus.DRAINING)
+    reply = await bench.route("m")
+    assert reply.status == 503 and "draining" in reply.message
+    assert await bench.pull("d") == []
+
+
+async def test_full_worker_overflows_to_the_next_then_429(bench):
+    await bench.worker("a", max_pending=1)
+    await bench.worker("b", max_pending=1)
+    first, second = await bench.route(request_id="1"), await bench.route(request_id="2")
+    assert (first.worker_id, second.worker_id) == ("a", "b")
+    # b's queue empties (its agent took the work); a is still full, so rotation's turn for a spills to b
+    assert [e.request_id for e in await bench.pull("b")] == ["2"]
+    third = await bench.route(request_id="3")
+    assert third.status == 200 and third.worker_id == "b"
+    assert bench.leases("a") == 1  # the refused attempt on a left no lease behind
+    fourth = await bench.route(request_id="4")
+    assert fourth.status == 429 and "all 2 workers" in fourth.message and "pending limit" in fourth.message
+    assert bench.leases("a") == 1 and bench.leases("b") == 2
+    assert bench.metric("infera_router_publish_refused_total", worker="a", reason="full") == 2
+    assert bench.metric("infera_router_routed_total", model="m", worker="", status="429") == 1
+
+
+async def test_worker_without_a_queue_is_skipped(bench):
+    await bench.worker("a", stream=False)
+    await bench.worker("b")
+    replies = [await bench.route() for _ in range(3)]
+    assert [r.worker_id for r in replies] == ["b", "b", "b"]
+    assert bench.leases("a") == 0
+    assert bench.metric("infera_router_publish_refused_total", worker="a", reason="gone") >= 1
+    await bench.registrars.pop("b").stop()
+    await eventually(lambda: bench.router.core.fleet.get("b") is None)
+    reply = await bench.route()
+    assert reply.status == 503 and "without a request queue" in reply.message
+
+
+async def test_exclude_is_honoured(bench):
+    await bench.worker("a")
+    await bench.worker("b")
+    assert {(await bench.route(exclude=["a"])).worker_id for _ in range(3)} == {"b"}
+    assert (await bench.route(exclude=["a", "b"])).status == 503
+
+
+async def test_garbage_gets_400_and_the_router_keeps_serving(bench):
+    await bench.worker("a")
+    for junk in (b"", b"\xc1garbage", msgpack.packb({"model": "m"}), msgpack.packb([1, 2, 3]), b"{}"):
+        reply = await bench.raw(junk)
+        assert reply.status == 400 and "RouteRequest" in reply.message
+    await bench.nc.publish(router_release_subject("rt1"), b"\xc1")
+    await bench.nc.publish(load_subject("a"), b"not msgpack")
+    await bench.nc.flush()
+    await eventually(lambda: bench.metric("infera_router_bad_messages_total", kind="load") == 1)
+    assert bench.metric("infera_router_bad_messages_total", kind="route") == 5
+    assert bench.metric("infera_router_bad_messages_total", kind="release") == 1
+    assert (await bench.route()).status == 200
+
+
+async def test_release_frees_the_lease_and_unknown_release_is_counted(bench):
+    await bench.worker("a")
+    reply = await bench.route()
+    assert bench.leases("a") == 1
+    release = Release(lease_id=reply.lease_id, worker_id="a", outcome="ok")
+    await bench.nc.publish(router_release_subject(reply.router_id), encode(release))
+    await eventually(lambda: bench.leases("a") == 0)
+    assert bench.metric("infera_router_lease_releases_total", outcome="ok") == 1
+    assert bench.metric("infera_router_active_leases", worker="a") == 0
+    await bench.nc.publish(router_release_subject("rt1"), encode(release))  # a duplicate
+    await eventually(lambda: bench.metric("infera_router_unknown_releases_total") == 1)
+    assert bench.metric("infera_router_lease_releases_total", outcome="ok") == 1
+
+
+async def test_worker_leaving_discovery_drops_its_leases(bench):
+    await bench.worker("a")
+    await bench.worker("b")
+    for _ in range(4):
+        assert (await bench.route()).status == 200
+    assert bench.leases("a") == 2
+    await bench.registrars.pop("a").stop()
+    await eventually(lambda: bench.router.core.fleet.get("a") is None)
+    assert bench.leases("a") == 0 and bench.leases("b") == 2
+    assert bench.metric("infera_router_leases_dropped_total", reason="worker_left") == 2
+    assert bench.metric("infera_router_live_workers", model="m", status="active") == 1
+    assert [(await bench.route()).worker_id for _ in range(2)] == ["b", "b"]
+
+
+async def test_draining_worker_gets_no_new_work_but_keeps_its_leases(bench):
+    reg = await bench.worker("a")
+    await bench.worker("b")
+    await bench.route()
+    await reg.set_status(WorkerStatus.DRAINING)
+    await eventually(lambda: not bench.router.core.fleet.get("a").active)
+    assert {(await bench.route()).worker_id for _ in range(3)} == {"b"}
+    assert bench.leases("a") == 1
+
+
+@pytest.mark.parametrize("bench", [{"lease_max_age": 0.3}], indirect=True)
+async def test_lost_release_is_dropped_after_max_age(bench):
+    await bench.worker("a")
+    await bench.route()
+    assert bench.leases("a") == 1
+    await eventually(lambda: bench.leases("a") == 0, timeout=3.0)
+    assert bench.metric("infera_router_leases_dropped_total", reason="max_age") == 1
+    assert bench.metric("infera_router_active_leases", worker="a") == 0
+
+
+@pytest.mark.parametrize("bench", [{"router_policy": "least-loaded"}], indirect=True)
+async def test_least_loaded_follows_leases_and_load_reports(bench):
+    await bench.worker("a")
+    await bench.worker("b")
+    picks = [(await bench.route()).worker_id for _ in range(4)]
+    assert sorted(picks) == ["a", "a", "b", "b"]
+    # b reports a long engine queue (other routers' work): new work goes to a
+    await bench.nc.publish(load_subject("b"), encode(LoadReport(worker_id="b", in_flight=6, engine_waiting=4)))
+    await bench.nc.publish(load_subject("ghost"), encode(LoadReport(worker_id="ghost", in_flight=1)))
+    await bench.nc.flush()
+    await eventually(lambda: bench.metric("infera_router_load_reports_total", result="unknown_worker") == 1)
+    assert [(await bench.route()).worker_id for _ in range(3)] == ["a", "a", "a"]
+
+
+async def test_concurrent_requests_all_answered_and_accounted(bench):
+    await bench.worker("a", max_pending=25)
+    await bench.worker("b", max_pending=25)
+    replies = await asyncio.gather(*(bench.route(request_id=f"c{i}") for i in range(60)))
+    statuses = sorted(r.status for r in replies)
+    assert statuses.count(200) == 50 and statuses.count(429) == 10
+    assert bench.leases("a") == 25 and bench.leases("b") == 25
+    assert len({r.lease_id for r in replies if r.status == 200}) == 50

@@ -1,0 +1,92 @@
+"""The engine command line and the engine's URLs, from the agent's flags and the engine's own args."""
+
+import pytest
+
+from infera_worker_agent.engine_cmd import EngineArgsError, flag_value, plan_engine
+
+PY = "/usr/bin/python3"
+MODEL = "/models/SmolLM2"
+
+
+def plan(engine, args, **kw):
+    kw.setdefault("python", PY)
+    kw.setdefault("free_port", 41234)
+    kw.setdefault("default_model_path", MODEL)
+    return plan_engine(engine, args, **kw)
+
+
+def test_mock_without_port_or_model_gets_a_free_port_and_the_bundled_model():
+    p = plan("mock", ["--speedup", "100"])
+    assert p.argv == (PY, "-m", "infera_mock_engine", "--speedup", "100", "--port", "41234", "--model-path", MODEL)
+    assert p.port == 41234
+    assert p.local_url == "http://127.0.0.1:41234"
+    assert p.url == "http://127.0.0.1:41234"
+    assert p.model_hint == MODEL
+    assert p.abort_path == "/abort_request"
+
+
+def test_engine_args_are_passed_verbatim_and_in_order():
+    args = ["--model-path", "/m", "--tp", "8", "--kv-events-config", '{"publisher": "zmq"}', "--port", "30001"]
+    p = plan("sglang", args)
+    assert p.argv[:3] == (PY, "-m", "sglang.launch_server")
+    assert list(p.argv[3:3 + len(args)]) == args
+    assert "41234" not in p.argv  # the given port is kept, no second --port
+    assert p.port == 30001
+
+
+def test_sglang_gets_metrics_enabled_once():
+    assert plan("sglang", ["--model-path", "/m"]).argv.count("--enable-metrics") == 1
+    assert plan("sglang", ["--model-path", "/m", "--enable-metrics"]).argv.count("--enable-metrics") == 1
+    assert "--enable-metrics" not in plan("vllm", ["--model", "/m"]).argv
+
+
+def test_vllm_module_served_name_and_no_abort_endpoint():
+    p = plan("vllm", ["--model", "/m", "--port=8001", "--served-model-name", "llama", "alias"])
+    assert p.argv[:3] == (PY, "-m", "vllm.entrypoints.openai.api_server")
+    assert p.port == 8001
+    assert p.model_hint == "llama"
+    assert p.abort_path is None
+    assert "--model-path" not in p.argv  # only the mock gets a default model
+
+
+def test_wildcard_bind_is_reached_locally_and_advertised_as_told():
+    p = plan("sglang", ["--host", "0.0.0.0", "--port", "30000"], advertise_host="10.1.2.3")
+    assert p.local_url == "http://127.0.0.1:30000"
+    assert p.url == "http://10.1.2.3:30000"
+    assert p.advertise_host == "10.1.2.3"
+
+
+def test_specific_bind_host_is_used_to_reach_and_to_advertise_by_default():
+    p = plan("vllm", ["--host", "10.0.0.5", "--port", "8000"])
+    assert p.local_url == "http://10.0.0.5:8000"
+    assert p.url == "http://10.0.0.5:8000"
+
+
+def test_ipv6_advertise_host_is_bracketed_in_the_url():
+    p = plan("mock", [], advertise_host="fd00::5")
+    assert p.url == "http://[fd00::5]:41234"
+    assert p.advertise_host == "fd00::5"
+
+
+@pytest.mark.parametrize("bad", ["abc", "0", "70000"])
+def test_a_port_that_cannot_work_is_refused(bad):
+    with pytest.raises(EngineArgsError, match="--port"):
+        plan("sglang", ["--port", bad])
+
+
+def test_mock_positional_model_is_not_doubled():
+    p = plan("mock", ["serve", "/my/model", "--speedup", "2"])
+    assert "--model-path" not in p.argv
+    assert p.model_hint == "/my/model"
+
+
+def test_model_alias_counts_as_a_model_for_the_mock():
+    p = plan("mock", ["--model", "/other"])
+    assert "--model-path" not in p.argv and p.model_hint == "/other"
+
+
+def test_flag_value_follows_argparse_last_one_wins():
+    assert flag_value(["--port", "1", "--port=2"], "--port") == "2"
+    assert flag_value(["--model-path=/a"], "--model") is None
+    assert flag_value(["--model-path=/a"], "--model-path", "--model") == "/a"
+    assert flag_value(["--port"], "--port") is None

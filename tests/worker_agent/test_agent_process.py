@@ -1,0 +1,260 @@
+"""The worker-agent as a real process over the mock engine, on a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+from nats.js.errors import NotFoundError, ServiceUnavailableError
+
+from infera.procs import free_port
+from infera_common.discovery import Watcher
+from infera_common.nats_conn import connect
+from infera_common.schemas import Cancel, Frame, LoadReport, Release, WorkEnvelope, WorkerStatus, decode, encode
+from infera_common.subjects import cancel_subject, load_subject, request_stream, router_release_subject, work_subject
+from infera_worker_agent.load import parse_engine_metrics
+
+from .agent_proc import AgentProc, alive, group_members
+
+ROUTER = "router-test"
+
+
+async def eventually(predicate, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(interval)
+    return predicate()
+
+
+class Client:
+    """The test's side of the bus: discovery watcher, release listener, envelope publisher."""
+
+    def __init__(self, nc) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.changes = []
+        self.watcher = Watcher(self.js, on_change=self.changes.append, sweep_interval=0.05)
+        self.releases: list[Release] = []
+        self._n = 0
+
+    async def start(self) -> "Client":
+        await self.watcher.start()
+
+        async def on_release(msg):
+            self.releases.append(decode(Release, msg.data))
+
+        await self.nc.subscribe(router_release_subject(ROUTER), cb=on_release)
+        return self
+
+    async def active(self, worker_id: str, timeout: float = 20.0):
+        ok = await eventually(
+            lambda: (r := self.watcher.view.get(worker_id)) is not None and r.status == WorkerStatus.ACTIVE, timeout
+        )
+        assert ok, f"{worker_id} never became active"
+        return self.watcher.view.get(worker_id)
+
+    async def submit(self, worker_id: str, body: dict, *, endpoint: str = "/v1/chat/completions",
+                     deadline_in: float = 60.0):
+        self._n += 1
+        rid = f"req-{self._n}"
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        env = WorkEnvelope(request_id=rid, endpoint=endpoint, body=json.dumps(body).encode(),
+                           stream=bool(body.get("stream")), reply_subject=inbox, deadline=time.time() + deadline_in,
+                           lease_id=f"lease-{rid}", router_id=ROUTER)
+        await self.js.publish(work_subject(worker_id), encode(env))
+        return rid, sub
+
+    async def frames(self, sub, n: int | None = None, timeout: float = 20.0) -> list[Frame]:
+        out: list[Frame] = []
+        while n is None or len(out) < n:
+            out.append(decode(Frame, (await sub.next_msg(timeout=timeout)).data))
+            if out[-1].kind in ("end", "error"):
+                break
+        return out
+
+    async def release_of(self, rid: str, timeout: float = 10.0) -> list[str]:
+        await eventually(lambda: any(r.lease_id == f"lease-{rid}" for r in self.releases), timeout)
+        await asyncio.sleep(0.1)
+        return [r.outcome for r in self.releases if r.lease_id == f"lease-{rid}"]
+
+
+@pytest.fixture
+async def bus(nats_server):
+    nc = await connect(nats_server, "agent-test")
+    client = await Client(nc).start()
+    yield client
+    await client.watcher.stop()
+    await nc.close()
+
+
+@pytest.fixture
+def agents(nats_server, tmp_path, subprocess_env):
+    started: list[AgentProc] = []
+
+    def start(worker_id: str, agent_args=None, engine_args=None, ttl: float = 2.0) -> AgentProc:
+        a = AgentProc(nats_server, tmp_path, subprocess_env, worker_id, agent_args, engine_args, ttl).start()
+        started.append(a)
+        return a
+
+    yield start
+    for a in started:
+        a.cleanup()
+
+
+async def engine_running(url: str) -> int:
+    async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics") as resp:
+        return parse_engine_metrics(await resp.text()).running
+
+
+def chat(max_tokens: int, stream: bool, model: str = "smol") -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "Tell me a story."}],
+            "max_tokens": max_tokens, "stream": stream}
+
+
+async def test_registers_serves_streams_releases_and_reports_load(bus, agents):
+    metrics_port = free_port()
+    agent = agents("w-main", ["--metrics-port", str(metrics_port), "--max-pending", "7"],
+                   ["--served-model-name", "smol", "--startup-delay", "1"])
+    record = await bus.active("w-main")
+    seen = [c.record.status for c in bus.changes if c.record.worker_id == "w-main"]
+    assert seen[0] == WorkerStatus.STARTING  # announced, not routable, before health
+    assert record.model == "smol"  # the engine's own /v1/models
+    assert (record.engine, record.max_pending, record.ttl) == ("mock", 7, 2.0)
+    assert record.url.startswith("http://127.0.0.1:")
+
+    rid, sub = await bus.submit("w-main", chat(4, stream=True))
+    frames = await bus.frames(sub)
+    assert frames[0].kind == "head" and frames[0].status == 200
+    assert frames[-1].kind == "end"
+    chunks = [json.loads(f.body) for f in frames[1:-1]]
+    assert chunks and all(f.kind == "data" for f in frames[1:-1])
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert await bus.release_of(rid) == ["ok"]
+
+    rid2, sub2 = await bus.submit("w-main", {"model": "smol", "prompt": "Hi", "max_tokens": 3},
+                                  endpoint="/v1/completions")
+    head, end = await bus.frames(sub2)
+    assert (head.kind, head.status, end.kind) == ("head", 200, "end")
+    assert json.loads(head.body)["object"] == "text_completion"
+    assert await bus.release_of(rid2) == ["ok"]
+
+    load_sub = await bus.nc.subscribe(load_subject("w-main"))
+    report = decode(LoadReport, (await load_sub.next_msg(timeout=5)).data)
+    assert report.worker_id == "w-main" and report.in_flight == 0
+
+    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{metrics_port}/metrics") as resp:
+        text = await resp.text()
+    assert 'infera_agent_requests_total{outcome="ok"} 2.0' in text
+    assert alive(agent.pid)
+
+
+async def test_pending_limit_is_enforced_by_the_broker(bus, agents):
+    agents("w-full", ["--max-pending", "2"])
+    await bus.active("w-full")
+    long = [await bus.submit("w-full", chat(3000, stream=True)) for _ in range(2)]
+    for _, sub in long:
+        assert (await bus.frames(sub, n=1))[0].kind == "head"
+    with pytest.raises(ServiceUnavailableError, match="maximum messages"):
+        await bus.submit("w-full", chat(3, stream=False))
+    for rid, _ in long:
+        await bus.nc.publish(cancel_subject("w-full"), encode(Cancel(request_id=rid)))
+    assert [await bus.release_of(rid) for rid, _ in long] == [["cancelled"], ["cancelled"]]
+    rid, sub = await bus.submit("w-full", chat(3, stream=False))  # room again
+    assert (await bus.frames(sub))[-1].kind == "end"
+
+
+async def test_cancel_stops_the_generation_in_the_engine(bus, agents):
+    agents("w-cancel")
+    record = await bus.active("w-cancel")
+    rid, sub = await bus.submit("w-cancel", chat(3000, stream=True))
+    head, first = await bus.frames(sub, n=2)
+    assert (head.kind, first.kind) == ("head", "data")
+    assert await eventually_async(lambda: engine_running(record.url), lambda n: n == 1, 5)
+    await bus.nc.publish(cancel_subject("w-cancel"), encode(Cancel(request_id=rid)))
+    rest = await bus.frames(sub)
+    assert rest[-1].kind == "error" and rest[-1].status == 499
+    assert await bus.release_of(rid) == ["cancelled"]
+    assert await eventually_async(lambda: engine_running(record.url), lambda n: n == 0, 5)
+
+
+async def eventually_async(probe, accept, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if accept(await probe()):
+            return True
+        await asyncio.sleep(0.1)
+    return False
+
+
+async def test_sigterm_drains_in_flight_work_then_leaves_and_stops_the_engine(bus, agents):
+    agent = agents("w-drain")
+    await bus.active("w-drain")
+    engine_pid = agent.engine_pid()
+    rid, sub = await bus.submit("w-drain", chat(250, stream=True))  # ~1.5 s of decoding
+    assert (await bus.frames(sub, n=1))[0].kind == "head"
+    os.kill(agent.pid, signal.SIGTERM)
+    assert await eventually(lambda: (r := bus.watcher.view.get("w-drain")) is not None
+                            and r.status == WorkerStatus.DRAINING, 5)
+    rid2, sub2 = await bus.submit("w-drain", chat(3, stream=False))  # raced in: refused, not run
+    assert [(f.kind, f.status) for f in await bus.frames(sub2)] == [("error", 503)]
+    frames = await bus.frames(sub)
+    assert frames[-1].kind == "end"  # the in-flight request finished
+    assert await bus.release_of(rid) == ["ok"]
+    assert await bus.release_of(rid2) == ["cancelled"]
+    assert await asyncio.to_thread(agent.wait, 20) == 0
+    assert bus.watcher.view.get("w-drain") is None
+    assert [c.kind for c in bus.changes if c.record.worker_id == "w-drain"][-1] == "leave"
+    assert not alive(engine_pid) and not group_members(engine_pid)
+    with pytest.raises(NotFoundError):
+        await bus.js.stream_info(request_stream("w-drain"))
+
+
+async def test_engine_death_deregisters_fails_in_flight_and_exits_nonzero(bus, agents):
+    agent = agents("w-crash", ttl=6.0)
+    await bus.active("w-crash")
+    engine_pid = agent.engine_pid()
+    rid, sub = await bus.submit("w-crash", chat(3000, stream=True))
+    assert (await bus.frames(sub, n=2))[1].kind == "data"
+    t0 = time.monotonic()
+    os.kill(engine_pid, signal.SIGKILL)
+    frames = await bus.frames(sub)
+    assert frames[-1].kind == "error" and frames[-1].status == 502
+    assert await bus.release_of(rid) == ["error"]
+    assert await eventually(lambda: bus.watcher.view.get("w-crash") is None, 5)
+    assert time.monotonic() - t0 < 6.0  # deleted at once, not aged out
+    assert await asyncio.to_thread(agent.wait, 20) == 128 + signal.SIGKILL
+    assert agent.event("engine_exited") is not None
+
+
+async def test_sigkilled_agent_takes_its_engine_along_and_ages_out(bus, agents):
+    agent = agents("w-kill")
+    await bus.active("w-kill")
+    engine_pid = agent.engine_pid()
+    assert alive(engine_pid)
+    t0 = time.monotonic()
+    os.kill(agent.pid, signal.SIGKILL)
+    assert await eventually(lambda: not alive(engine_pid) and not group_members(engine_pid), 5)
+    assert await eventually(lambda: bus.watcher.view.get("w-kill") is None, 2.0 + 2.0)
+    assert time.monotonic() - t0 <= 4.0
+    assert await eventually(lambda: not alive(agent.watchdog_pid()), 5)
+
+
+async def test_drain_timeout_cancels_what_is_left_and_still_exits_0(bus, agents):
+    agent = agents("w-slowdrain", ["--drain-timeout", "0.5"])
+    await bus.active("w-slowdrain")
+    rid, sub = await bus.submit("w-slowdrain", chat(3000, stream=True))
+    assert (await bus.frames(sub, n=2))[1].kind == "data"
+    os.kill(agent.pid, signal.SIGTERM)
+    frames = await bus.frames(sub)
+    assert frames[-1].kind == "error" and frames[-1].status == 503
+    assert await bus.release_of(rid) == ["cancelled"]
+    assert await asyncio.to_thread(agent.wait, 20) == 0
+    assert agent.event("drain_incomplete_cancelled")["cancelled"] == 1

@@ -1,0 +1,101 @@
+"""One envelope relayed to an (in-process) engine and back as frames."""
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+
+from infera_common.schemas import Frame, WorkEnvelope, decode
+from infera_worker_agent.relay import FrameSink, Relay
+
+from .fake_engine import FakeEngine
+
+
+@pytest.fixture
+async def engine():
+    e = await FakeEngine().start()
+    yield e
+    await e.close()
+
+
+@pytest.fixture
+async def session():
+    s = aiohttp.ClientSession()
+    yield s
+    await s.close()
+
+
+def envelope(body: dict, *, stream: bool, deadline_in: float = 30.0, rid: str = "req-1") -> WorkEnvelope:
+    return WorkEnvelope(
+        request_id=rid, endpoint="/v1/chat/completions", body=json.dumps(body).encode(), stream=stream,
+        reply_subject="_INBOX.test.1", deadline=time.time() + deadline_in, lease_id="lease-1", router_id="r1",
+    )
+
+
+async def relay(session, url, env):
+    sent: list[tuple[str, Frame]] = []
+
+    async def publish(subject, data):
+        sent.append((subject, decode(Frame, data)))
+
+    outcome = await Relay(session, url).run(env, FrameSink(publish, env.reply_subject))
+    assert all(subject == env.reply_subject for subject, _ in sent)
+    frames = [f for _, f in sent]
+    assert [f.seq for f in frames] == list(range(len(frames)))
+    return outcome, frames
+
+
+async def test_stream_becomes_head_data_end(engine, session):
+    env = envelope({"stream": True, "events": 3}, stream=True)
+    outcome, frames = await relay(session, engine.url, env)
+    assert outcome == "ok"
+    assert [f.kind for f in frames] == ["head", "data", "data", "data", "end"]
+    assert frames[0].status == 200
+    assert [json.loads(f.body) for f in frames[1:4]] == [{"i": 0}, {"i": 1}, {"i": 2}]
+    got = engine.requests[0]
+    assert got["body"] == env.body  # forwarded verbatim
+    assert got["headers"]["x-request-id"] == "req-1"
+
+
+async def test_non_streaming_answer_is_one_head_with_the_body(engine, session):
+    outcome, frames = await relay(session, engine.url, envelope({"mode": "json"}, stream=False, rid="r-9"))
+    assert outcome == "ok"
+    assert [f.kind for f in frames] == ["head", "end"]
+    assert frames[0].status == 200 and json.loads(frames[0].body)["id"] == "r-9"
+
+
+@pytest.mark.parametrize("status, outcome", [(400, "ok"), (503, "error")])
+async def test_engine_error_on_a_stream_is_head_with_status_and_body(engine, session, status, outcome):
+    got, frames = await relay(session, engine.url, envelope({"mode": "status", "status": status}, stream=True))
+    assert got == outcome
+    assert [f.kind for f in frames] == ["head", "end"]
+    assert frames[0].status == status and json.loads(frames[0].body)["error"]["message"] == "nope"
+
+
+async def test_engine_dying_mid_stream_gives_an_error_frame_502(engine, session):
+    outcome, frames = await relay(session, engine.url, envelope({"stream": True, "mode": "drop", "events": 2}, stream=True))
+    assert outcome == "error"
+    assert [f.kind for f in frames][0] == "head" and frames[-1].kind == "error"
+    assert frames[-1].status == 502
+
+
+async def test_unreachable_engine_gives_an_error_frame_502(session):
+    from infera.procs import free_port
+
+    outcome, frames = await relay(session, f"http://127.0.0.1:{free_port()}", envelope({}, stream=False))
+    assert outcome == "error"
+    assert [(f.kind, f.status) for f in frames] == [("error", 502)]
+
+
+async def test_deadline_passing_mid_stream_is_expired_with_504(engine, session):
+    env = envelope({"stream": True, "mode": "hang", "events": 1}, stream=True, deadline_in=0.5)
+    outcome, frames = await relay(session, engine.url, env)
+    assert outcome == "expired"
+    assert [f.kind for f in frames] == ["head", "data", "error"] and frames[-1].status == 504
+    for _ in range(50):  # the engine sees its client go away
+        if engine.cancelled:
+            break
+        await asyncio.sleep(0.02)
+    assert engine.cancelled == ["req-1"]

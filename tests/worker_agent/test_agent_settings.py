@@ -1,0 +1,54 @@
+"""The agent's command line: its own flags, and everything else for the engine."""
+
+import re
+
+import pytest
+
+from infera_common.subjects import TOKEN_RE
+from infera_worker_agent.settings import parse_agent_cli
+
+
+def test_unknown_args_go_to_the_engine_in_order():
+    s, engine_args = parse_agent_cli(
+        ["--engine", "sglang", "--model-path", "/m", "--max-pending", "8", "--tp", "2", "--port", "30000", "x"]
+    )
+    assert s.engine == "sglang" and s.max_pending == 8
+    assert engine_args == ["--model-path", "/m", "--tp", "2", "--port", "30000", "x"]
+
+
+def test_everything_after_double_dash_is_the_engines_even_agent_flag_names():
+    s, engine_args = parse_agent_cli(["--engine", "mock", "--log-level", "warning", "--", "--log-level", "debug"])
+    assert s.log_level == "warning"
+    assert engine_args == ["--log-level", "debug"]
+
+
+def test_defaults():
+    s, engine_args = parse_agent_cli(["--engine", "vllm"])
+    assert engine_args == []
+    assert (s.max_pending, s.drain_timeout, s.health_timeout, s.engine_stop_timeout) == (512, 30.0, 1800.0, 10.0)
+    assert (s.load_interval, s.discovery_ttl, s.role) == (1.0, 6.0, "aggregated")
+    assert (s.metrics_host, s.metrics_port, s.advertise_host) == ("127.0.0.1", 9200, None)
+    assert re.fullmatch(r"vllm-[0-9a-f]{8}", s.worker_id) and TOKEN_RE.match(s.worker_id)
+
+
+def test_env_var_sets_a_flag_and_the_command_line_wins(monkeypatch):
+    monkeypatch.setenv("INFERA_MAX_PENDING", "7")
+    assert parse_agent_cli(["--engine", "mock"])[0].max_pending == 7
+    assert parse_agent_cli(["--engine", "mock", "--max-pending", "9"])[0].max_pending == 9
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        ([], "--engine"),
+        (["--engine", "tgi"], "--engine"),
+        (["--engine", "mock", "--worker-id", "a.b"], "--worker-id"),
+        (["--engine", "mock", "--max-pending", "0"], "--max-pending"),
+        (["--engine", "mock", "--role", "both"], "--role"),
+    ],
+)
+def test_bad_agent_flags_exit_2_naming_the_flag(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_agent_cli(argv)
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err

@@ -1,0 +1,97 @@
+"""Startup failures: each ends the agent quickly, with a clear reason, leaving nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from infera_common.discovery import Watcher
+from infera_common.nats_conn import connect
+
+from .agent_proc import AgentProc, alive, group_members, wait_until
+
+
+@pytest.fixture
+def agent(nats_server, tmp_path, subprocess_env):
+    started: list[AgentProc] = []
+
+    def start(worker_id, agent_args=None, engine_args=None) -> AgentProc:
+        a = AgentProc(nats_server, tmp_path, subprocess_env, worker_id, agent_args, engine_args).start()
+        started.append(a)
+        return a
+
+    yield start
+    for a in started:
+        a.cleanup()
+
+
+async def test_engine_failing_at_startup_ends_the_agent_with_its_code_and_output(nats_server, agent):
+    nc = await connect(nats_server, "t")
+    changes = []
+    watcher = Watcher(nc.jetstream(), on_change=changes.append)
+    await watcher.start()
+    try:
+        t0 = time.monotonic()
+        a = agent("w-bad-model", engine_args=["--model-path", "/nonexistent/model"])
+        code = await asyncio.to_thread(a.wait, 30)
+        assert code == 2  # the mock engine's own exit status (argparse error)
+        assert time.monotonic() - t0 < 20
+        failed = a.event("engine_exited_during_startup")
+        assert failed is not None and failed["exit_code"] == 2
+        assert any("not a local directory" in line for line in failed["output_tail"])
+        await asyncio.sleep(0.3)
+        assert watcher.view.get("w-bad-model") is None  # announced as starting, then removed
+        assert not alive(a.watchdog_pid())
+    finally:
+        await watcher.stop()
+        await nc.close()
+
+
+def test_health_timeout_stops_the_engine_and_fails(agent):
+    a = agent("w-slow", ["--health-timeout", "1"], ["--startup-delay", "60"])
+    engine_pid = a.engine_pid()
+    assert a.wait(30) == 1
+    assert a.event("engine_health_timeout") is not None
+    assert not alive(engine_pid) and not group_members(engine_pid)
+
+
+def test_sigterm_during_startup_stops_cleanly(agent):
+    a = agent("w-early-stop", engine_args=["--startup-delay", "60"])
+    engine_pid = a.engine_pid()
+    os.kill(a.pid, signal.SIGTERM)
+    assert a.wait(20) == 0
+    assert a.event("stopped_during_startup") is not None
+    assert wait_until(lambda: not alive(engine_pid), 5)
+
+
+def _run_agent(args, env, timeout=20.0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "infera_worker_agent", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_unusable_engine_port_fails_before_anything_starts(nats_server, subprocess_env):
+    r = _run_agent(["--engine", "sglang", "--nats-url", nats_server, "--port", "http"], subprocess_env)
+    assert r.returncode == 2
+    assert "--port" in r.stderr and "engine_spawned" not in r.stderr
+
+
+def test_busy_metrics_port_fails_before_the_engine_starts(nats_server, subprocess_env):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = _run_agent(["--engine", "mock", "--nats-url", nats_server, "--metrics-port", str(port)], subprocess_env)
+    assert r.returncode == 2
+    assert "--metrics-port" in r.stderr and "engine_spawned" not in r.stderr
+
+
+def test_unsupported_plane_is_refused_naming_the_flag(nats_server, subprocess_env):
+    r = _run_agent(["--engine", "mock", "--nats-url", nats_server, "--discovery-backend", "etcd"], subprocess_env)
+    assert r.returncode != 0 and "--discovery-backend" in r.stderr

@@ -1,0 +1,202 @@
+"""The request plane of one worker in-process: real nats-server, scripted engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+
+from infera_common.nats_conn import connect, ensure_request_stream
+from infera_common.schemas import Cancel, Frame, Release, WorkEnvelope, decode, encode
+from infera_common.subjects import cancel_subject, request_stream, router_release_subject, work_consumer, work_subject
+from infera_worker_agent.health import EngineAborter
+from infera_worker_agent.metrics import AgentMetrics
+from infera_worker_agent.relay import Relay
+from infera_worker_agent.worker import RequestWorker, StopReason
+
+from .fake_engine import FakeEngine
+
+WID = "w-test"
+ROUTER = "router-t"
+
+
+class Harness:
+    def __init__(self, nc, engine: FakeEngine, worker: RequestWorker, metrics: AgentMetrics, session) -> None:
+        self.nc, self.js, self.engine, self.worker, self.metrics, self.session = nc, nc.jetstream(), engine, worker, metrics, session
+        self.releases: list[Release] = []
+        self._n = 0
+
+    async def start(self) -> None:
+        async def on_release(msg):
+            self.releases.append(decode(Release, msg.data))
+
+        await self.nc.subscribe(router_release_subject(ROUTER), cb=on_release)
+
+    async def submit(self, body: dict, *, stream: bool = True, deadline_in: float = 30.0, rid: str | None = None):
+        """Publish an envelope; returns (request_id, frame subscription)."""
+        self._n += 1
+        rid = rid or f"req-{self._n}"
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        env = WorkEnvelope(request_id=rid, endpoint="/v1/completions", body=json.dumps(body).encode(), stream=stream,
+                           reply_subject=inbox, deadline=time.time() + deadline_in, lease_id=f"lease-{rid}",
+                           router_id=ROUTER)
+        await self.js.publish(work_subject(WID), encode(env))
+        return rid, sub
+
+    async def frames(self, sub, timeout: float = 10.0) -> list[Frame]:
+        out = []
+        while True:
+            f = decode(Frame, (await sub.next_msg(timeout=timeout)).data)
+            out.append(f)
+            if f.kind in ("end", "error"):
+                return out
+
+    async def released(self, lease_id: str, timeout: float = 5.0) -> list[Release]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = [r for r in self.releases if r.lease_id == lease_id]
+            if got:
+                await asyncio.sleep(0.1)  # a second release would show up now
+                return [r for r in self.releases if r.lease_id == lease_id]
+            await asyncio.sleep(0.01)
+        return []
+
+    async def stream_msgs(self) -> int:
+        return (await self.js.stream_info(request_stream(WID))).state.messages
+
+
+async def make_harness(nats_url: str, *, max_pending: int = 16, ack_wait: float = 30.0):
+    nc = await connect(nats_url, "test")
+    engine = await FakeEngine().start()
+    session = aiohttp.ClientSession()
+    metrics = AgentMetrics()
+    await ensure_request_stream(nc.jetstream(), WID, max_pending, 60.0)
+    worker = RequestWorker(nc=nc, js=nc.jetstream(), worker_id=WID, max_pending=max_pending,
+                           relay=Relay(session, engine.url), abort=EngineAborter(session, engine.url, "/abort_request"),
+                           metrics=metrics, ack_wait=ack_wait)
+    await worker.start()
+    h = Harness(nc, engine, worker, metrics, session)
+    await h.start()
+    return h
+
+
+async def close_harness(h: Harness) -> None:
+    await h.worker.close()
+    await h.session.close()
+    await h.engine.close()
+    await h.nc.close()
+
+
+@pytest.fixture
+async def h(nats_server):
+    harness = await make_harness(nats_server)
+    yield harness
+    await close_harness(harness)
+
+
+async def test_stream_relayed_acked_and_released_once(h):
+    rid, sub = await h.submit({"stream": True, "events": 2})
+    frames = await h.frames(sub)
+    assert [f.kind for f in frames] == ["head", "data", "data", "end"]
+    assert [r.outcome for r in await h.released(f"lease-{rid}")] == ["ok"]
+    assert await h.stream_msgs() == 0  # acked: gone from the work queue
+    assert h.worker.in_flight == 0
+
+
+async def test_many_concurrent_requests_each_released_exactly_once(h):
+    subs = [await h.submit({"stream": True, "events": 3, "delay": 0.05}) for _ in range(12)]
+    for _, sub in subs:
+        assert (await h.frames(sub))[-1].kind == "end"
+    for rid, _ in subs:
+        assert [r.outcome for r in await h.released(f"lease-{rid}", timeout=2)] == ["ok"]
+    assert len(h.releases) == 12
+    assert h.metrics.requests.labels("ok")._value.get() == 12
+
+
+async def test_malformed_envelope_is_dropped_counted_and_the_worker_goes_on(h):
+    await h.js.publish(work_subject(WID), b"\x93not an envelope")
+    await h.js.publish(work_subject(WID), encode(Cancel(request_id="wrong type")))
+    rid, sub = await h.submit({"mode": "json"}, stream=False)
+    assert [f.kind for f in await h.frames(sub)] == ["head", "end"]
+    assert h.metrics.bad_envelopes._value.get() == 2
+    await asyncio.sleep(0.1)
+    assert await h.stream_msgs() == 0
+    assert len(h.releases) == 1
+
+
+async def test_expired_envelope_is_not_sent_to_the_engine(h):
+    rid, sub = await h.submit({"mode": "json"}, stream=False, deadline_in=-1)
+    frames = await h.frames(sub)
+    assert [(f.kind, f.status) for f in frames] == [("error", 504)]
+    assert [r.outcome for r in await h.released(f"lease-{rid}")] == ["expired"]
+    assert h.engine.requests == []
+
+
+async def test_cancel_before_the_envelope_drops_it(h):
+    await h.nc.publish(cancel_subject(WID), encode(Cancel(request_id="early")))
+    await h.nc.flush()
+    await asyncio.sleep(0.1)
+    rid, sub = await h.submit({"mode": "json"}, stream=False, rid="early")
+    frames = await h.frames(sub)
+    assert [f.kind for f in frames] == ["error"]
+    assert [r.outcome for r in await h.released("lease-early")] == ["cancelled"]
+    assert h.engine.requests == []
+
+
+async def test_cancel_in_flight_closes_the_engine_connection_and_aborts(h):
+    rid, sub = await h.submit({"stream": True, "mode": "hang", "events": 1})
+    first = [decode(Frame, (await sub.next_msg(timeout=5)).data) for _ in range(2)]
+    assert [f.kind for f in first] == ["head", "data"]
+    await h.nc.publish(cancel_subject(WID), encode(Cancel(request_id=rid)))
+    rest = await h.frames(sub)
+    assert [(f.kind, f.status) for f in rest] == [("error", 499)]
+    assert [r.outcome for r in await h.released(f"lease-{rid}")] == ["cancelled"]
+    for _ in range(100):
+        if h.engine.cancelled and h.engine.aborts:
+            break
+        await asyncio.sleep(0.02)
+    assert h.engine.cancelled == [rid] and h.engine.aborts == [rid]
+    assert h.metrics.cancels._value.get() == 1
+    assert await h.stream_msgs() == 0
+
+
+async def test_drain_refuses_queued_work_while_in_flight_work_finishes(h):
+    rid, sub = await h.submit({"stream": True, "events": 4, "delay": 0.2})
+    await sub.next_msg(timeout=5)  # head: it is running
+    h.worker.begin_drain(StopReason("cancelled", 503, "draining", abort_engine=False))
+    rid2, sub2 = await h.submit({"mode": "json"}, stream=False)
+    assert [(f.kind, f.status) for f in await h.frames(sub2)] == [("error", 503)]
+    assert [r.outcome for r in await h.released(f"lease-{rid2}")] == ["cancelled"]
+    assert (await h.frames(sub))[-1].kind == "end"
+    assert await h.worker.wait_idle(5)
+    assert [r.outcome for r in await h.released(f"lease-{rid}")] == ["ok"]
+    assert len(h.engine.requests) == 1
+
+
+async def test_stop_all_fails_in_flight_requests_with_the_reason(h):
+    rid, sub = await h.submit({"stream": True, "mode": "hang", "events": 1})
+    await sub.next_msg(timeout=5)
+    await sub.next_msg(timeout=5)
+    assert h.worker.stop_all(StopReason("error", 502, "engine exited", abort_engine=False)) == 1
+    frames = await h.frames(sub)
+    assert [(f.kind, f.status, f.message) for f in frames] == [("error", 502, "engine exited")]
+    assert [r.outcome for r in await h.released(f"lease-{rid}")] == ["error"]
+    assert h.engine.aborts == []
+
+
+async def test_long_request_is_kept_alive_past_ack_wait(nats_server):
+    h = await make_harness(nats_server, ack_wait=1.0)
+    try:
+        rid, sub = await h.submit({"stream": True, "events": 5, "delay": 0.6})
+        await asyncio.sleep(2.0)  # twice the ack wait, still running
+        info = await h.js.consumer_info(request_stream(WID), work_consumer(WID))
+        assert info.num_ack_pending == 1 and info.num_redelivered == 0
+        assert (await h.frames(sub))[-1].kind == "end"
+        await h.released(f"lease-{rid}")
+        assert await h.stream_msgs() == 0  # the late ack still removed it from the queue
+    finally:
+        await close_harness(h)
