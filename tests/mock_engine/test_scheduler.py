@@ -4,19 +4,26 @@ import itertools
 
 import pytest
 
-from infera_mock_engine.kv_blocks import KvBlockManager
+from infera_mock_engine.kv_events import BlockRemoved, BlockStored
+from infera_mock_engine.prefix_cache import PrefixCache
 from infera_mock_engine.scheduler import RUNNING, WAITING, Finished, Scheduler, SchedulerConfig, Sequence
 from infera_mock_engine.timing import TimingModel
 
 
-def make(max_running=8, budget=8192, blocks=1000, page=16):
-    kv = KvBlockManager(blocks, page)
-    return Scheduler(SchedulerConfig(max_running, budget), kv, TimingModel())
+def make(max_running=8, budget=8192, blocks=1000, page=16, on_kv_events=None):
+    kv = PrefixCache(blocks, page)
+    return Scheduler(SchedulerConfig(max_running, budget), kv, TimingModel(), on_kv_events)
 
 
-def seq(rid, prompt_len, max_new=5, reason="length"):
+_prompt_bases = itertools.count(1)
+
+
+def seq(rid, prompt_len, max_new=5, reason="length", prompt=None):
+    """A sequence with its own prompt (distinct from every other's unless `prompt` is given)."""
     counter = itertools.count(100)
-    return Sequence(rid=rid, prompt_ids=list(range(prompt_len)), max_new_tokens=max_new, limit_reason=reason,
+    base = 10_000 * next(_prompt_bases)
+    ids = list(prompt) if prompt is not None else list(range(base, base + prompt_len))
+    return Sequence(rid=rid, prompt_ids=ids, max_new_tokens=max_new, limit_reason=reason,
                     next_token=lambda: next(counter))
 
 
@@ -181,7 +188,7 @@ def test_zero_new_tokens_is_prefill_only():
 async def test_the_loop_survives_a_failing_step_and_keeps_serving():
     import asyncio
 
-    sched = Scheduler(SchedulerConfig(), KvBlockManager(100, 16), TimingModel(speedup=1000))
+    sched = Scheduler(SchedulerConfig(), PrefixCache(100, 16), TimingModel(speedup=1000))
     task = asyncio.create_task(sched.run())
     try:
         def boom() -> int:
@@ -197,3 +204,92 @@ async def test_the_loop_survives_a_failing_step_and_keeps_serving():
         assert got == [100, 101, Finished("length")]
     finally:
         task.cancel()
+
+
+def run_to_end(sched: Scheduler, *seqs: Sequence, limit: int = 500) -> None:
+    for _ in range(limit):
+        if all(s.state == "finished" for s in seqs):
+            return
+        run_step(sched)
+    raise AssertionError("sequences did not finish")
+
+
+def test_a_repeated_prompt_is_charged_prefill_only_for_its_uncached_tokens():
+    sched = make(page=16)
+    prompt = list(range(500, 600))  # 100 tokens: 6 full blocks
+    first = seq("first", 0, max_new=2, prompt=prompt)
+    sched.add(first)
+    step = sched.plan_step()
+    assert step.prefill_tokens == 100 and step.seconds == pytest.approx(TimingModel().step_seconds(100, 0, step.kv_usage))
+    sched.finish_step(step)
+    run_to_end(sched, first)
+    assert first.cached_tokens == 0
+    again = seq("again", 0, max_new=2, prompt=prompt)
+    sched.add(again)
+    step = sched.plan_step()
+    assert again.cached_tokens == 96  # 6 full blocks reused; the 4 tokens after them are computed
+    assert step.prefill_tokens == 4
+    assert step.seconds == pytest.approx(TimingModel().step_seconds(4, 0, step.kv_usage))
+    sched.finish_step(step)
+    run_to_end(sched, again)
+    assert (sched.stats.prompt_tokens, sched.stats.cached_tokens) == (200, 96)
+
+
+def test_a_prompt_sharing_only_a_prefix_reuses_only_that_prefix():
+    sched = make(page=16)
+    system = list(range(700, 740))  # 40 tokens: 2 full blocks
+    a = seq("a", 0, max_new=1, prompt=system + [1, 2, 3])
+    sched.add(a)
+    run_to_end(sched, a)
+    b = seq("b", 0, max_new=1, prompt=system + [9, 9, 9, 9, 9])
+    sched.add(b)
+    step = sched.plan_step()
+    assert b.cached_tokens == 32 and step.prefill_tokens == 45 - 32
+
+
+def test_each_step_publishes_its_kv_events_as_one_batch():
+    batches = []
+    sched = make(blocks=6, page=4, on_kv_events=batches.append)
+    a = seq("a", 9, max_new=4)  # 9 prompt tokens: 2 full blocks stored by the prefill step
+    sched.add(a)
+    run_step(sched)
+    sched.publish_kv_events()
+    assert len(batches) == 1 and [type(e) for e in batches[0]] == [BlockStored]
+    assert len(batches[0][0].block_hashes) == 2 and batches[0][0].token_ids == a.prompt_ids[:8]
+    for _ in range(3):
+        run_step(sched)
+        sched.publish_kv_events()
+    # by now a's 3rd block (prompt token 9 + 3 generated) was stored, chained to the 2nd
+    stored = [e for batch in batches[1:] for e in batch if isinstance(e, BlockStored)]
+    assert stored and stored[0].parent_block_hash == batches[0][0].block_hashes[-1]
+    assert stored[0].token_ids == a.tokens[8:12]
+    assert a.state == "finished"
+    b = seq("b", 20, max_new=1)  # needs every block: a's cached ones are evicted, tail first
+    sched.add(b)
+    run_step(sched)
+    sched.publish_kv_events()
+    removed = [h for e in batches[-1] if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert removed == [stored[0].block_hashes[0], *reversed(batches[0][0].block_hashes)]
+
+
+def test_a_preempted_sequence_recomputes_from_its_cached_blocks():
+    sched = make(blocks=8, page=4)
+    a = seq("a", 11, max_new=10)  # up to 6 blocks
+    b = seq("b", 5, max_new=10)  # up to 4 blocks: both cannot finish together
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    for _ in range(20):
+        run_step(sched)
+        if b.state == WAITING:
+            break
+    assert b.state == WAITING and sched.stats.preemptions == 1
+    assert sched.kv.match(b.tokens) == 8  # b's 2 full blocks stayed cached when it was preempted
+    while b.state == WAITING:
+        step = sched.plan_step()
+        readmitted = [n for s, n in step.prefill if s is b]
+        sched.finish_step(step)
+    assert readmitted == [b.prefill_target - 8]  # only the tokens after the cached blocks are recomputed
+    run_to_end(sched, a, b)
+    assert len([t for t in drain(b) if not isinstance(t, Finished)]) == 10
+    assert b.cached_tokens == 0  # reported reuse is the first admission's, not the recompute's

@@ -60,7 +60,9 @@ def test_python_m_with_runbook_flags_cold_start_and_sigterm(model_dir, tmp_path,
 def test_vllm_serve_style_positional_model(model_dir, tmp_path, subprocess_env):
     port = free_port()
     proc = _start(["serve", str(model_dir), "--engine-flavor", "vllm", "--port", str(port),
-                   "--served-model-name", "smol", "--block-size", "16"], subprocess_env, tmp_path / "e.log")
+                   "--served-model-name", "smol", "--block-size", "16", "--kv-events-config",
+                   '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:0"}'],
+                  subprocess_env, tmp_path / "e.log")
     try:
         wait_port("127.0.0.1", port, 10, proc)
         deadline = time.monotonic() + 15
@@ -73,6 +75,9 @@ def test_vllm_serve_style_positional_model(model_dir, tmp_path, subprocess_env):
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
         assert models["data"][0]["id"] == "smol" and models["data"][0]["owned_by"] == "vllm"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/kv_event_sources", timeout=5) as r:
+            sources = json.loads(r.read())
+        assert len(sources) == 1 and sources[0]["endpoint"].startswith("tcp://0.0.0.0:")
     finally:
         assert stop_process(proc) == 0
 

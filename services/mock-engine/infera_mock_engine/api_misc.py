@@ -70,6 +70,8 @@ def _load(engine: Engine) -> dict[str, Any]:
         "num_used_tokens": kv.used_blocks * kv.page_size,
         "max_total_num_tokens": kv.capacity_tokens,
         "token_usage": kv.usage,
+        "num_cached_blocks": kv.cached_blocks,
+        "num_evictable_tokens": kv.evictable_blocks * kv.page_size,
         "cache_hit_rate": (s.stats.cached_tokens / s.stats.prompt_tokens) if s.stats.prompt_tokens else 0.0,
         "max_running_requests": engine.config.max_running_requests,
     }
@@ -84,7 +86,7 @@ async def server_info(request: web.Request) -> web.Response:
         dp_size=1,
         tp_size=1,
         disaggregation_mode="null",
-        kv_events=None,
+        kv_events=engine.publisher.descriptor() if engine.publisher is not None else None,
         status="ready" if engine.ready.is_set() else "starting",
         uptime_s=time.monotonic() - request.app[STARTED],
         internal_states=[_load(engine)],

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infera_mock_engine.kv_events_config import KvEventsConfig
+
 FLAVORS = ("sglang", "vllm")
 DEFAULT_PORTS = {"sglang": 30000, "vllm": 8000}
 
@@ -28,12 +30,19 @@ class EngineConfig:
     startup_delay: float = 0.0
     enable_metrics: bool = False
     mock_output_len: int = 128
+    kv_events: KvEventsConfig | None = None  # --kv-events-config; None = not given
+    kv_events_ignored: tuple[str, ...] = ()  # keys the flavour's engine ignores (warned about at start)
+    kv_hash_seed: str | None = None  # seeds the engine's block hashes (PYTHONHASHSEED, as vLLM); None = random
     ignored_args: tuple[str, ...] = ()
     model_config: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def served_model_name(self) -> str:
         return self.served_model_names[0]
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        return self.kv_events is not None and self.kv_events.publishes
 
     @property
     def max_total_tokens(self) -> int:
@@ -43,6 +52,12 @@ class EngineConfig:
         """The resolved arguments, with the names both engines use for them."""
         d = asdict(self)
         d.pop("model_config")
+        d.pop("kv_hash_seed")
+        kv = d.pop("kv_events")
+        if kv is not None:
+            kv.pop("flavor")
+        d["kv_events_config"] = kv
+        d["kv_events_ignored"] = list(self.kv_events_ignored)
         d["served_model_name"] = self.served_model_name
         d["max_total_num_tokens"] = self.max_total_tokens
         d["max_total_tokens"] = self.max_total_tokens

@@ -7,8 +7,10 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
+from infera_mock_engine.block_hasher import BlockHasher, random_seed
 from infera_mock_engine.config import EngineConfig
-from infera_mock_engine.kv_blocks import KvBlockManager
+from infera_mock_engine.kv_publisher import KvEventPublisher
+from infera_mock_engine.prefix_cache import PrefixCache
 from infera_mock_engine.scheduler import Finished, Scheduler, SchedulerConfig, Sequence
 from infera_mock_engine.stops import StopMatcher
 from infera_mock_engine.textgen import TokenStream, WordVocab, stream_seed
@@ -135,10 +137,15 @@ class Engine:
         self.vocab = WordVocab(tokenizer.vocab, tokenizer.decode)
         eos = tokenizer.special.get("eos_token")
         self.eos_token_id = tokenizer.tokenizer.token_to_id(eos) if eos else None
-        self.kv = KvBlockManager(config.num_kv_blocks, config.page_size)
+        hasher = BlockHasher(random_seed(config.kv_hash_seed), signed=config.engine_flavor == "sglang")
+        self.kv = PrefixCache(config.num_kv_blocks, config.page_size, hasher)
         self.timing = TimingModel(speedup=config.speedup)
+        self.publisher: KvEventPublisher | None = None
+        if config.kv_events is not None and config.publishes_kv_events:
+            self.publisher = KvEventPublisher(config.kv_events, config.engine_flavor, config.page_size, dp_rank=0)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_running_requests, config.max_num_batched_tokens), self.kv, self.timing
+            SchedulerConfig(config.max_running_requests, config.max_num_batched_tokens), self.kv, self.timing,
+            on_kv_events=self.publisher.publish if self.publisher else None,
         )
         self.ready = asyncio.Event()
         self._by_rid: dict[str, set[Sequence]] = {}
@@ -146,6 +153,8 @@ class Engine:
 
     # ---- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
+        if self.publisher is not None:
+            self.publisher.start()  # raises PublisherError: the engine does not start
         self._task = asyncio.create_task(self.scheduler.run(), name="mock-engine-scheduler")
         if self.config.startup_delay > 0:
             asyncio.get_running_loop().call_later(self.config.startup_delay, self.ready.set)
@@ -158,6 +167,8 @@ class Engine:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self.publisher is not None:
+            await self.publisher.close()
 
     # ---- requests ----------------------------------------------------------------
     def validate(self, params: GenerationParams) -> tuple[int, str]:
@@ -224,6 +235,25 @@ class Engine:
 
     def abort_all(self) -> int:
         return self.scheduler.abort_all()
+
+    # ---- the prefix cache ----------------------------------------------------------
+    def flush_cache(self) -> bool:
+        """SGLang /flush_cache: drop every cached block, only when no request is running or waiting."""
+        if self.scheduler.num_running or self.scheduler.num_waiting:
+            return False
+        return self._clear_cache()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM /reset_prefix_cache: refused while blocks are in use, unless running requests are
+        preempted first (they recompute afterwards)."""
+        if reset_running_requests:
+            self.scheduler.preempt_all()
+        return self._clear_cache()
+
+    def _clear_cache(self) -> bool:
+        ok = self.kv.clear()
+        self.scheduler.publish_kv_events()  # AllBlocksCleared goes out at once, after any pending events
+        return ok
 
     def _forget(self, seq: Sequence) -> None:
         seqs = self._by_rid.get(seq.rid)

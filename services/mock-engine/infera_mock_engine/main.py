@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from infera_mock_engine.config import DEFAULT_PORTS, FLAVORS, EngineConfig, default_context_length, read_model_config
+from infera_mock_engine.kv_events_config import KvEventsConfigError, parse_kv_events_config
 
 log = logging.getLogger("infera_mock_engine")
 
@@ -95,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mock-output-len", type=_positive_int, default=128,
                    help="tokens generated when a request sets no max_tokens; the output then ends with "
                    "finish_reason 'stop' as if EOS was sampled (default 128, SGLang's max_new_tokens default)")
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish KV cache events on ZMQ, as the real engine of the chosen flavour does: "
+                   "'{\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
+                   "\"tcp://*:5558\", \"topic\": \"\", \"buffer_steps\": 10000, \"hwm\": 100000}'; "
+                   "vLLM also needs \"enable_kv_cache_events\": true, SGLang ignores it. An endpoint with * "
+                   "binds (tcp://*:0 = a free port, reported by /kv_event_sources and /server_info), "
+                   "tcp://host:port connects")
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=["debug", "info", "warning", "error", "critical"], help="log level (default info)")
     return p
@@ -129,6 +138,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, str]:
     if not (tok_dir / "tokenizer.json").is_file():
         parser.error(f"{tok_dir / 'tokenizer.json'} not found: the mock engine needs the model's tokenizer.json")
     model_config = read_model_config(model_dir)
+    kv_events, kv_ignored = None, []
+    if ns.kv_events_config is not None:
+        try:
+            kv_events, kv_ignored = parse_kv_events_config(ns.kv_events_config, ns.engine_flavor)
+        except KvEventsConfigError as e:
+            parser.error(f"--kv-events-config: {e}")
     num_blocks = ns.num_kv_blocks
     if num_blocks is None:
         num_blocks = max(1, ns.max_total_tokens // ns.page_size) if ns.max_total_tokens else 16384
@@ -148,6 +163,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, str]:
         startup_delay=ns.startup_delay,
         enable_metrics=ns.enable_metrics,
         mock_output_len=ns.mock_output_len,
+        kv_events=kv_events,
+        kv_events_ignored=tuple(kv_ignored),
+        kv_hash_seed=os.environ.get("PYTHONHASHSEED"),
         ignored_args=tuple(unknown),
         model_config=model_config,
     )
@@ -170,6 +188,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if config.ignored_args:
         log.warning("ignoring flags the mock engine does not simulate: %s", " ".join(config.ignored_args))
+    for key in config.kv_events_ignored:
+        if key == "enable_kv_cache_events":
+            log.warning("--kv-events-config: SGLang ignores enable_kv_cache_events; it publishes only with "
+                        "\"publisher\": \"zmq\"")
+        else:
+            log.warning("--kv-events-config: ignoring unknown key %r (as SGLang does)", key)
     import signal
     import socket
 
@@ -186,11 +210,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     from infera_mock_engine.server import run_forever
 
+    from infera_mock_engine.kv_publisher import PublisherError
+
     _install_uvloop()
     try:
         asyncio.run(run_forever(config, sock))
     except KeyboardInterrupt:
         pass
+    except PublisherError as e:
+        log.error("%s", e)
+        return 1
     return 0
 
 

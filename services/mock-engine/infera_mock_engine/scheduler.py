@@ -3,9 +3,12 @@
 Per step: sequences already decoding each grow by one token (preempting the newest running
 sequence back to the queue when KV blocks run out, as vLLM does); sequences still prefilling get
 their next chunk; then waiting sequences are admitted in FIFO order while there is a running slot,
-prefill token budget and KV blocks for their prompt. The step costs `TimingModel.step_seconds`
-(divided by the speedup); at its end every sequence whose prefill completed or that was decoding
-emits one token. With nothing to do the loop blocks on an event.
+prefill token budget and KV blocks for their prompt. Admission reuses the prompt's cached prefix
+(`PrefixCache.admit`): only the uncached tokens are prefilled, and only they cost prefill time.
+The step costs `TimingModel.step_seconds` (divided by the speedup); at its end the blocks the step
+filled are cached (`PrefixCache.commit`) and every sequence whose prefill completed or that was
+decoding emits one token. The KV events of one step (evictions while planning, stores at its end)
+go out as one batch through `on_kv_events`. With nothing to do the loop blocks on an event.
 
 `plan_step`/`finish_step` are synchronous and deterministic, so the policy is testable without a
 clock; `run` is the thin async loop around them.
@@ -20,7 +23,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from infera_mock_engine.kv_blocks import KvBlockManager
+from infera_mock_engine.kv_events import KvEvent
+from infera_mock_engine.prefix_cache import PrefixCache
 from infera_mock_engine.timing import TimingModel
 
 log = logging.getLogger("infera_mock_engine.scheduler")
@@ -49,13 +53,16 @@ class Sequence:
     state: str = WAITING
     prefill_target: int = 0  # tokens to (re)compute before decoding: prompt (+ generated after preemption)
     prefilled: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache at first admission
     generated: int = 0
+    admitted: bool = False
     prompt_counted: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # token ids, then one Finished
+    tokens: list[int] = field(default_factory=list)  # prompt + generated ids (what the KV cache holds)
 
     def __post_init__(self) -> None:
         self.prefill_target = len(self.prompt_ids)
+        self.tokens = list(self.prompt_ids)
 
     @property
     def prompt_len(self) -> int:
@@ -104,10 +111,12 @@ class Stats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KvBlockManager, timing: TimingModel) -> None:
+    def __init__(self, config: SchedulerConfig, kv: PrefixCache, timing: TimingModel,
+                 on_kv_events: Callable[[list[KvEvent]], None] | None = None) -> None:
         self.config = config
         self.kv = kv
         self.timing = timing
+        self.on_kv_events = on_kv_events
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = Stats()
@@ -115,7 +124,6 @@ class Scheduler:
 
     # ---- requests in and out -------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        seq.cached_tokens = self.kv.lookup_prefix(seq.prompt_ids)
         seq.state = WAITING
         self.waiting.append(seq)
         self._wake.set()
@@ -143,6 +151,22 @@ class Scheduler:
             self.finish(seq, "abort", message)
         return len(seqs)
 
+    def preempt_all(self) -> int:
+        """Send every running sequence back to the queue (they recompute later); frees their blocks."""
+        victims = list(reversed(self.running))
+        for seq in victims:
+            self._preempt(seq)
+        return len(victims)
+
+    def publish_kv_events(self) -> None:
+        """Hand the KV events recorded since the last call to `on_kv_events` as one batch."""
+        events = self.kv.take_events()
+        if events and self.on_kv_events is not None:
+            try:
+                self.on_kv_events(events)
+            except Exception:  # noqa: BLE001 - publishing must never stall generation
+                log.exception("publishing %d KV events failed", len(events))
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -169,7 +193,7 @@ class Scheduler:
         for seq in decoders:
             if seq.state != RUNNING:
                 continue  # preempted as a victim of an earlier sequence
-            while not self.kv.reserve(seq.key, seq.total_len + 1):
+            while not self.kv.grow(seq.key, seq.total_len + 1):
                 self._preempt(self.running[-1])
                 if seq.state != RUNNING:
                     break
@@ -191,11 +215,15 @@ class Scheduler:
                 budget -= chunk
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             seq = self.waiting[0]
-            if not self.kv.reserve(seq.key, seq.prefill_target + 1):
+            hit = self.kv.admit(seq.key, seq.tokens, seq.prefill_target + 1)
+            if hit is None:
                 break  # FIFO: the head waits for blocks, nobody overtakes it
             self.waiting.popleft()
             seq.state = RUNNING
-            seq.prefilled = min(seq.cached_tokens, seq.prefill_target) if not seq.prompt_counted else 0
+            seq.prefilled = hit  # < prefill_target: the last token is always computed
+            if not seq.admitted:
+                seq.admitted = True
+                seq.cached_tokens = hit
             self.running.append(seq)
             chunk = min(seq.prefill_target - seq.prefilled, budget)
             step.prefill.append((seq, chunk))
@@ -212,6 +240,7 @@ class Scheduler:
             if seq.state != RUNNING:
                 continue
             seq.prefilled += chunk
+            self.kv.commit(seq.key, seq.tokens, seq.prefilled)
             if seq.prefilled >= seq.prefill_target:
                 if not seq.prompt_counted:
                     seq.prompt_counted = True
@@ -222,13 +251,16 @@ class Scheduler:
         for seq in emit:
             if seq.state != RUNNING:
                 continue
+            self.kv.commit(seq.key, seq.tokens, len(seq.tokens))  # the step computed every token so far
             if seq.generated >= seq.max_new_tokens:  # max_new_tokens == 0: prefill only
                 self.finish(seq, seq.limit_reason)
                 continue
+            token = seq.next_token()
+            seq.tokens.append(token)
             seq.generated += 1
             if not seq.internal:
                 self.stats.generation_tokens += 1
-            seq.events.put_nowait(seq.next_token())
+            seq.events.put_nowait(token)
             if seq.generated >= seq.max_new_tokens:
                 self.finish(seq, seq.limit_reason)
 
@@ -257,3 +289,4 @@ class Scheduler:
             except Exception:  # noqa: BLE001
                 log.exception("scheduler step failed; aborting in-flight requests")
                 self.abort_all("internal error in the mock engine's scheduler")
+            self.publish_kv_events()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from infera_mock_engine import api_misc, api_openai, api_sglang
+from infera_mock_engine import api_cache, api_misc, api_openai, api_sglang
 from infera_mock_engine.config import EngineConfig
 from infera_mock_engine.engine import Engine
 from infera_mock_engine.errors import make_error_middleware
@@ -34,6 +34,7 @@ def create_app(engine: Engine) -> web.Application:
     api_misc.add_routes(app)
     api_openai.add_routes(app)
     api_sglang.add_routes(app)
+    api_cache.add_routes(app)
 
     async def start_engine(_app: web.Application) -> None:
         await engine.start()
@@ -68,7 +69,11 @@ async def start_server(config: EngineConfig, sock: socket.socket | None = None) 
     engine = Engine(config, tokenizer)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its sequence
     runner = web.AppRunner(create_app(engine), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
-    await runner.setup()
+    try:
+        await runner.setup()  # starts the engine: the KV-event sockets open here (PublisherError)
+    except BaseException:
+        await runner.cleanup()
+        raise
     try:
         if sock is None:
             sock = bind_socket(config.host, config.port)
@@ -84,10 +89,11 @@ async def run_forever(config: EngineConfig, sock: socket.socket | None = None) -
     server = await start_server(config, sock)
     log.info(
         "mock %s engine serving %s on %s (up in %.2fs; page_size=%d kv_blocks=%d max_running=%d "
-        "max_batched_tokens=%d context=%d speedup=%g)",
+        "max_batched_tokens=%d context=%d speedup=%g%s)",
         config.engine_flavor, config.served_model_name, server.url, time.monotonic() - t0, config.page_size,
         config.num_kv_blocks, config.max_running_requests, config.max_num_batched_tokens, config.context_length,
         config.speedup,
+        f" kv_events={server.engine.publisher.bound_endpoint}" if server.engine.publisher else "",
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

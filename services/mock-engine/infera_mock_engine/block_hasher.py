@@ -1,0 +1,36 @@
+"""The engine's own block hashes: chained, keyed by a per-process seed (pure apart from `random_seed`).
+
+Like vLLM (whose chain starts from a random NONE_HASH unless PYTHONHASHSEED is set), the values
+differ between engine processes, so a consumer cannot rely on them: Infera recomputes its own
+hashes from the `token_ids` the events carry. vLLM reports unsigned 64-bit hashes, SGLang signed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from array import array
+from collections.abc import Sequence
+
+
+def random_seed(text: str | None = None) -> bytes:
+    """A 32-byte chain seed: derived from `text` (vLLM uses PYTHONHASHSEED this way), else random."""
+    if text is None:
+        return os.urandom(32)
+    return hashlib.sha256(text.encode()).digest()
+
+
+class BlockHasher:
+    """`digest` is the cache's chain key (16 bytes); `external` the 64-bit value put in events."""
+
+    def __init__(self, seed: bytes = b"", signed: bool = False) -> None:
+        self.seed = seed[:64]  # BLAKE2b key limit
+        self.signed = signed
+
+    def digest(self, parent: bytes | None, tokens: Sequence[int]) -> bytes:
+        h = hashlib.blake2b(parent or b"", digest_size=16, key=self.seed)
+        h.update(array("q", tokens).tobytes())
+        return h.digest()
+
+    def external(self, digest: bytes) -> int:
+        return int.from_bytes(digest[:8], "big", signed=self.signed)

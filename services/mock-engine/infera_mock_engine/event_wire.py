@@ -1,0 +1,70 @@
+"""KV events encoded as each engine puts them on the wire (pure).
+
+A ZMQ message is multipart `[topic, seq, payload]`, seq an 8-byte big-endian counter from 0 per
+publisher, payload one msgpack batch per scheduler step:
+
+- vllm: a map `{"ts", "events", "data_parallel_rank"}`; each event a map tagged "type" (vLLM's
+  msgspec structs with `tag=True`; fields without a default are always present):
+  `{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+  "lora_id", "medium", "lora_name"}`, `{"type": "BlockRemoved", "block_hashes", "medium"}`,
+  `{"type": "AllBlocksCleared"}`. One BlockStored per run of blocks a sequence stored in the step.
+- sglang: an array `[ts, events, dp_rank]`; each event a positional array tagged by its first
+  element (msgspec `array_like=True, tag=True`): `["BlockStored", block_hashes, parent_block_hash,
+  token_ids, block_size, lora_id, medium]`, `["BlockRemoved", block_hashes, medium]`,
+  `["AllBlocksCleared"]`. One BlockStored per block (page), parent-chained, as SGLang's radix
+  cache records them.
+
+Medium is "GPU", lora_id None. Replay end marker: seq -1 (8 bytes, signed) with an empty payload.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from infera_mock_engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+
+MEDIUM = "GPU"
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def encode_seq(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def encode_batch(flavor: str, ts: float, events: list[KvEvent], dp_rank: int) -> bytes:
+    if flavor == "vllm":
+        return msgpack.packb({"ts": ts, "events": [_vllm(e) for e in events], "data_parallel_rank": dp_rank})
+    out: list[list[Any]] = []
+    for e in events:
+        out.extend(_sglang(e))
+    return msgpack.packb([ts, out, dp_rank])
+
+
+def _vllm(e: KvEvent) -> dict[str, Any]:
+    if isinstance(e, BlockStored):
+        return {"type": "BlockStored", "block_hashes": list(e.block_hashes), "parent_block_hash": e.parent_block_hash,
+                "token_ids": list(e.token_ids), "block_size": e.block_size, "lora_id": None, "medium": MEDIUM,
+                "lora_name": None}
+    if isinstance(e, BlockRemoved):
+        return {"type": "BlockRemoved", "block_hashes": list(e.block_hashes), "medium": MEDIUM}
+    if isinstance(e, AllBlocksCleared):
+        return {"type": "AllBlocksCleared"}
+    raise TypeError(f"not a KV event: {e!r}")
+
+
+def _sglang(e: KvEvent) -> list[list[Any]]:
+    if isinstance(e, BlockStored):
+        bs = e.block_size
+        out = []
+        parent = e.parent_block_hash
+        for i, h in enumerate(e.block_hashes):
+            out.append(["BlockStored", [h], parent, list(e.token_ids[i * bs:(i + 1) * bs]), bs, None, MEDIUM])
+            parent = h
+        return out
+    if isinstance(e, BlockRemoved):
+        return [["BlockRemoved", list(e.block_hashes), MEDIUM]]
+    if isinstance(e, AllBlocksCleared):
+        return [["AllBlocksCleared"]]
+    raise TypeError(f"not a KV event: {e!r}")

@@ -1,0 +1,34 @@
+"""KV cache events as the cache produces them (flavour-neutral; `event_wire.py` encodes them).
+
+Block hashes here are the engine's own opaque values (`block_hasher.py`): vLLM-style unsigned or
+SGLang-style signed 64-bit integers, never a contract with the consumer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """`n` consecutive full blocks of one sequence entered the cache."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None  # the block before the first of these; None for a sequence's first block
+    token_ids: list[int]  # n * block_size ids
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Cached blocks were evicted."""
+
+    block_hashes: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The whole prefix cache was flushed."""
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
