@@ -11,7 +11,7 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from infera_common.logs import get_logger
-from infera_common.subjects import request_stream, work_subject
+from infera_common.subjects import KV_EVENT_STREAM, KV_EVENT_SUBJECTS, request_stream, work_subject
 
 log = get_logger("nats")
 
@@ -95,6 +95,63 @@ async def ensure_request_stream(js: JetStreamContext, worker_id: str, max_pendin
     except NotFoundError:
         await js.add_stream(config)
     return name
+
+
+#: Default retention of the KV event stream: how far back a restarted kv-indexer can replay.
+KV_EVENT_MAX_AGE = 3600.0
+#: Default size bound of the KV event stream (oldest events are discarded first).
+KV_EVENT_MAX_BYTES = 1 << 30
+
+
+def kv_event_stream_config(max_age: float = KV_EVENT_MAX_AGE, max_bytes: int = KV_EVENT_MAX_BYTES) -> StreamConfig:
+    """The one definition of the KV event stream (every worker's relayed engine KV event batches).
+
+    Limits retention on file storage, bounded by age and size with the oldest discarded first, so a
+    replay from the start is bounded; no per-subject limit (one subject per worker holds its whole
+    history). Events older than ``max_age`` are gone: a kv-indexer rebuilt from the stream misses
+    their blocks, which costs a recompute, never a wrong answer.
+    """
+    return StreamConfig(
+        name=KV_EVENT_STREAM,
+        subjects=[KV_EVENT_SUBJECTS],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_age=max_age,
+        max_bytes=max_bytes,
+        max_msgs=-1,
+        max_msgs_per_subject=-1,
+        num_replicas=1,
+    )
+
+
+async def ensure_kv_event_stream(
+    js: JetStreamContext, max_age: float | None = None, max_bytes: int | None = None
+) -> None:
+    """Create the KV event stream when absent (limits default to ``KV_EVENT_MAX_AGE``/``_MAX_BYTES``).
+
+    When it exists, limits passed explicitly are applied (the kv-indexer passes its
+    ``--kv-event-max-age``/``--kv-event-max-bytes``); limits left ``None`` keep the stream as it is,
+    so a worker-agent calling ``ensure_kv_event_stream(js)`` never overrides the indexer's choice.
+    """
+    config = kv_event_stream_config(
+        KV_EVENT_MAX_AGE if max_age is None else max_age, KV_EVENT_MAX_BYTES if max_bytes is None else max_bytes
+    )
+    try:
+        info = await js.stream_info(KV_EVENT_STREAM)
+    except NotFoundError:
+        try:
+            await js.add_stream(config)
+            return
+        except Exception:  # another service created it first
+            info = await js.stream_info(KV_EVENT_STREAM)
+    if max_age is None and max_bytes is None:
+        return
+    current = info.config
+    wanted_age = current.max_age if max_age is None else max_age
+    wanted_bytes = current.max_bytes if max_bytes is None else max_bytes
+    if (current.max_age, current.max_bytes) != (wanted_age, wanted_bytes):
+        await js.update_stream(kv_event_stream_config(wanted_age, wanted_bytes))
 
 
 async def delete_stream_quietly(js: JetStreamContext, name: str) -> None:

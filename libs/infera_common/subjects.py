@@ -60,13 +60,18 @@ API_COMPLETIONS = f"{PREFIX}.api.v1.completions"
 API_MODELS = f"{PREFIX}.api.v1.models"
 API_WORKERS = f"{PREFIX}.api.v1.workers"
 
-# --- KV events (issue 3) --------------------------------------------------------
+# --- KV events and the prefix index -------------------------------------------
+#: JetStream stream holding every worker's relayed engine KV events (bounded, for replay).
 KV_EVENT_STREAM = "INFERA_KV_EVENTS"
-KV_EVENT_SUBJECTS = f"{PREFIX}.kv.>"
+KV_EVENT_SUBJECTS = f"{PREFIX}.kv.events.>"
+#: Request/reply: overlap of a request's block hashes with each worker's cached prefix.
+KV_QUERY = f"{PREFIX}.kv.query"
+KV_INDEXER_QUEUE = "infera-kv-indexer"
 
 
 def kv_event_subject(worker_id: str) -> str:
-    return f"{PREFIX}.kv.{_token(worker_id)}"
+    """Subject a worker-agent relays its engine's KV event batches to."""
+    return f"{PREFIX}.kv.events.{_token(worker_id)}"
 
 
 def _token(value: str) -> str:

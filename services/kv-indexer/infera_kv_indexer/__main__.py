@@ -1,0 +1,3 @@
+from infera_kv_indexer.main import main
+
+main()

@@ -1,0 +1,129 @@
+"""``python -m infera_kv_indexer`` as a process: flags, refusals, metrics, and rebuild by replay."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+
+import aiohttp
+import pytest
+
+from infera_common.discovery import Registrar
+from infera_common.nats_conn import connect
+from infera_kv_indexer.main import main
+from tests.kv_indexer.kv_fakes import FakeEngine, depths, query, record, tokens
+from tests.kv_indexer.test_kv_service import ask, until
+
+
+class IndexerProc:
+    """The indexer as a child process, its JSON log lines read from stderr."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+
+    @classmethod
+    async def start(cls, env: dict[str, str], *args: str) -> "IndexerProc":
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "infera_kv_indexer", "--metrics-port", "0", *args,
+            env=env, stderr=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
+        )
+        return cls(proc)
+
+    async def wait_for(self, event: str, timeout: float = 20.0) -> dict:
+        async def scan() -> dict:
+            assert self.proc.stderr is not None
+            while True:
+                line = await self.proc.stderr.readline()
+                if not line:
+                    raise AssertionError(f"indexer exited ({self.proc.returncode}) before logging {event}")
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    continue
+                if entry.get("event") == event:
+                    return entry
+        return await asyncio.wait_for(scan(), timeout)
+
+    async def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+def test_defaults_flags_and_refusals(capsys):
+    from infera_common.settings import parse_cli
+    from infera_kv_indexer.settings import KvIndexerSettings
+
+    settings, _ = parse_cli(KvIndexerSettings, [], prog="infera-kv-indexer")
+    assert (settings.metrics_port, settings.kv_event_max_age, settings.kv_event_max_bytes) == (9300, 3600.0, 1 << 30)
+    with pytest.raises(SystemExit) as exc:
+        main(["--kv-event-transport", "zmq"])
+    assert "--kv-event-transport zmq is not available" in str(exc.value.code)
+    with pytest.raises(SystemExit) as exc:
+        main(["--kv-event-max-age", "0"])
+    assert exc.value.code == 2 and "--kv-event-max-age" in capsys.readouterr().err
+
+
+async def test_sigterm_while_waiting_for_nats_stops_at_once(subprocess_env):
+    proc = await IndexerProc.start(subprocess_env, "--nats-url", "nats://127.0.0.1:1")
+    try:
+        await proc.wait_for("metrics_serving")
+        proc.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.proc.wait(), 5) == 0
+    finally:
+        await proc.kill()
+
+
+async def test_a_restarted_indexer_rebuilds_by_replay_and_answers_the_same(nats_server, subprocess_env):
+    nc = await connect(nats_server, "kv-test")
+    js = nc.jetstream()
+    regs = [Registrar(js, record(w)) for w in ("vl", "sg", "dp")]
+    first = second = None
+    try:
+        first = await IndexerProc.start(subprocess_env, "--nats-url", nats_server)
+        port = (await first.wait_for("metrics_serving"))["port"]
+        await first.wait_for("kv_indexer_serving")
+        for reg in regs:
+            await reg.start()
+        vl, sg = FakeEngine("vl", "vllm"), FakeEngine("sg", "sglang")
+        dp0, dp1 = FakeEngine("dp", dp_rank=0), FakeEngine("dp", "sglang", dp_rank=1)
+        shared, other = tokens(40), tokens(24, start=9000)
+        chat = shared + tokens(8, start=4000)
+        for engine, events in [
+            (vl, [vl.stored(shared)]), (vl, [vl.stored(chat)]), (vl, [vl.removed(chat, 10)]),
+            (sg, [sg.stored(shared[:24])]), (sg, [sg.stored(other)]),
+            (dp0, [dp0.stored(shared[:8])]), (dp1, [dp1.stored(chat)]),
+        ]:
+            await js.publish(engine.subject, engine.relay(*events))
+        expected = {("vl", 0): 10, ("sg", 0): 6, ("dp", 0): 2, ("dp", 1): 12}
+        await until(nc, query(chat), lambda r: depths(r) == expected)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                text = await resp.text()
+        assert 'infera_kv_indexer_events_applied_total{type="BlockStored"} 6.0' in text
+        assert 'infera_kv_indexer_worker_blocks{worker="dp"} 14.0' in text
+
+        await first.kill()  # no clean shutdown
+        # while it is down: the SGLang engine evicts, a vLLM batch is relayed twice (agent replay)
+        await js.publish(sg.subject, sg.relay(sg.removed(shared[:24], 4)))
+        again = vl.relay(vl.stored(other))
+        await js.publish(vl.subject, again)
+        await js.publish(vl.subject, again)
+
+        second = await IndexerProc.start(subprocess_env, "--nats-url", nats_server)
+        serving = await second.wait_for("kv_indexer_serving")
+        assert serving["workers_seen"] == 3
+        expected[("sg", 0)] = 4
+        assert depths(await ask(nc, query(chat))) == expected  # at once: serving follows the replay
+        assert depths(await ask(nc, query(other))) == {("sg", 0): 6, ("vl", 0): 6}
+        second.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(second.proc.wait(), 10) == 0
+    finally:
+        for proc in (first, second):
+            if proc is not None:
+                await proc.kill()
+        for reg in regs:
+            await reg.stop()
+        await nc.close()

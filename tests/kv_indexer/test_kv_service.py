@@ -1,0 +1,136 @@
+"""The kv-indexer service in-process against a real nats-server: relayed engine batches in,
+overlap answers out over NATS request/reply."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from infera_common.discovery import Registrar
+from infera_common.nats_conn import KV_EVENT_MAX_AGE, KV_EVENT_MAX_BYTES, connect, ensure_kv_event_stream
+from infera_common.schemas import KvRelay, OverlapReply, decode, encode
+from infera_common.subjects import KV_EVENT_STREAM, KV_QUERY, kv_event_subject
+from infera_kv_indexer.service import KvIndexerService
+from infera_kv_indexer.settings import KvIndexerSettings
+from nats.js.api import RetentionPolicy, StorageType
+from tests.kv_indexer.kv_fakes import FakeEngine, cleared_relay, depths, query, record, tokens
+
+
+async def ask(nc, q) -> OverlapReply:
+    return decode(OverlapReply, (await nc.request(KV_QUERY, encode(q), timeout=5)).data)
+
+
+async def until(nc, q, check, timeout: float = 10.0) -> OverlapReply:
+    """Query until ``check(reply)`` holds (events are applied asynchronously)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        reply = await ask(nc, q)
+        if check(reply):
+            return reply
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"last reply: {reply}")
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def bus(nats_server):
+    """A client connection, the indexer in-process, and a helper registering workers."""
+    nc = await connect(nats_server, "kv-test")
+    service = KvIndexerService(KvIndexerSettings(nats_url=nats_server, kv_event_max_age=120))
+    await service.start()
+    registrars: dict[str, Registrar] = {}
+
+    async def register(worker_id: str, **kw) -> Registrar:
+        registrars[worker_id] = reg = Registrar(nc.jetstream(), record(worker_id, **kw))
+        await reg.start()
+        return reg
+
+    yield nc, service, register, registrars
+    for reg in registrars.values():
+        await reg.stop()
+    await service.stop()
+    await nc.close()
+
+
+async def publish(nc, engine: FakeEngine, data: bytes) -> None:
+    await nc.jetstream().publish(engine.subject, data)
+
+
+async def test_relayed_batches_of_both_engines_answer_prefix_depths_per_worker(bus):
+    nc, _service, register, _ = bus
+    for w in ("vl", "sg", "idle"):
+        await register(w)
+    vl, sg = FakeEngine("vl", "vllm"), FakeEngine("sg", "sglang")
+    system = tokens(32)
+    chat = system + tokens(12, start=5000)
+    await publish(nc, vl, vl.relay(vl.stored(system)))
+    await publish(nc, vl, vl.relay(vl.stored(chat)))  # parent = the engine hash of block 7
+    await publish(nc, sg, sg.relay(sg.stored(system[:20])))
+    reply = await until(nc, query(chat), lambda r: len(r.overlaps) == 2)
+    assert depths(reply) == {("vl", 0): 11, ("sg", 0): 5}
+    assert reply.unseen == ["idle"]
+    only = await ask(nc, query(chat, workers=["sg", "idle"]))
+    assert depths(only) == {("sg", 0): 5} and only.unseen == ["idle"]
+    # eviction on the vLLM worker cuts its prefix; the SGLang worker's engine restarts empty
+    await publish(nc, vl, vl.relay(vl.removed(chat, 9)))
+    await nc.jetstream().publish(kv_event_subject("sg"), cleared_relay("sg"))
+    reply = await until(nc, query(chat), lambda r: depths(r) == {("vl", 0): 9})
+    assert reply.unseen == ["idle"]
+
+
+async def test_a_worker_leaving_discovery_disappears_from_answers(bus):
+    nc, _service, register, registrars = bus
+    await register("w1")
+    await register("w2")
+    e1, e2 = FakeEngine("w1"), FakeEngine("w2", "sglang")
+    prompt = tokens(16)
+    await publish(nc, e1, e1.relay(e1.stored(prompt)))
+    await publish(nc, e2, e2.relay(e2.stored(prompt)))
+    await until(nc, query(prompt), lambda r: depths(r) == {("w1", 0): 4, ("w2", 0): 4})
+    await registrars.pop("w1").stop()  # deregisters: the key is deleted
+    reply = await until(nc, query(prompt), lambda r: depths(r) == {("w2", 0): 4})
+    assert reply.unseen == []
+
+
+async def test_events_of_a_worker_registered_later_attach_to_its_model(bus):
+    nc, _service, register, _ = bus
+    late = FakeEngine("late")
+    prompt = tokens(8)
+    await publish(nc, late, late.relay(late.stored(prompt)))
+    await nc.flush()
+    await asyncio.sleep(0.2)
+    assert (await ask(nc, query(prompt))).overlaps == []
+    await register("late")
+    await until(nc, query(prompt), lambda r: depths(r) == {("late", 0): 2})
+
+
+async def test_malformed_input_is_counted_and_the_service_keeps_going(bus):
+    nc, service, register, _ = bus
+    await register("w1")
+    engine = FakeEngine("w1")
+    js = nc.jetstream()
+    await js.publish(engine.subject, b"\xc1 not msgpack")
+    await js.publish(engine.subject, encode(KvRelay(worker_id="w1", seq=0, payload=b"junk")))
+    await js.publish(engine.subject, encode(KvRelay(worker_id="w2", seq=0, payload=b"")))  # wrong subject
+    prompt = tokens(12)
+    await publish(nc, engine, engine.relay({"type": "Bogus"}, engine.stored(prompt)))
+    await until(nc, query(prompt), lambda r: depths(r) == {("w1", 0): 3})
+    malformed = {kind: service.metrics.registry.get_sample_value("infera_kv_indexer_malformed_total", {"kind": kind})
+                 for kind in ("relay", "batch", "event")}
+    assert malformed == {"relay": 2.0, "batch": 1.0, "event": 1.0}
+    bad_query = await nc.request(KV_QUERY, b"\x01\x02", timeout=5)
+    assert decode(OverlapReply, bad_query.data) == OverlapReply()
+    assert depths(await ask(nc, query(prompt))) == {("w1", 0): 3}
+
+
+async def test_the_stream_is_bounded_and_a_worker_agent_does_not_override_the_indexers_limits(bus):
+    nc, _service, _register, _ = bus
+    js = nc.jetstream()
+    await ensure_kv_event_stream(js)  # what a worker-agent calls
+    config = (await js.stream_info(KV_EVENT_STREAM)).config
+    assert config.subjects == ["infera.kv.events.>"]
+    assert (config.retention, config.storage) == (RetentionPolicy.LIMITS, StorageType.FILE)
+    assert (config.max_age, config.max_bytes) == (120, KV_EVENT_MAX_BYTES)  # the indexer's --kv-event-max-age
+    await ensure_kv_event_stream(js, max_age=KV_EVENT_MAX_AGE)
+    assert (await js.stream_info(KV_EVENT_STREAM)).config.max_age == KV_EVENT_MAX_AGE
