@@ -11,11 +11,9 @@ import sys
 import time
 from pathlib import Path
 
+from infera_common.runtime import free_port
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "wait_port", "nats_server_binary", "start_nats", "stop_process"]
 
 
 def wait_port(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:

@@ -5,8 +5,7 @@ so several frontends share the load:
 
 - ``API_CHAT_COMPLETIONS`` (``infera.api.v1.chat.completions``) and ``API_COMPLETIONS``
   (``infera.api.v1.completions``): request data = the OpenAI JSON body, exactly as it would be
-  POSTed; optional NATS header ``X-Request-Id`` (1-128 of ``[A-Za-z0-9._:-]``, else generated)
-  and ``X-Session-Id``.
+  POSTed; optional NATS header ``X-Request-Id`` (1-128 of ``[A-Za-z0-9._:-]``, else generated).
 - ``API_MODELS`` / ``API_WORKERS``: empty request; the reply is the JSON of ``GET /v1/models`` /
   ``GET /v1/workers``.
 
@@ -29,7 +28,6 @@ from __future__ import annotations
 HEADER_STATUS = "Infera-Status"
 HEADER_KIND = "Infera-Kind"
 HEADER_REQUEST_ID = "X-Request-Id"
-HEADER_SESSION_ID = "X-Session-Id"
 
 KIND_DATA = "data"
 KIND_END = "end"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from enum import StrEnum
-from typing import Literal, TypeVar
+from typing import Literal, TypeVar, get_args
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field
@@ -142,6 +142,10 @@ class Frame(_Msg):
     ``head`` carries the engine's HTTP status (and, for a non-streaming answer, the whole body);
     ``data`` one SSE event payload (JSON bytes, without ``data: `` framing); ``end`` closes the
     response; ``error`` is an agent-side failure with an HTTP-like status and message.
+
+    A non-streaming answer is ONE frame: ``head`` with ``final=True`` and the whole body (which
+    may be empty); no ``end`` follows it. A stream is ``head`` (``final=False``), ``data``...,
+    ``end``. ``end``, ``error`` and a final ``head`` each close the response.
     """
 
     kind: FrameKind
@@ -149,6 +153,7 @@ class Frame(_Msg):
     status: int = 200
     body: bytes = b""
     message: str = ""
+    final: bool = False  # on a head: the response is complete (non-streaming), nothing follows
 
 
 class Release(_Msg):
@@ -165,17 +170,75 @@ class Cancel(_Msg):
     request_id: str
 
 
+class KvRelay(_Msg):
+    """Worker-agent -> KV event stream (``kv_event_subject``): one engine event batch, verbatim.
+
+    ``kind="batch"``: ``payload`` is the engine's msgpack batch exactly as read from its ZMQ
+    publisher (decode with ``kv_wire.decode_batch``), ``seq`` the engine's sequence number.
+    ``kind="cleared"``: the agent's engine (re)started with an empty cache: forget every block of
+    this worker (all ranks when ``dp_rank`` is None).
+    """
+
+    worker_id: str
+    kind: Literal["batch", "cleared"] = "batch"
+    dp_rank: int | None = None
+    seq: int = -1
+    payload: bytes = b""
+    block_size: int | None = None  # the engine's resolved page size, when the agent knows it
+    ts: float = Field(default_factory=time.time)
+
+
+class OverlapQuery(_Msg):
+    """Router -> kv-indexer (``KV_QUERY``): how much of this request's prefix each worker holds.
+
+    ``hashes`` maps a block size to the request's chained block hashes at that size
+    (``block_hash.block_hashes``); the router sends one entry per block size in its fleet.
+    """
+
+    model: str
+    hashes: dict[int, list[int]]
+    workers: list[str] | None = None  # only these workers (None: every worker of the model)
+
+
+class WorkerOverlap(_Msg):
+    worker_id: str
+    dp_rank: int | None = None
+    blocks: int  # matched prefix depth, in the worker's blocks
+
+
+class OverlapReply(_Msg):
+    """kv-indexer -> router: matched prefix depth per worker (and DP rank); absent means 0."""
+
+    overlaps: list[WorkerOverlap] = Field(default_factory=list)
+    #: workers of the model whose events the index has never seen (their depth is unknown, not 0)
+    unseen: list[str] = Field(default_factory=list)
+
+
 M = TypeVar("M", bound=BaseModel)
 
 
 def encode(msg: BaseModel) -> bytes:
-    return msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)
+    cls = type(msg)
+    flat = _FLAT.get(cls)
+    if flat is None:
+        flat = _FLAT[cls] = not any(_holds_model(f.annotation) for f in cls.model_fields.values())
+    # a model without nested models dumps to exactly its field dict: skip model_dump (hot path)
+    return msgpack.packb(msg.__dict__ if flat else msg.model_dump(mode="python"), use_bin_type=True)
+
+
+_FLAT: dict[type, bool] = {}
+
+
+def _holds_model(annotation: object) -> bool:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return True
+    return any(_holds_model(arg) for arg in get_args(annotation))
 
 
 def decode(cls: type[M], data: bytes) -> M:
     """Decode a bus message; raises ``ValueError`` (pydantic's or msgpack's) when malformed."""
     try:
-        raw = msgpack.unpackb(data, raw=False)
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types
         raise ValueError(f"not msgpack: {exc}") from exc
     return cls.model_validate(raw)

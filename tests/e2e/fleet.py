@@ -139,3 +139,15 @@ def env_with(**values: str) -> dict[str, str]:
 
 
 __all__ = ["Fleet", "engine_pid", "scrape", "process_tree", "descendants_alive", "env_with", "wait_port"]
+
+
+def router_metrics_url(fleet: Fleet) -> str:
+    """The /metrics URL of the router `infera up` started (its --metrics-port argument)."""
+    for pid in process_tree(fleet.proc.pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if "infera_router" in argv and "--metrics-port" in argv:
+            return f"http://127.0.0.1:{argv[argv.index('--metrics-port') + 1]}"
+    raise LookupError("no router under this fleet")

@@ -12,7 +12,7 @@ import pytest
 
 from infera.client import InferaClient, InferaError
 from infera_common.models import BUNDLED_MODEL_NAME
-from tests.e2e.fleet import scrape
+from tests.e2e.fleet import router_metrics_url, scrape
 
 MODEL = BUNDLED_MODEL_NAME
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "1+1=?"}], "max_tokens": 12}
@@ -44,6 +44,7 @@ async def test_chat_non_streaming_counts_prompt_with_real_template(fleet):
     assert status == 200, body
     data = json.loads(body)
     assert headers["X-Request-Id"] == "e2e-chat-1"
+    assert "e2e-chat-1" in data["id"]  # the engine saw the client's request id
     assert data["object"] == "chat.completion"
     assert data["choices"][0]["message"]["content"]
     assert data["choices"][0]["finish_reason"] == "length"
@@ -167,10 +168,34 @@ async def test_client_disconnect_mid_stream_aborts_engine_request(fleet):
         running = sum(scrape(w["url"]).get("sglang:num_running_reqs", 0) for w in workers)
         assert running >= 1
         resp.close()  # the client goes away
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + 1.0  # the engine request is aborted within 1 s
     while time.monotonic() < deadline:
         running = sum(scrape(w["url"]).get("sglang:num_running_reqs", 0) for w in workers)
         if running == 0:
             break
         await asyncio.sleep(0.05)
     assert running == 0
+
+
+async def test_engine_error_passes_through_and_no_lease_is_left_behind(fleet):
+    # the frontend cannot know the engine's context length: the engine itself refuses this one
+    status, _, raw = await _post(fleet, "/v1/chat/completions", {**CHAT, "max_tokens": 10**6})
+    assert status == 400, raw
+    assert "error" in json.loads(raw)
+    # a mix of every path: completed, streamed, engine error, client gone mid-stream
+    async with aiohttp.ClientSession() as s:
+        for body in (CHAT, {**CHAT, "stream": True}, {**CHAT, "max_tokens": 10**6}):
+            async with s.post(fleet.url + "/v1/chat/completions", json=body) as r:
+                await r.read()
+        resp = await s.post(fleet.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 4000, "stream": True})
+        await resp.content.readline()
+        resp.close()
+    metrics = router_metrics_url(fleet)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        leases = scrape(metrics).get("infera_router_active_leases", -1)
+        if leases == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert leases == 0
+    assert scrape(metrics).get("infera_router_lease_releases_total", 0) >= 5

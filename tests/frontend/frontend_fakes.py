@@ -2,8 +2,8 @@
 
 The fake follows the request-plane contract (docs/architecture.md): it answers ``RouteRequest``s on
 ``ROUTER_ROUTE`` with a ``RouteReply`` and then, as the worker-agent would, publishes ``Frame``s to
-the request's ``reply_subject``: ``head`` (with the whole body when not streaming), ``data`` (one
-SSE payload each) and ``end``. It records every route request and every ``Cancel`` it receives.
+the request's ``reply_subject``: a non-streaming answer is one final ``head`` (``final=True``, the
+whole body, nothing after it); a stream is ``head``, ``data`` (one SSE payload each) and ``end``. It records every route request and every ``Cancel`` it receives.
 """
 
 from __future__ import annotations
@@ -57,8 +57,7 @@ Script = Callable[["FakeFleet", RouteRequest], Awaitable[None]]  # what the "wor
 async def script_ok(fleet: FakeFleet, req: RouteRequest) -> None:
     """A well-behaved engine: the whole body, or a three-chunk stream."""
     if not req.stream:
-        await fleet.frame(req, Frame(kind="head", status=200, body=completion_json()))
-        await fleet.frame(req, Frame(kind="end", seq=1))
+        await fleet.frame(req, Frame(kind="head", status=200, body=completion_json(), final=True))
         return
     await fleet.frame(req, Frame(kind="head", status=200))
     for i, text in enumerate(STREAM_TEXTS):

@@ -222,8 +222,7 @@ async def test_stalled_stream_ends_with_error_event_and_cancel(make_frontend, fl
 async def test_engine_error_status_is_passed_through_in_openai_shape(frontend, fleet):
     async def engine_rejects(f, req):
         body = b'{"object": "error", "message": "max_tokens is too large", "type": "BadRequestError", "code": 400}'
-        await f.frame(req, Frame(kind="head", status=400, body=body))
-        await f.frame(req, Frame(kind="end", seq=1))
+        await f.frame(req, Frame(kind="head", status=400, body=body, final=True))
 
     fleet.script = engine_rejects
     for stream in (False, True):
@@ -319,11 +318,39 @@ async def test_not_ready_without_nats(make_frontend, nats_server):
 
 
 async def test_stream_request_answered_without_sse_returns_the_body(frontend, fleet):
-    async def engine_ignores_stream(f, req):  # the agent sends a non-SSE answer as one head
-        await f.frame(req, Frame(kind="head", status=200, body=completion_json()))
-        await f.frame(req, Frame(kind="end", seq=1))
+    async def engine_ignores_stream(f, req):  # the agent sends a non-SSE answer as one final head
+        await f.frame(req, Frame(kind="head", status=200, body=completion_json(), final=True))
 
     fleet.script = engine_ignores_stream
     status, headers, body = await post(frontend, "/v1/chat/completions", chat_body(stream=True))
     assert status == 200 and body == completion_json()
     assert headers["Content-Type"].startswith("application/json")
+
+
+async def test_final_head_with_an_empty_body_is_the_whole_answer(frontend, fleet):
+    """A final head ends the response even with an empty body: nothing more is awaited."""
+    async def empty_answer(f, req):
+        await f.frame(req, Frame(kind="head", status=200, body=b"", final=True))
+
+    fleet.script = empty_answer
+    for stream in (False, True):
+        status, _, body = await post(frontend, "/v1/chat/completions", chat_body(stream=stream))
+        assert (status, body) == (200, b"")  # not a 504 after --upstream-timeout
+
+
+async def test_head_with_a_body_but_not_final_is_still_complete(frontend, fleet):
+    """An agent that predates ``final`` (head with the body, then end) is still understood."""
+    async def old_agent(f, req):
+        await f.frame(req, Frame(kind="head", status=200, body=completion_json()))
+        await f.frame(req, Frame(kind="end", seq=1))
+
+    fleet.script = old_agent
+    status, _, body = await post(frontend, "/v1/chat/completions", chat_body())
+    assert status == 200 and body == completion_json()
+
+
+async def test_x_session_id_header_is_not_interpreted(frontend, fleet):
+    """Session affinity is not offered yet: the header neither fails a request nor reaches the router."""
+    status, _, _ = await post(frontend, "/v1/chat/completions", chat_body(), headers={"X-Session-Id": "bad id!"})
+    assert status == 200
+    assert fleet.routed[-1].session_id is None

@@ -147,6 +147,21 @@ async def test_worker_without_a_queue_is_skipped(bench):
     assert reply.status == 503 and "without a request queue" in reply.message
 
 
+@pytest.mark.parametrize("bench", [{"publish_timeout": 0.3}], indirect=True)
+async def test_unacknowledged_publish_is_503_without_trying_another_worker(bench):
+    """No acknowledgement within --publish-timeout: the work may be queued, so it is not offered twice."""
+    await bench.worker("a", stream=False)
+    await bench.worker("b")
+    swallowed = await bench.nc.subscribe(work_subject("a"))  # takes a's work, never acknowledges
+    await bench.nc.flush()
+    reply = await bench.route(request_id="lost")
+    assert reply.status == 503 and "worker a" in reply.message and "TimeoutError" in reply.message
+    assert decode(WorkEnvelope, (await swallowed.next_msg(timeout=1)).data).request_id == "lost"
+    assert await bench.pull("b") == []  # not offered to b
+    assert bench.leases("a") == 0
+    assert (await bench.route()).worker_id == "b"  # the router goes on
+
+
 async def test_exclude_is_honoured(bench):
     await bench.worker("a")
     await bench.worker("b")

@@ -52,17 +52,17 @@ async def test_stream_becomes_head_data_end(engine, session):
     outcome, frames = await relay(session, engine.url, env)
     assert outcome == "ok"
     assert [f.kind for f in frames] == ["head", "data", "data", "data", "end"]
-    assert frames[0].status == 200
+    assert frames[0].status == 200 and not frames[0].final
     assert [json.loads(f.body) for f in frames[1:4]] == [{"i": 0}, {"i": 1}, {"i": 2}]
     got = engine.requests[0]
     assert got["body"] == env.body  # forwarded verbatim
     assert got["headers"]["x-request-id"] == "req-1"
 
 
-async def test_non_streaming_answer_is_one_head_with_the_body(engine, session):
+async def test_non_streaming_answer_is_one_final_head_with_the_body(engine, session):
     outcome, frames = await relay(session, engine.url, envelope({"mode": "json"}, stream=False, rid="r-9"))
     assert outcome == "ok"
-    assert [f.kind for f in frames] == ["head", "end"]
+    assert [(f.kind, f.final) for f in frames] == [("head", True)]  # nothing follows it
     assert frames[0].status == 200 and json.loads(frames[0].body)["id"] == "r-9"
 
 
@@ -70,7 +70,7 @@ async def test_non_streaming_answer_is_one_head_with_the_body(engine, session):
 async def test_engine_error_on_a_stream_is_head_with_status_and_body(engine, session, status, outcome):
     got, frames = await relay(session, engine.url, envelope({"mode": "status", "status": status}, stream=True))
     assert got == outcome
-    assert [f.kind for f in frames] == ["head", "end"]
+    assert [(f.kind, f.final) for f in frames] == [("head", True)]
     assert frames[0].status == status and json.loads(frames[0].body)["error"]["message"] == "nope"
 
 

@@ -52,7 +52,7 @@ class Harness:
         while True:
             f = decode(Frame, (await sub.next_msg(timeout=timeout)).data)
             out.append(f)
-            if f.kind in ("end", "error"):
+            if f.kind in ("end", "error") or f.final:
                 return out
 
     async def released(self, lease_id: str, timeout: float = 5.0) -> list[Release]:
@@ -121,7 +121,7 @@ async def test_malformed_envelope_is_dropped_counted_and_the_worker_goes_on(h):
     await h.js.publish(work_subject(WID), b"\x93not an envelope")
     await h.js.publish(work_subject(WID), encode(Cancel(request_id="wrong type")))
     rid, sub = await h.submit({"mode": "json"}, stream=False)
-    assert [f.kind for f in await h.frames(sub)] == ["head", "end"]
+    assert [(f.kind, f.final) for f in await h.frames(sub)] == [("head", True)]
     assert h.metrics.bad_envelopes._value.get() == 2
     await asyncio.sleep(0.1)
     assert await h.stream_msgs() == 0
@@ -200,3 +200,37 @@ async def test_long_request_is_kept_alive_past_ack_wait(nats_server):
         assert await h.stream_msgs() == 0  # the late ack still removed it from the queue
     finally:
         await close_harness(h)
+
+
+async def test_work_queued_before_the_agent_started_is_answered(nats_server):
+    """Envelopes already in the worker's queue when its agent (re)starts are each run once."""
+    nc = await connect(nats_server, "early")
+    await ensure_request_stream(nc.jetstream(), WID, 16, 60.0)
+    early = Harness(nc, None, None, None, None)  # only its submit/frames helpers
+    queued = [await early.submit({"mode": "json"}, stream=False, rid=f"early-{i}") for i in range(2)]
+    h = await make_harness(nats_server)
+    try:
+        for rid, sub in queued:
+            assert [(f.kind, f.status, f.final) for f in await h.frames(sub)] == [("head", 200, True)]
+            assert [r.outcome for r in await h.released(f"lease-{rid}")] == ["ok"]
+        assert sorted(r["headers"]["x-request-id"] for r in h.engine.requests) == ["early-0", "early-1"]
+    finally:
+        await close_harness(h)
+        await nc.close()
+
+
+async def test_cancel_and_stop_together_give_one_error_and_one_release(h):
+    rid, sub = await h.submit({"stream": True, "mode": "hang", "events": 1})
+    await sub.next_msg(timeout=5)
+    await sub.next_msg(timeout=5)  # head, data: it runs
+    await h.nc.publish(cancel_subject(WID), encode(Cancel(request_id=rid)))
+    await h.nc.flush()
+    for _ in range(500):  # until the agent has taken the cancel
+        if h.metrics.cancels._value.get() == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert h.worker.stop_all(StopReason("error", 502, "engine exited", abort_engine=False)) == 0  # already stopping
+    frames = await h.frames(sub)
+    assert [(f.kind, f.status) for f in frames] == [("error", 499)]
+    assert [r.outcome for r in await h.released(f"lease-{rid}", timeout=2)] == ["cancelled"]
+    assert await h.worker.wait_idle(5) and h.worker.in_flight == 0

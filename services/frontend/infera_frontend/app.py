@@ -88,10 +88,9 @@ class HttpApi:
         m.started("http")
         try:
             request_id = self.pipeline.request_id(request.headers.get("X-Request-Id"))
-            session_id = self.pipeline.session_id(request.headers.get("X-Session-Id"))
             body = await self._read_body(request)
             parsed = self.pipeline.parse(endpoint, body)
-            ex = await self.pipeline.open(parsed, body, request_id, session_id)
+            ex = await self.pipeline.open(parsed, body, request_id)
             status, payload = await ex.head()
             m.first_byte("http", ep, time.perf_counter() - t0)
             if payload is not None:

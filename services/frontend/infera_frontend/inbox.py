@@ -96,5 +96,5 @@ class Inbox:
 
     async def _on_msg(self, msg: Msg) -> None:
         box = self._boxes.get(msg.subject)
-        if box is not None:  # else: for a request no longer waiting (e.g. `end` after a whole body)
+        if box is not None:  # else: for a request no longer waiting (e.g. its client left)
             box.put(msg)

@@ -11,6 +11,7 @@ import signal
 import sys
 
 from infera_common.logs import configure_logging
+from infera_common.runtime import event_loop_runner
 from infera_common.settings import parse_cli
 
 from infera_frontend.service import Frontend
@@ -36,19 +37,11 @@ async def serve(settings: FrontendSettings) -> int:
     return 0
 
 
-def _runner() -> asyncio.Runner:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.Runner()
-    return asyncio.Runner(loop_factory=uvloop.new_event_loop)
-
-
 def main(argv: list[str] | None = None) -> int:
     settings, _ = parse_cli(FrontendSettings, argv, prog="infera-frontend", description=__doc__)
     settings.require_supported()
     configure_logging(settings.log_level, settings.log_format, service="frontend")
-    with _runner() as runner:
+    with event_loop_runner() as runner:
         return runner.run(serve(settings))
 
 

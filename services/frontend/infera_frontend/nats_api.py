@@ -24,7 +24,6 @@ from infera_common.logs import get_logger
 from infera_common.nats_api import (
     HEADER_KIND,
     HEADER_REQUEST_ID,
-    HEADER_SESSION_ID,
     HEADER_STATUS,
     KIND_DATA,
     KIND_END,
@@ -121,9 +120,8 @@ class NatsApi:
         m.started("nats")
         try:
             request_id = self.pipeline.request_id(headers.get(HEADER_REQUEST_ID))
-            session_id = self.pipeline.session_id(headers.get(HEADER_SESSION_ID))
             parsed = self.pipeline.parse(endpoint, msg.data)
-            ex = await self.pipeline.open(parsed, msg.data, request_id, session_id)
+            ex = await self.pipeline.open(parsed, msg.data, request_id)
             status, payload = await ex.head()
             m.first_byte("nats", ep, time.perf_counter() - t0)
             if payload is not None:

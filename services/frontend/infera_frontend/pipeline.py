@@ -39,17 +39,6 @@ class Pipeline:
         """The client's X-Request-Id (validated) or a new one; ``ApiError`` 400 if malformed."""
         return check_request_id(header, new_request_id)
 
-    @staticmethod
-    def session_id(header: str | None) -> str | None:
-        """The optional X-Session-Id (same rule as request ids), for the router's session affinity."""
-        if header is None:
-            return None
-        try:
-            return check_request_id(header, new_request_id)
-        except ApiError:
-            raise ApiError(400, "X-Session-Id must be 1-128 characters of letters, digits and . _ : -",
-                           type="invalid_request_error", param="X-Session-Id") from None
-
     def too_large(self, size: int) -> ApiError:
         return ApiError(413, f"The request body is {size} bytes; the limit is {self.max_body_bytes} bytes.",
                         type="invalid_request_error", code="request_too_large")
@@ -76,12 +65,11 @@ class Pipeline:
             self.metrics.token_invariant_failures.inc()
         return tokens
 
-    async def open(self, parsed: Parsed, body: bytes, request_id: str, session_id: str | None = None) -> Exchange:
+    async def open(self, parsed: Parsed, body: bytes, request_id: str) -> Exchange:
         """Check the model, tokenize and place the request; ``ApiError`` when it cannot be served."""
         self.models.check(parsed.model)
         tokens = await self.tokens(parsed)
         return await self.relay.open(
             request_id=request_id, endpoint=parsed.endpoint, model=parsed.model, body=body,
             stream=parsed.stream, token_ids=tokens.token_ids, prompt_tokens=tokens.prompt_tokens,
-            session_id=session_id,
         )

@@ -113,13 +113,12 @@ class Relay:
         stream: bool,
         token_ids: list[int] | None,
         prompt_tokens: int,
-        session_id: str | None = None,
     ) -> Exchange:
         """Ask the router to place the request; raises ``ApiError`` when it is not placed."""
         subject, box = self.inbox.open()
         data = encode(RouteRequest(
             request_id=request_id, model=model, endpoint=endpoint, body=body, stream=stream,
-            reply_subject=subject, prompt_tokens=prompt_tokens, token_ids=token_ids, session_id=session_id,
+            reply_subject=subject, prompt_tokens=prompt_tokens, token_ids=token_ids,
             deadline=time.time() + self.deadline_in(stream),
         ))
         try:
@@ -191,7 +190,7 @@ class Relay:
 
 
 class Exchange:
-    """One placed request: its frames, in order, until ``end``."""
+    """One placed request: its frames, in order, until ``end``, ``error`` or a final ``head``."""
 
     __slots__ = ("_relay", "request_id", "worker_id", "_subject", "_box", "stream", "endpoint", "done",
                  "_closed", "_cancelled", "_error")
@@ -260,9 +259,12 @@ class Exchange:
             self.cancel("bad_frame")
             raise ApiError(502, f"the worker sent a '{frame.kind}' frame before the response head")
         status = frame.status
-        if self.stream and status < 400 and not frame.body:
+        if frame.final:  # the whole answer (possibly an empty body): nothing follows
+            body = frame.body
+        elif self.stream and status < 400 and not frame.body:
             return status, None  # a stream follows (a head with a body: the engine answered without SSE)
-        body = frame.body or await self._collect()
+        else:
+            body = frame.body or await self._collect()
         self.done = True
         if status >= 400:
             body = normalize_error(status, body)

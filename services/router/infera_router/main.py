@@ -8,6 +8,7 @@ import sys
 
 from infera_common.logs import configure_logging
 from infera_common.metrics import start_metrics_server
+from infera_common.runtime import event_loop_runner
 from infera_common.settings import parse_cli
 
 from infera_router.service import RouterService
@@ -57,13 +58,8 @@ async def run(settings: RouterSettings) -> None:
 def main(argv: list[str] | None = None) -> None:
     settings, _ = parse_cli(RouterSettings, argv, prog="infera-router", description=DESCRIPTION)
     settings.require_supported()
-    try:
-        import uvloop
-    except ImportError:  # optional speed-up
-        asyncio.run(run(settings))
-    else:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(run(settings))
+    with event_loop_runner() as runner:
+        runner.run(run(settings))
 
 
 if __name__ == "__main__":

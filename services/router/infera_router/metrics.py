@@ -56,6 +56,17 @@ class RouterMetrics:
             "infera_router_live_workers", "Workers in discovery per model and status.", ["model", "status"], registry=r,
         )
         self._lease_gauges: dict[str, Gauge] = {}
+        # label children of the per-request series, resolved once (labels() is slow)
+        self._routed: dict[tuple[str, str, int], Counter] = {}
+        self.release_outcomes = {o: self.releases.labels(o) for o in ("ok", "error", "cancelled", "expired")}
+        self.load_accepted = self.load_reports.labels("accepted")
+        self.load_unknown = self.load_reports.labels("unknown_worker")
+
+    def routed_inc(self, model: str, worker: str, status: int) -> None:
+        child = self._routed.get((model, worker, status))
+        if child is None:
+            child = self._routed[(model, worker, status)] = self.routed.labels(model, worker, str(status))
+        child.inc()
 
     def set_leases(self, worker_id: str, count: int) -> None:
         child = self._lease_gauges.get(worker_id)

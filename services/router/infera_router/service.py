@@ -1,8 +1,10 @@
 """The router's NATS adapter: discovery watch, route RPC, releases, load reports, lease expiry.
 
 All decisions are ``RouterCore``'s; this module decodes, publishes, replies and counts.
-Each route request runs in its own task, so one JetStream round trip does not hold up the next
-request; the decision and the lease are taken synchronously before the first await.
+A route request is handled in the subscription's callback up to the JetStream publish of its
+envelope (decision and lease first); the broker's acknowledgement then continues it in a callback
+of ``AckedPublisher`` (reply, or the next candidate). No task per request, and no JetStream round
+trip holds up the next request.
 """
 
 from __future__ import annotations
@@ -10,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-import nats.errors
+from dataclasses import dataclass
+
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.errors import APIError, NoStreamResponseError
 
 from infera_common.discovery import Watcher
 from infera_common.fleet import Change
@@ -31,28 +33,34 @@ from infera_common.subjects import (
 )
 
 from infera_router.core import RouterCore
+from infera_router.jetstream import AckedPublisher, PubResult
 from infera_router.leases import Lease
 from infera_router.metrics import RouterMetrics
 from infera_router.policies import create_policy
 from infera_router.settings import RouterSettings
+from infera_router.state import WorkerState
 
 log = get_logger("router")
 
-#: JetStream's error code for a store refused by a stream limit (description names the limit).
-JS_STORE_FAILED = 10077
 #: How long start() tries to reach NATS before giving up with a clear error.
 NATS_CONNECT_TIMEOUT = 10.0
 #: How long start() waits for discovery's initial snapshot before serving anyway.
 DISCOVERY_READY_TIMEOUT = 10.0
 
 
-def stream_full(exc: APIError) -> bool:
-    """True when the broker refused the message because the stream is at a limit (discard-new).
+@dataclass(slots=True)
+class Routing:
+    """One route request between the publish of its envelope and its reply."""
 
-    nats-server 2.15 answers ``{"code": 503, "err_code": 10077, "description": "maximum messages
-    exceeded"}`` (nats-py raises ``ServiceUnavailableError``, an ``APIError``).
-    """
-    return exc.err_code == JS_STORE_FAILED and "maximum" in (exc.description or "")
+    request: RouteRequest
+    reply_to: str  # the requester's reply subject ('' when it expects none)
+    order: list[WorkerState]  # candidates, most preferred first
+    t0: float  # perf_counter at arrival
+    tried: int = 0
+    lease: Lease | None = None
+    full: int = 0
+    gone: int = 0
+    failed: int = 0
 
 
 class RouterService:
@@ -67,7 +75,7 @@ class RouterService:
         self._watcher: Watcher | None = None
         self._subs: list[Subscription] = []
         self._route_sub: Subscription | None = None
-        self._inflight: set[asyncio.Task] = set()
+        self._publisher: AckedPublisher | None = None
         self._sweeper: asyncio.Task | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -80,6 +88,8 @@ class RouterService:
             await asyncio.wait_for(self._watcher.ready.wait(), DISCOVERY_READY_TIMEOUT)
         except TimeoutError:
             log.warning("discovery_snapshot_slow", waited=DISCOVERY_READY_TIMEOUT)
+        self._publisher = AckedPublisher(self.nc)
+        await self._publisher.start()
         self._subs.append(await self.nc.subscribe(self.release_subject, cb=self._on_release))
         self._subs.append(await self.nc.subscribe(LOAD_SUBJECTS, cb=self._on_load))
         self._route_sub = await self.nc.subscribe(ROUTER_ROUTE, queue=ROUTER_QUEUE, cb=self._on_route)
@@ -97,8 +107,10 @@ class RouterService:
             except Exception as exc:  # connection already gone
                 log.info("route_drain_skipped", error=str(exc))
             self._route_sub = None
-        if self._inflight:
-            await asyncio.gather(*list(self._inflight), return_exceptions=True)
+        if self._publisher is not None:  # answer the requests whose envelope awaits its ack
+            await self._publisher.wait_idle(self.settings.publish_timeout + 1.0)
+            await self._publisher.stop()
+            self._publisher = None
         if self._sweeper is not None:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
@@ -148,7 +160,7 @@ class RouterService:
             log.warning("bad_load_report", subject=msg.subject, error=str(exc))
             return
         accepted = self.core.apply_load(report)
-        self.metrics.load_reports.labels("accepted" if accepted else "unknown_worker").inc()
+        (self.metrics.load_accepted if accepted else self.metrics.load_unknown).inc()
 
     async def _on_release(self, msg: Msg) -> None:
         try:
@@ -162,7 +174,7 @@ class RouterService:
             self.metrics.unknown_releases.inc()
             log.debug("release_unknown_lease", lease_id=release.lease_id, worker_id=release.worker_id)
             return
-        self.metrics.releases.labels(release.outcome).inc()
+        self.metrics.release_outcomes[release.outcome].inc()
         self._lease_gauge(lease)
 
     async def _sweep(self) -> None:
@@ -187,99 +199,119 @@ class RouterService:
 
     # --- routing ---------------------------------------------------------------------------
     async def _on_route(self, msg: Msg) -> None:
-        task = asyncio.create_task(self._serve_route(msg))
-        self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
-
-    async def _serve_route(self, msg: Msg) -> None:
         t0 = time.perf_counter()
         try:
-            reply = await self.route(msg.data)
+            try:
+                request = decode(RouteRequest, msg.data)
+            except ValueError as exc:
+                self.metrics.bad_messages.labels("route").inc()
+                log.warning("bad_route_request", error=str(exc)[:500])
+                reply = RouteReply(status=400, message=f"malformed RouteRequest: {exc}"[:1000], router_id=self.router_id)
+                await self._send(msg.reply, reply, t0)
+                return
+            plan = self.core.plan(request)
+            routing = Routing(request, msg.reply, plan.order, t0)
+            if plan.status != 200:
+                await self._reply(routing, plan.status, plan.message)
+                return
+            await self._try_next(routing)
         except Exception as exc:  # never leave a requester without an answer
             log.exception("route_failed")
-            reply = RouteReply(status=500, message=f"router failure: {type(exc).__name__}: {exc}",
-                               router_id=self.router_id)
-        if msg.reply:
-            try:
-                await msg.respond(encode(reply))
-            except Exception as exc:  # requester or connection gone
-                log.warning("route_reply_failed", error=str(exc))
-        self.metrics.route_seconds.observe(time.perf_counter() - t0)
+            await self._send(msg.reply, RouteReply(status=500, message=f"router failure: {type(exc).__name__}: {exc}",
+                                                   router_id=self.router_id), t0)
 
-    async def route(self, data: bytes) -> RouteReply:
-        """Decode one route request, pick a worker, hand it the work; the reply to send."""
+    async def _try_next(self, r: Routing) -> None:
+        """Hand the work to the next candidate (its ack continues in ``_on_published``), or answer."""
+        if r.tried >= len(r.order):
+            await self._reply(r, *self._refusal(r))
+            return
+        worker = r.order[r.tried]
+        r.tried += 1
+        request = r.request
+        lease = r.lease = self.core.acquire(worker, request, time.monotonic())
+        self.metrics.set_leases(worker.worker_id, worker.in_flight)
         try:
-            request = decode(RouteRequest, data)
-        except ValueError as exc:
-            self.metrics.bad_messages.labels("route").inc()
-            log.warning("bad_route_request", error=str(exc)[:500])
-            return RouteReply(status=400, message=f"malformed RouteRequest: {exc}"[:1000], router_id=self.router_id)
-        plan = self.core.plan(request)
-        if plan.status != 200:
-            return self._answer(request, plan.status, plan.message)
-        full = gone = failed = 0
-        for worker in plan.order:
-            lease = self.core.acquire(worker, request, time.monotonic())
-            self.metrics.set_leases(worker.worker_id, worker.in_flight)
-            envelope = WorkEnvelope.model_construct(
+            data = encode(WorkEnvelope(
                 request_id=request.request_id, endpoint=request.endpoint, body=request.body,
                 stream=request.stream, reply_subject=request.reply_subject, deadline=request.deadline,
                 lease_id=lease.lease_id, router_id=self.router_id,
+            ))
+            assert self._publisher is not None, "router stopped"
+        except BaseException:
+            self._drop(lease)
+            raise
+        try:
+            await self._publisher.publish(
+                work_subject(worker.worker_id), data, self.settings.publish_timeout,
+                lambda result: self._on_published(r, result),
             )
-            wid = worker.worker_id
-            try:
-                await self._js.publish(
-                    work_subject(wid), encode(envelope),
-                    timeout=self.settings.publish_timeout, stream=request_stream(wid),
-                )
-            except APIError as exc:
-                self._drop(lease)
-                if stream_full(exc):
-                    full += 1
-                    self.metrics.publish_refused.labels(wid, "full").inc()
-                else:
-                    failed += 1
-                    self.metrics.publish_refused.labels(wid, "error").inc()
-                    log.warning("publish_refused", worker_id=wid, code=exc.code, err_code=exc.err_code,
-                                description=exc.description)
-                continue
-            except NoStreamResponseError:
-                self._drop(lease)
-                gone += 1
+        except Exception as exc:  # connection closed or draining: NATS did not take it
+            self._drop(lease)
+            await self._reply(r, 503, f"JetStream did not take the request for worker {worker.worker_id}: "
+                                      f"{type(exc).__name__}")
+
+    async def _on_published(self, r: Routing, result: PubResult) -> None:
+        try:
+            wid = r.order[r.tried - 1].worker_id
+            lease = r.lease
+            assert lease is not None
+            if result.kind == "stored":
+                await self._reply(r, 200, worker_id=wid, lease_id=lease.lease_id)
+                return
+            self._drop(lease)
+            if result.kind == "timeout":
+                # The envelope may or may not be stored; trying another worker could run it twice.
+                await self._reply(r, 503, f"JetStream did not take the request for worker {wid}: TimeoutError")
+                return
+            if result.kind == "full":
+                r.full += 1
+                self.metrics.publish_refused.labels(wid, "full").inc()
+            elif result.kind == "gone":
+                r.gone += 1
                 self.metrics.publish_refused.labels(wid, "gone").inc()
                 log.info("worker_stream_missing", worker_id=wid, stream=request_stream(wid))
-                continue
-            except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError,
-                    nats.errors.ConnectionReconnectingError) as exc:
-                # The envelope may or may not be stored; trying another worker could run it twice.
-                self._drop(lease)
-                return self._answer(request, 503, f"JetStream did not take the request for worker {wid}: "
-                                                  f"{type(exc).__name__}")
-            except BaseException:
-                self._drop(lease)
-                raise
-            return self._answer(request, 200, worker_id=wid, lease_id=lease.lease_id)
-        n = len(plan.order)
-        model = request.model
-        if full:
-            message = f"all {full} workers of model {model!r} are at their pending limit"
-            if full < n:
-                message += f" ({n - full} more could not take requests)"
-            return self._answer(request, 429, message)
-        return self._answer(
-            request, 503, f"none of the {n} active workers of model {model!r} could take the request "
-                          f"({gone} without a request queue, {failed} refused)",
-        )
+            else:
+                r.failed += 1
+                self.metrics.publish_refused.labels(wid, "error").inc()
+                log.warning("publish_refused", worker_id=wid, code=result.code, err_code=result.err_code,
+                            description=result.description)
+            await self._try_next(r)
+        except Exception as exc:  # never leave a requester without an answer
+            log.exception("route_failed", request_id=r.request.request_id)
+            await self._reply(r, 500, f"router failure: {type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _refusal(r: Routing) -> tuple[int, str]:
+        """Every candidate refused: 429 when some were full, else 503."""
+        n = len(r.order)
+        model = r.request.model
+        if r.full:
+            message = f"all {r.full} workers of model {model!r} are at their pending limit"
+            if r.full < n:
+                message += f" ({n - r.full} more could not take requests)"
+            return 429, message
+        return 503, (f"none of the {n} active workers of model {model!r} could take the request "
+                     f"({r.gone} without a request queue, {r.failed} refused)")
 
     def _drop(self, lease: Lease) -> None:
         if self.core.release(lease.lease_id) is not None:
             self._lease_gauge(lease)
 
-    def _answer(self, request: RouteRequest, status: int, message: str = "",
-                worker_id: str | None = None, lease_id: str | None = None) -> RouteReply:
-        self.metrics.routed.labels(request.model, worker_id or "", str(status)).inc()
+    async def _reply(self, r: Routing, status: int, message: str = "",
+                     worker_id: str | None = None, lease_id: str | None = None) -> None:
+        request = r.request
+        self.metrics.routed_inc(request.model, worker_id or "", status)
         if status != 200:
-            (log.debug if status == 429 else log.info)("route_refused", request_id=request.request_id, model=request.model, status=status,
-                     message=message)
-        return RouteReply.model_construct(status=status, message=message, worker_id=worker_id,
-                                          lease_id=lease_id, router_id=self.router_id)
+            (log.debug if status == 429 else log.info)(
+                "route_refused", request_id=request.request_id, model=request.model, status=status, message=message)
+        reply = RouteReply(status=status, message=message, worker_id=worker_id, lease_id=lease_id,
+                           router_id=self.router_id)
+        await self._send(r.reply_to, reply, r.t0)
+
+    async def _send(self, reply_to: str, reply: RouteReply, t0: float) -> None:
+        if reply_to and self.nc is not None:
+            try:
+                await self.nc.publish(reply_to, encode(reply))
+            except Exception as exc:  # requester or connection gone
+                log.warning("route_reply_failed", error=str(exc))
+        self.metrics.route_seconds.observe(time.perf_counter() - t0)

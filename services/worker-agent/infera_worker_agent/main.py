@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
-import socket
 import sys
 
 from infera_common.logs import configure_logging
 from infera_common.models import default_model_path
+from infera_common.runtime import event_loop_runner, free_port
 from infera_worker_agent.engine_cmd import EngineArgsError, plan_engine
 from infera_worker_agent.service import Agent
 from infera_worker_agent.settings import PROG, parse_agent_cli
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format, service="worker-agent")
-    return asyncio.run(Agent(settings, plan).run())
+    with event_loop_runner() as runner:
+        return runner.run(Agent(settings, plan).run())
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """One request: WorkEnvelope -> engine HTTP API -> Frames on the requester's inbox.
 
-Frames: ``head`` (engine status; the whole body when the answer is not a stream) then ``end``;
-for a stream ``head`` then one ``data`` per SSE event payload, ``[DONE]`` becoming ``end``.
+Frames: a non-streaming answer is one ``head`` with ``final=True`` (engine status and the whole
+body; no ``end`` follows); a stream is ``head`` then one ``data`` per SSE event payload, ``[DONE]``
+becoming ``end``.
 Agent-side failures (engine unreachable, connection lost mid-stream) give an ``error`` frame 502;
 a deadline passing mid-request gives ``error`` 504. The outcome is returned for the Release.
 """
@@ -36,12 +37,14 @@ class FrameSink:
         self._publish = publish
         self._subject = subject
         self.seq = 0
-        self.closed = False  # an end or error frame was sent
+        self.closed = False  # an end, error or final head frame was sent
 
-    async def send(self, kind: FrameKind, *, status: int = 200, body: bytes = b"", message: str = "") -> None:
-        frame = Frame(kind=kind, seq=self.seq, status=status, body=body, message=message)
+    async def send(
+        self, kind: FrameKind, *, status: int = 200, body: bytes = b"", message: str = "", final: bool = False,
+    ) -> None:
+        frame = Frame(kind=kind, seq=self.seq, status=status, body=body, message=message, final=final)
         self.seq += 1
-        if kind in ("end", "error"):
+        if final or kind == "end" or kind == "error":
             self.closed = True
         await self._publish(self._subject, encode(frame))
 
@@ -78,8 +81,7 @@ class Relay:
             )
             if not streaming:
                 body = await resp.read()
-                await sink.send("head", status=resp.status, body=body)
-                await sink.send("end")
+                await sink.send("head", status=resp.status, body=body, final=True)
                 return outcome_for_status(resp.status)
             await sink.send("head", status=resp.status)
             decoder = SseDecoder()

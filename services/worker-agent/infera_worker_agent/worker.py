@@ -1,9 +1,12 @@
-"""The request plane of one worker: pull envelopes from the worker's work-queue stream, run them,
+"""The request plane of one worker: take envelopes from the worker's work-queue stream, run them,
 cancel them, and account for every one of them exactly once (ack, then one Release).
 
-Pulled messages are acked when their response is complete, on every path; a malformed envelope
-is terminated (``term``), counted and dropped. The durable consumer never redelivers
-(``max_deliver`` 1): a request is never executed twice.
+The durable consumer pushes envelopes to a subscription of this agent (no pull request per
+message) and holds at most ``max_pending`` unacknowledged (``max_ack_pending``); the stream's
+``max_msgs`` with discard-new is what refuses work beyond the pending limit. Messages are acked
+when their response is complete, on every path; a malformed envelope is terminated (``term``),
+counted and dropped. The consumer never redelivers (``max_deliver`` 1): a request is never
+executed twice. While draining, envelopes still delivered are answered with the refusal at once.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from infera_worker_agent.relay import FrameSink, Outcome, Relay
 log = get_logger("worker_agent.worker")
 
 ACK_WAIT = 30.0
-FETCH_TIMEOUT = 5.0
 CANCELLED_MEMORY = 60.0
+SUB_DRAIN_TIMEOUT = 5.0  # for envelopes already delivered to be answered when the agent stops
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,15 +53,18 @@ CLOSING = StopReason("error", 503, "worker-agent stopping")
 class InFlight:
     envelope: WorkEnvelope
     msg: Msg
+    sink: FrameSink
     task: asyncio.Task | None = None
-    stop: StopReason | None = None
+    stop: StopReason | None = None  # set (once) when the agent stops this request; then its task is cancelled
 
 
-def consumer_config(worker_id: str, max_pending: int, ack_wait: float = ACK_WAIT) -> ConsumerConfig:
+def consumer_config(worker_id: str, max_pending: int, deliver_subject: str, ack_wait: float = ACK_WAIT) -> ConsumerConfig:
+    """The agent's durable push consumer: delivers to ``deliver_subject``, at most ``max_pending`` unacked."""
     return ConsumerConfig(
         durable_name=work_consumer(worker_id),
         name=work_consumer(worker_id),
         filter_subject=work_subject(worker_id),
+        deliver_subject=deliver_subject,
         deliver_policy=DeliverPolicy.ALL,
         ack_policy=AckPolicy.EXPLICIT,
         ack_wait=ack_wait,
@@ -88,12 +94,12 @@ class RequestWorker:
         self._abort = abort
         self._metrics = metrics
         self._ack_wait = ack_wait
-        self._slots = asyncio.Semaphore(max_pending)
         self._inflight: dict[str, InFlight] = {}
         self._handlers: set[asyncio.Task] = set()
         self._cancelled = RecentIds(ttl=CANCELLED_MEMORY)
-        self._refusal: StopReason | None = None  # set while draining: pulled work is refused with it
-        self._psub = None
+        self._outcomes = {o: metrics.requests.labels(o) for o in ("ok", "error", "cancelled", "expired")}
+        self._refusal: StopReason | None = None  # set while draining: delivered work is refused with it
+        self._work_sub = None
         self._cancel_sub = None
         self._tasks: dict[str, asyncio.Task] = {}
         self._idle = asyncio.Event()
@@ -102,16 +108,17 @@ class RequestWorker:
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
         stream = request_stream(self.worker_id)
-        config = consumer_config(self.worker_id, self._max_pending, self._ack_wait)
+        deliver = self._nc.new_inbox()
+        # subscribed before the consumer exists: nothing it pushes can miss the subscription
+        self._work_sub = await self._nc.subscribe(deliver, cb=self._on_work)
+        config = consumer_config(self.worker_id, self._max_pending, deliver, self._ack_wait)
         try:
             await self._js.add_consumer(stream, config=config)
         except Exception as exc:  # a consumer left by an earlier run with another config
             log.info("consumer_recreated", stream=stream, reason=str(exc))
             await self._js.delete_consumer(stream, config.durable_name)
             await self._js.add_consumer(stream, config=config)
-        self._psub = await self._js.pull_subscribe_bind(config.durable_name, stream=stream)
         self._cancel_sub = await self._nc.subscribe(cancel_subject(self.worker_id), cb=self._on_cancel)
-        self._tasks["pull"] = asyncio.create_task(self._pull_loop(), name="pull")
         self._tasks["keepalive"] = asyncio.create_task(self._keepalive(), name="keepalive")
 
     @property
@@ -119,13 +126,8 @@ class RequestWorker:
         return len(self._inflight)
 
     def begin_drain(self, refusal: StopReason) -> None:
-        """Run no new work: from now on pulled envelopes are answered with ``refusal`` at once."""
+        """Run no new work: from now on delivered envelopes are answered with ``refusal`` at once."""
         self._refusal = refusal
-        pull = self._tasks.pop("pull", None)
-        if pull is not None:
-            pull.cancel()
-        if "refuse" not in self._tasks:
-            self._tasks["refuse"] = asyncio.create_task(self._refuse_loop(pull), name="refuse")
 
     async def wait_idle(self, timeout: float | None) -> bool:
         """Wait until no request is being handled; False on timeout."""
@@ -137,70 +139,79 @@ class RequestWorker:
 
     def stop_all(self, reason: StopReason) -> int:
         """Stop every in-flight request with ``reason``; returns how many were stopped."""
-        stopped = 0
-        for entry in list(self._inflight.values()):
-            if entry.task is not None and not entry.task.done():
-                entry.stop = entry.stop or reason
-                entry.task.cancel()
-                stopped += 1
-        return stopped
+        return sum(self._stop(entry, reason) for entry in list(self._inflight.values()))
+
+    @staticmethod
+    def _stop(entry: InFlight, reason: StopReason) -> bool:
+        """Cancel one running request (once: a request already being stopped keeps its first reason)."""
+        if entry.stop is not None or entry.task is None or entry.task.done():
+            return False
+        entry.stop = reason
+        entry.task.cancel()
+        return True
 
     async def close(self, reason: StopReason = CLOSING) -> None:
-        """Stop pulling, stop what still runs with ``reason``, and wait for every answer and release."""
+        """Take no more work, stop what still runs with ``reason``, and wait for every answer and release.
+
+        Envelopes the broker already delivered are answered (refused with ``reason`` unless a drain
+        refusal is set), so none is left without a frame and a Release.
+        """
         self._refusal = self._refusal or reason
         for task in self._tasks.values():
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         self._tasks.clear()
-        for sub in (self._cancel_sub, self._psub):
-            if sub is not None:
-                try:
-                    await sub.unsubscribe()
-                except Exception:  # connection already closed
-                    pass
+        work_sub, self._work_sub = self._work_sub, None
+        if work_sub is not None:
+            try:
+                await asyncio.wait_for(work_sub.drain(), SUB_DRAIN_TIMEOUT)
+            except Exception:  # connection closed or draining: nothing more arrives
+                await _unsubscribe_quietly(work_sub)
+        cancel_sub, self._cancel_sub = self._cancel_sub, None
+        if cancel_sub is not None:
+            await _unsubscribe_quietly(cancel_sub)
         self.stop_all(reason)
         if self._handlers:
             await asyncio.gather(*self._handlers, return_exceptions=True)
 
-    # --- pulling ---------------------------------------------------------------------------------
-    async def _pull_loop(self) -> None:
-        while True:
-            await self._slots.acquire()
-            try:
-                msgs = await self._fetch(FETCH_TIMEOUT)
-            except asyncio.CancelledError:
-                self._slots.release()
-                raise
-            if not msgs:
-                self._slots.release()
-            for msg in msgs:
-                self._spawn(msg, holds_slot=True)
-            _raise_if_cancel_requested()
-
-    async def _refuse_loop(self, pull: asyncio.Task | None) -> None:
-        if pull is not None:  # one fetch at a time on the subscription
-            await asyncio.gather(pull, return_exceptions=True)
-        while True:
-            for msg in await self._fetch(1.0):
-                self._spawn(msg, holds_slot=False)
-            _raise_if_cancel_requested()
-
-    async def _fetch(self, timeout: float) -> list[Msg]:
-        """At most one message; [] on timeout or a (logged) broker error."""
+    # --- delivery ---------------------------------------------------------------------------------
+    async def _on_work(self, msg: Msg) -> None:
+        """The subscription's callback: decode and vet the envelope, then run it in its own task or
+        answer it at once (refused, expired, cancelled before it started, malformed)."""
         try:
-            return await self._psub.fetch(1, timeout=timeout)
-        except TimeoutError:
-            return []
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.warning("fetch_failed", error=str(exc) or type(exc).__name__)
-            await asyncio.sleep(0.5)
-            return []
+            env = decode(WorkEnvelope, msg.data)
+        except ValueError as exc:
+            self._metrics.bad_envelopes.inc()
+            log.warning("bad_envelope", error=str(exc)[:500], size=len(msg.data))
+            await _quietly(msg.term(), "term")
+            return
+        refused = self._refusal_for(env)
+        if refused is None:
+            self._start(env, msg)
+            return
+        status, message, outcome = refused
+        sink = FrameSink(self._nc.publish, env.reply_subject)
+        await _quietly(sink.error(status, message), "error_frame", env.request_id)
+        await self._finish(env, msg, outcome)
 
-    def _spawn(self, msg: Msg, holds_slot: bool) -> None:
+    def _refusal_for(self, env: WorkEnvelope) -> tuple[int, str, Outcome] | None:
+        """Why ``env`` is answered at once instead of run: (status, message, outcome); None to run it."""
+        if self._cancelled.contains(env.request_id, time.monotonic()):
+            return CLIENT_CANCELLED.status, "cancelled before it started", "cancelled"
+        if env.deadline <= time.time():
+            return 504, "deadline passed before the worker started the request", "expired"
+        if self._refusal is not None:
+            return self._refusal.status, self._refusal.message, self._refusal.outcome
+        if env.request_id in self._inflight:
+            return 409, f"request id {env.request_id} is already running on this worker", "error"
+        return None
+
+    def _start(self, env: WorkEnvelope, msg: Msg) -> None:
+        entry = InFlight(env, msg, FrameSink(self._nc.publish, env.reply_subject))
+        self._inflight[env.request_id] = entry
+        self._metrics.in_flight.set(len(self._inflight))
         self._idle.clear()
-        task = asyncio.create_task(self._handle(msg, holds_slot))
+        entry.task = task = asyncio.create_task(self._serve(entry), name=f"request-{env.request_id}")
         self._handlers.add(task)
         task.add_done_callback(self._handler_done)
 
@@ -219,77 +230,58 @@ class RequestWorker:
                 except Exception as exc:
                     log.debug("in_progress_failed", request_id=entry.envelope.request_id, error=str(exc))
 
-    # --- one message -----------------------------------------------------------------------------
-    async def _handle(self, msg: Msg, holds_slot: bool) -> None:
-        try:
-            try:
-                env = decode(WorkEnvelope, msg.data)
-            except ValueError as exc:
-                self._metrics.bad_envelopes.inc()
-                log.warning("bad_envelope", error=str(exc)[:500], size=len(msg.data))
-                await _quietly(msg.term(), "term")
-                return
-            outcome = await self._run(env, msg)
-            await _quietly(msg.ack(), "ack", env.request_id)
-            self._metrics.requests.labels(outcome).inc()
-            release = Release(lease_id=env.lease_id, worker_id=self.worker_id, outcome=outcome)
-            await _quietly(self._nc.publish(router_release_subject(env.router_id), encode(release)),
-                           "release", env.request_id)
-        finally:
-            if holds_slot:
-                self._slots.release()
+    # --- one request -----------------------------------------------------------------------------
+    async def _serve(self, entry: InFlight) -> None:
+        outcome = await self._relay_once(entry)
+        # One turn of the loop lets the client's flusher send the last frame on its own: batched
+        # with the ack, the broker would forward it only after doing the ack's stream work.
+        await asyncio.sleep(0)
+        await self._finish(entry.envelope, entry.msg, outcome)
 
-    async def _run(self, env: WorkEnvelope, msg: Msg) -> Outcome:
-        """Answer one envelope; never raises (except for the agent's own cancellation)."""
-        sink = FrameSink(self._publish, env.reply_subject)
+    async def _relay_once(self, entry: InFlight) -> Outcome:
+        """Relay the request to the engine; never raises (except for the agent's own teardown).
+
+        A stop (cancel, drain timeout, engine gone) cancels this task with ``entry.stop`` set: the
+        requester then gets that reason's error frame and the engine an abort when it applies.
+        """
+        env, sink = entry.envelope, entry.sink
         try:
-            if self._cancelled.contains(env.request_id, time.monotonic()):
-                await sink.error(CLIENT_CANCELLED.status, "cancelled before it started")
-                return "cancelled"
-            if env.deadline <= time.time():
-                await sink.error(504, "deadline passed before the worker started the request")
-                return "expired"
-            if self._refusal is not None:
-                await sink.error(self._refusal.status, self._refusal.message)
-                return self._refusal.outcome
-            if env.request_id in self._inflight:
-                await sink.error(409, f"request id {env.request_id} is already running on this worker")
-                return "error"
-            return await self._relay_tracked(env, msg, sink)
+            outcome: Outcome = await self._relay.run(env, sink)
         except asyncio.CancelledError:
-            raise
+            self._untrack(env.request_id)  # from here on no stop reaches this task
+            reason = entry.stop
+            if reason is None:
+                raise  # not a stop of this request: the agent itself is torn down
+            task = asyncio.current_task()
+            while task is not None and task.uncancel():
+                pass
+            if not sink.closed:
+                await _quietly(sink.error(reason.status, reason.message), "error_frame", env.request_id)
+            if reason.abort_engine:
+                await self._abort(env.request_id)
+            return reason.outcome
         except Exception as exc:
+            self._untrack(env.request_id)
             log.exception("request_failed", request_id=env.request_id)
             if not sink.closed:
                 await _quietly(sink.error(500, f"worker-agent failure: {exc}"), "error_frame", env.request_id)
             return "error"
-
-    async def _relay_tracked(self, env: WorkEnvelope, msg: Msg, sink: FrameSink) -> Outcome:
-        entry = InFlight(env, msg)
-        entry.task = asyncio.create_task(self._relay.run(env, sink), name=f"relay-{env.request_id}")
-        self._inflight[env.request_id] = entry
-        self._metrics.in_flight.set(len(self._inflight))
-        try:
-            outcome: Outcome = await entry.task
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():
-                raise  # the agent itself is being torn down
-            reason = entry.stop or CLIENT_CANCELLED
-            if not sink.closed:
-                await sink.error(reason.status, reason.message)
-            if reason.abort_engine:
-                await self._abort(env.request_id)
-            return reason.outcome
-        finally:
-            self._inflight.pop(env.request_id, None)
-            self._metrics.in_flight.set(len(self._inflight))
+        self._untrack(env.request_id)
         if outcome == "expired":
             await self._abort(env.request_id)
         return outcome
 
-    async def _publish(self, subject: str, data: bytes) -> None:
-        await self._nc.publish(subject, data)
+    def _untrack(self, request_id: str) -> None:
+        self._inflight.pop(request_id, None)
+        self._metrics.in_flight.set(len(self._inflight))
+
+    async def _finish(self, env: WorkEnvelope, msg: Msg, outcome: Outcome) -> None:
+        """Exactly once per envelope: ack it (it leaves the queue), count it, release its lease."""
+        await _quietly(msg.ack(), "ack", env.request_id)
+        self._outcomes[outcome].inc()
+        release = Release(lease_id=env.lease_id, worker_id=self.worker_id, outcome=outcome)
+        await _quietly(self._nc.publish(router_release_subject(env.router_id), encode(release)),
+                       "release", env.request_id)
 
     # --- cancel ----------------------------------------------------------------------------------
     async def _on_cancel(self, msg: Msg) -> None:
@@ -302,17 +294,15 @@ class RequestWorker:
         self._metrics.cancels.inc()
         self._cancelled.add(cancel.request_id, time.monotonic())
         entry = self._inflight.get(cancel.request_id)
-        if entry is not None and entry.task is not None and not entry.task.done():
-            entry.stop = entry.stop or CLIENT_CANCELLED
-            entry.task.cancel()
+        if entry is not None and self._stop(entry, CLIENT_CANCELLED):
             log.info("request_cancelled", request_id=cancel.request_id)
 
 
-def _raise_if_cancel_requested() -> None:
-    """Python 3.11's wait_for (inside nats-py's fetch) can swallow a cancellation: honour it anyway."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
+async def _unsubscribe_quietly(sub) -> None:
+    try:
+        await sub.unsubscribe()
+    except Exception:  # connection already closed
+        pass
 
 
 async def _quietly(aw: Awaitable, what: str, request_id: str | None = None) -> None:
