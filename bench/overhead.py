@@ -94,7 +94,7 @@ def start_fleet(tmp: Path, speedup: float) -> tuple[list[subprocess.Popen], str,
     plan = plan_fleet(
         nats_url=f"nats://127.0.0.1:{nats_port}", host="127.0.0.1", port=http_port, workers=1,
         router_policy=None, engine_args=["--speedup", str(speedup)],
-        metrics_ports=[free_port(), free_port()],
+        metrics_ports=[free_port(), free_port(), free_port()],
     )
     for spec in plan:
         log = open(tmp / f"{spec.name}.log", "ab")

@@ -38,20 +38,22 @@ def plan_fleet(
     metrics_ports: list[int],
     log_format: str = "json",
 ) -> list[ProcSpec]:
-    """Router, frontend and ``workers`` mock worker-agents, all on the NATS plane.
+    """kv-indexer, router, frontend and ``workers`` mock worker-agents, all on the NATS plane.
 
-    ``metrics_ports`` holds one free port per router and worker-agent (the frontend serves
-    /metrics on its own HTTP port).
+    ``metrics_ports`` holds one free port per kv-indexer, router and worker-agent, in that order
+    (the frontend serves /metrics on its own HTTP port).
     """
     if workers < 1:
         raise ValueError("--workers must be at least 1")
-    if len(metrics_ports) < workers + 1:
-        raise ValueError("need one metrics port for the router and one per worker")
+    if len(metrics_ports) < workers + 2:
+        raise ValueError("need one metrics port for the kv-indexer, the router and each worker")
     common = ["--nats-url", nats_url, "--log-format", log_format]
-    router_args = [*common, "--metrics-port", str(metrics_ports[0])]
+    indexer_args = [*common, "--metrics-port", str(metrics_ports[0])]
+    router_args = [*common, "--metrics-port", str(metrics_ports[1])]
     if router_policy:
         router_args += ["--router-policy", router_policy]
     procs = [
+        ProcSpec("kv-indexer", "kv-indexer", "infera_kv_indexer", indexer_args),
         ProcSpec("router", "router", "infera_router", router_args),
         ProcSpec("frontend", "frontend", "infera_frontend", [*common, "--host", host, "--port", str(port)]),
     ]
@@ -62,7 +64,7 @@ def plan_fleet(
                 "worker",
                 "infera_worker_agent",
                 [*common, "--engine", "mock", "--worker-id", f"mock-{i}",
-                 "--metrics-port", str(metrics_ports[i]), *default_engine_args(), *engine_args],
+                 "--metrics-port", str(metrics_ports[i + 1]), *default_engine_args(), *engine_args],
             )
         )
     return procs

@@ -1,4 +1,4 @@
-"""`infera up`: start nats-server, router, frontend and N mock workers as local processes.
+"""`infera up`: start nats-server, kv-indexer, router, frontend and N mock workers as local processes.
 
 Ctrl-C or SIGTERM stops everything it started (each child runs in its own process group and is
 stopped TERM-then-KILL), leaving no process behind.
@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
         workers=settings.workers,
         router_policy=settings.router_policy,
         engine_args=engine_args,
-        metrics_ports=[free_port() for _ in range(settings.workers + 1)],
+        metrics_ports=[free_port() for _ in range(settings.workers + 2)],
     )
     running: list[tuple[str, subprocess.Popen]] = []
     stopping = False

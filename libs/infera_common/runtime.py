@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
+from typing import Any, Protocol
 
 
 def event_loop_runner() -> asyncio.Runner:
@@ -20,3 +22,56 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+class Service(Protocol):
+    """What ``run_service`` drives: a NATS service with a metrics registry."""
+
+    metrics: Any  # has ``.registry`` (a prometheus CollectorRegistry)
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+async def run_service(service: Service, *, name: str, metrics_host: str, metrics_port: int, log) -> None:
+    """Serve /metrics, start ``service``, run until SIGTERM/SIGINT, stop it; exit with a clear message on failure.
+
+    A signal during start-up (e.g. while waiting for NATS, or replaying a stream) cancels the start
+    and stops cleanly.
+    """
+    from infera_common.metrics import start_metrics_server
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        runner, port = await start_metrics_server(service.metrics.registry, metrics_host, metrics_port)
+    except OSError as exc:
+        raise SystemExit(
+            f"error: cannot serve metrics on {metrics_host}:{metrics_port} ({exc}); "
+            f"pass --metrics-port (0 = any free port)"
+        ) from exc
+    log.info("metrics_serving", host=metrics_host, port=port)
+    try:
+        starting = asyncio.create_task(service.start())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # a signal during start-up
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+        else:
+            try:
+                starting.result()
+            except ConnectionError as exc:
+                raise SystemExit(f"error: {exc}") from exc
+            except Exception as exc:  # e.g. JetStream disabled on the server
+                log.exception("start_failed")
+                raise SystemExit(f"error: {name} could not start: {type(exc).__name__}: {exc}") from exc
+            await stopping
+        stopping.cancel()
+        log.info("stopping", service=name)
+    finally:
+        await service.stop()
+        await runner.cleanup()

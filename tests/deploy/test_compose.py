@@ -18,6 +18,7 @@ from infera.fleet_plan import plan_fleet
 from infera_common.models import BUNDLED_MODEL_NAME, default_model_path
 from infera_common.settings import parse_cli
 from infera_frontend.settings import FrontendSettings
+from infera_kv_indexer.settings import KvIndexerSettings
 from infera_mock_engine.main import parse_args as parse_mock_args
 from infera_router.settings import RouterSettings
 from infera_worker_agent.engine_cmd import plan_engine
@@ -26,7 +27,7 @@ from infera_worker_agent.settings import parse_agent_cli
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-ROLE_OF_SCRIPT = {"infera-router": "router", "infera-frontend": "frontend", "infera-worker-agent": "worker"}
+ROLE_OF_SCRIPT = {"infera-kv-indexer": "kv-indexer", "infera-router": "router", "infera-frontend": "frontend", "infera-worker-agent": "worker"}
 
 
 def _service_commands() -> dict[str, list[str]]:
@@ -38,6 +39,9 @@ def _parse(role: str, args: list[str]):
     if role == "router":
         settings, _ = parse_cli(RouterSettings, args, prog="infera-router")
         return {"policy": settings.router_policy}
+    if role == "kv-indexer":
+        settings, _ = parse_cli(KvIndexerSettings, args, prog="infera-kv-indexer")
+        return {"port": settings.metrics_port}
     if role == "frontend":
         settings, _ = parse_cli(FrontendSettings, args, prog="infera-frontend")
         return {"port": settings.port}
@@ -67,7 +71,7 @@ def test_compose_services_use_the_nats_service_and_the_image_built_here():
 
 def test_compose_topology_matches_infera_up():
     plan = plan_fleet(nats_url="nats://x:1", host="127.0.0.1", port=8000, workers=2, router_policy=None,
-                      engine_args=[], metrics_ports=[1, 2, 3])
+                      engine_args=[], metrics_ports=[1, 2, 3, 4])
     up_roles = Counter(p.role for p in plan)
     compose_roles = Counter(ROLE_OF_SCRIPT[c[0]] for c in _service_commands().values())
     assert compose_roles == up_roles

@@ -28,7 +28,7 @@ from router_helpers import record, route_request
 
 def test_defaults_and_env(monkeypatch):
     settings, _ = parse_cli(RouterSettings, [], prog="infera-router")
-    assert (settings.router_policy, settings.lease_max_age, settings.metrics_port) == ("round-robin", 900.0, 9100)
+    assert (settings.router_policy, settings.lease_max_age, settings.metrics_port) == ("kv-aware", 900.0, 9100)
     monkeypatch.setenv("INFERA_ROUTER_POLICY", "least-loaded")
     settings, _ = parse_cli(RouterSettings, ["--lease-max-age", "30"], prog="infera-router")
     assert settings.router_policy == "least-loaded" and settings.lease_max_age == 30.0
@@ -104,7 +104,7 @@ async def test_router_process_serves_routes_metrics_and_stops_on_sigterm(nats_se
         port = (await _read_until(proc.stderr, "metrics_serving"))["port"]
         assert port > 0
         serving = await _read_until(proc.stderr, "router_serving")
-        assert serving["router_id"] == "rproc" and serving["policy"] == "round-robin"
+        assert serving["router_id"] == "rproc" and serving["policy"] == "kv-aware"
         js = nc.jetstream()
         await ensure_request_stream(js, "w1", 4, max_age=60)
         reg = Registrar(js, record("w1"))

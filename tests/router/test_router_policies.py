@@ -14,7 +14,7 @@ def workers(*ids: str, model: str = "m") -> list[WorkerState]:
 
 
 def test_registry_knows_both_policies_and_refuses_others():
-    assert set(POLICY_NAMES) == {"round-robin", "least-loaded"}
+    assert set(POLICY_NAMES) == {"kv-aware", "round-robin", "least-loaded"}
     assert isinstance(create_policy("round-robin"), RoundRobin)
     assert isinstance(create_policy("least-loaded"), LeastLoaded)
     try:

@@ -78,7 +78,7 @@ class Bench:
 
 @pytest.fixture
 async def bench(nats_server, request):
-    overrides = getattr(request, "param", {})
+    overrides = {"router_policy": "round-robin", **getattr(request, "param", {})}
     settings = RouterSettings(nats_url=nats_server, router_id="rt1", **overrides)
     router = RouterService(settings)
     await router.start()

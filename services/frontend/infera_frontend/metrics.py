@@ -46,6 +46,12 @@ class FrontendMetrics:
             "Requests routed without token ids because the chat template could not be rendered.",
             registry=r,
         )
+        self.token_mismatch = Counter(
+            "infera_frontend_token_mismatch",
+            "Responses whose engine usage.prompt_tokens differs from the frontend's prompt token count "
+            "(the token invariant is broken: KV-aware routing hashes other ids than the engine caches), by worker.",
+            ["worker"], registry=r,
+        )
         self.route_errors = Counter(
             "infera_frontend_route_errors",
             "Requests the router did not place, by status (503 includes router unreachable).",

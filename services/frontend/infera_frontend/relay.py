@@ -24,6 +24,7 @@ from infera_common.subjects import ROUTER_ROUTE, cancel_subject
 
 from infera_frontend.inbox import Inbox, Mailbox
 from infera_frontend.metrics import FrontendMetrics
+from infera_frontend.token_check import TokenChecker, reported_prompt_tokens
 from infera_frontend.validation import ApiError
 
 log = get_logger("frontend.relay")
@@ -80,6 +81,7 @@ class Relay:
         self.upstream_timeout = upstream_timeout
         self.request_timeout = request_timeout
         self._background: set[asyncio.Task] = set()
+        self.token_checker = TokenChecker()
 
     def spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -89,6 +91,24 @@ class Relay:
     async def drain_background(self) -> None:
         if self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    def check_usage(self, worker_id: str, request_id: str, expected: int, payload: bytes) -> bool:
+        """Compare the engine's usage in ``payload`` (if any) with ``expected``; True when usage was found.
+
+        A mismatch is counted every time and logged once per worker.
+        """
+        reported = reported_prompt_tokens(payload)
+        if reported is None:
+            return False
+        bad, first = self.token_checker.mismatch(worker_id, expected, reported)
+        if bad:
+            self.metrics.token_mismatch.labels(worker_id).inc()
+            if first:
+                log.warning("token_mismatch", worker_id=worker_id, request_id=request_id,
+                            frontend_prompt_tokens=expected, engine_prompt_tokens=reported,
+                            hint="the engine tokenizes differently (model, tokenizer or chat template): "
+                                 "KV-aware routing hashes the wrong ids; logged once per worker, counted always")
+        return True
 
     def publish_cancel(self, worker_id: str, request_id: str, reason: str) -> None:
         self.metrics.cancels.labels(reason).inc()
@@ -148,7 +168,8 @@ class Relay:
             raise router_error(reply)
         if early:
             box.push_front(early)
-        return Exchange(self, request_id, reply.worker_id, subject, box, stream, endpoint)
+        expected = prompt_tokens if token_ids is not None else None  # None: no count to check against
+        return Exchange(self, request_id, reply.worker_id, subject, box, stream, endpoint, expected)
 
     def deadline_in(self, stream: bool) -> float:
         """Seconds until nobody waits for the answer: a non-streaming answer is the head the frontend
@@ -193,13 +214,14 @@ class Exchange:
     """One placed request: its frames, in order, until ``end``, ``error`` or a final ``head``."""
 
     __slots__ = ("_relay", "request_id", "worker_id", "_subject", "_box", "stream", "endpoint", "done",
-                 "_closed", "_cancelled", "_error")
+                 "_closed", "_cancelled", "_error", "_expected_tokens")
 
     def __init__(
         self, relay: Relay, request_id: str, worker_id: str, subject: str, box: Mailbox, stream: bool,
-        endpoint: Endpoint,
+        endpoint: Endpoint, expected_tokens: int | None = None,
     ) -> None:
         self._relay = relay
+        self._expected_tokens = expected_tokens  # the frontend's prompt count; None once checked or unknown
         self.request_id = request_id
         self.worker_id = worker_id
         self._subject = subject
@@ -245,6 +267,11 @@ class Exchange:
             log.error("bad_frame", request_id=self.request_id, worker_id=self.worker_id, error=str(exc))
             raise ApiError(502, "the worker sent an unreadable response frame") from None
 
+    def _check(self, payload: bytes) -> None:
+        expected = self._expected_tokens
+        if expected is not None and self._relay.check_usage(self.worker_id, self.request_id, expected, payload):
+            self._expected_tokens = None  # one check per request
+
     async def head(self) -> tuple[int, bytes | None]:
         """The engine's status and, unless a stream follows, the whole body (``None`` for a stream).
 
@@ -268,6 +295,8 @@ class Exchange:
         self.done = True
         if status >= 400:
             body = normalize_error(status, body)
+        elif body:
+            self._check(body)
         return status, body
 
     async def _collect(self) -> bytes:
@@ -301,6 +330,8 @@ class Exchange:
             if kind == "data":
                 if frame.body != DONE_PAYLOAD:
                     out.append(frame.body)
+                    if self._expected_tokens is not None:
+                        self._check(frame.body)
             elif kind == "end":
                 self.done = True
             elif kind == "error":

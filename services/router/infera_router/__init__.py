@@ -13,8 +13,14 @@ Behaviour (NATS plane, see docs/architecture.md for the contract):
   ``infera.router.release.<router_id>``, by a refused publish, by the worker leaving discovery,
   or after ``--lease-max-age`` seconds (counted: a lost release).
 - Load reports (``infera.load.*``): the latest per known worker, forgotten when it leaves.
+- Policy ``kv-aware`` (default): asks the kv-indexer (``infera.kv.query``, ``--kv-query-timeout``)
+  for each candidate's cached prefix depth and picks the lowest
+  ``--kv-overlap-weight`` x uncached prefill blocks + load blocks (``policy_kv_aware``); with no
+  answer it routes by load and counts ``infera_router_kv_query_failures_total``. The cost breakdown
+  of each pick is logged at debug level (``route_pick``).
 
 Modules: pure core ``state`` (fleet per model), ``leases``, ``policy`` (interface),
-``policy_round_robin``, ``policy_least_loaded``, ``policies`` (registry by name), ``core``
-(decisions); adapters ``service`` (NATS), ``metrics``, ``settings``, ``main``.
+``policy_round_robin``, ``policy_least_loaded``, ``policy_kv_aware``, ``kv_view`` (the overlap
+query and its answer), ``policies`` (registry by name), ``core`` (decisions); adapters ``service``
+(NATS), ``kv_client`` (indexer query), ``metrics``, ``settings``, ``main``.
 """

@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from infera_common.fleet import Change
-from infera_common.schemas import LoadReport, RouteRequest
+from infera_common.schemas import LoadReport, OverlapQuery, RouteRequest
 
+from infera_router.kv_view import KvView, kv_query
 from infera_router.leases import Lease, LeaseTable
 from infera_router.policy import Policy
+from infera_router.policy_kv_aware import WorkerCost
 from infera_router.state import FleetState, WorkerState
 
 
@@ -24,6 +26,7 @@ class Plan:
     status: int
     message: str = ""
     order: list[WorkerState] = field(default_factory=list)
+    costs: list[WorkerCost] | None = None  # the policy's cost breakdown, same order (kv-aware only)
 
 
 class RouterCore:
@@ -34,7 +37,8 @@ class RouterCore:
         self.lease_max_age = lease_max_age
 
     # --- routing -------------------------------------------------------------------------
-    def plan(self, request: RouteRequest) -> Plan:
+    def candidates(self, request: RouteRequest) -> Plan:
+        """The workers the request may go to (unranked ``order``), or why there are none."""
         model = request.model
         active = self.fleet.active(model)
         if not active:
@@ -52,8 +56,26 @@ class RouterCore:
             candidates = [w for w in active if w.worker_id not in excluded]
             if not candidates:
                 return Plan(503, f"all {len(active)} active workers of model {model!r} are excluded by the request")
-        ranked = self.policy.rank(candidates, request)
+        return Plan(200, order=candidates)
+
+    def kv_query(self, request: RouteRequest) -> OverlapQuery | None:
+        """The indexer query the policy wants for ``request`` (None: not kv-aware, or nothing to ask)."""
+        if not getattr(self.policy, "needs_kv", False):
+            return None
+        cands = self.candidates(request)
+        return kv_query(cands.order, request) if cands.status == 200 else None
+
+    def plan(self, request: RouteRequest, kv: KvView | None = None) -> Plan:
+        plan = self.candidates(request)
+        if plan.status != 200:
+            return plan
+        candidates = plan.order
         by_id = {w.worker_id: w for w in candidates}
+        explain = getattr(self.policy, "explain", None)
+        if explain is not None:
+            costs = explain(candidates, request, kv)
+            return Plan(200, order=[by_id[c.worker_id] for c in costs], costs=costs)
+        ranked = self.policy.rank(candidates, request, kv)
         return Plan(200, order=[by_id[wid] for wid in ranked])
 
     # --- leases --------------------------------------------------------------------------

@@ -9,20 +9,23 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from infera_router.policy import Policy
+from infera_router.policy_kv_aware import KvAware
 from infera_router.policy_least_loaded import LeastLoaded
 from infera_router.policy_round_robin import RoundRobin
 
-POLICIES: dict[str, Callable[[], Policy]] = {
-    RoundRobin.name: RoundRobin,
-    LeastLoaded.name: LeastLoaded,
+POLICIES: dict[str, Callable[..., Policy]] = {
+    KvAware.name: lambda kv_overlap_weight=1.0: KvAware(kv_overlap_weight),
+    RoundRobin.name: lambda **_: RoundRobin(),
+    LeastLoaded.name: lambda **_: LeastLoaded(),
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
+DEFAULT_POLICY = KvAware.name
 
 
-def create_policy(name: str) -> Policy:
+def create_policy(name: str, kv_overlap_weight: float = 1.0) -> Policy:
     try:
         factory = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown router policy {name!r}; choose one of {', '.join(POLICY_NAMES)}") from None
-    return factory()
+    return factory(kv_overlap_weight=kv_overlap_weight)

@@ -20,6 +20,7 @@ import random
 
 from infera_common.schemas import RouteRequest
 
+from infera_router.kv_view import KvView
 from infera_router.state import WorkerState
 
 
@@ -33,11 +34,12 @@ def load_key(worker: WorkerState) -> tuple[int, int, float]:
 
 class LeastLoaded:
     name = "least-loaded"
+    needs_kv = False
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def rank(self, candidates: list[WorkerState], request: RouteRequest) -> list[str]:
+    def rank(self, candidates: list[WorkerState], request: RouteRequest, kv: KvView | None = None) -> list[str]:
         rnd = self._rng.random
         keyed = [(load_key(w), rnd(), w.worker_id) for w in candidates]
         keyed.sort()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from infera_common.schemas import RouteRequest
 
+from infera_router.kv_view import KvView
 from infera_router.state import WorkerState
 
 
@@ -15,11 +16,12 @@ class RoundRobin:
     """
 
     name = "round-robin"
+    needs_kv = False
 
     def __init__(self) -> None:
         self._turn: dict[str, int] = {}
 
-    def rank(self, candidates: list[WorkerState], request: RouteRequest) -> list[str]:
+    def rank(self, candidates: list[WorkerState], request: RouteRequest, kv: KvView | None = None) -> list[str]:
         n = len(candidates)
         turn = self._turn.get(request.model, 0)
         start = turn % n

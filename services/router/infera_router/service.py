@@ -34,9 +34,12 @@ from infera_common.subjects import (
 
 from infera_router.core import RouterCore
 from infera_router.jetstream import AckedPublisher, PubResult
+from infera_router.kv_client import KvClient
+from infera_router.kv_view import KvView
 from infera_router.leases import Lease
 from infera_router.metrics import RouterMetrics
 from infera_router.policies import create_policy
+from infera_router.policy_kv_aware import WorkerCost
 from infera_router.settings import RouterSettings
 from infera_router.state import WorkerState
 
@@ -69,7 +72,10 @@ class RouterService:
         self.router_id = settings.resolved_router_id()
         self.release_subject = router_release_subject(self.router_id)
         self.metrics = metrics or RouterMetrics()
-        self.core = RouterCore(create_policy(settings.router_policy), self.router_id, settings.lease_max_age)
+        policy = create_policy(settings.router_policy, settings.kv_overlap_weight)
+        self.core = RouterCore(policy, self.router_id, settings.lease_max_age)
+        self._kv: KvClient | None = None
+        self._kv_tasks: set[asyncio.Task] = set()
         self.nc: NATS | None = None
         self._js = None
         self._watcher: Watcher | None = None
@@ -90,6 +96,7 @@ class RouterService:
             log.warning("discovery_snapshot_slow", waited=DISCOVERY_READY_TIMEOUT)
         self._publisher = AckedPublisher(self.nc)
         await self._publisher.start()
+        self._kv = KvClient(self.nc, self.settings.kv_query_timeout, self.metrics)
         self._subs.append(await self.nc.subscribe(self.release_subject, cb=self._on_release))
         self._subs.append(await self.nc.subscribe(LOAD_SUBJECTS, cb=self._on_load))
         self._route_sub = await self.nc.subscribe(ROUTER_ROUTE, queue=ROUTER_QUEUE, cb=self._on_route)
@@ -107,6 +114,8 @@ class RouterService:
             except Exception as exc:  # connection already gone
                 log.info("route_drain_skipped", error=str(exc))
             self._route_sub = None
+        if self._kv_tasks:  # requests waiting for the kv-indexer: let them reach their publish
+            await asyncio.gather(*list(self._kv_tasks), return_exceptions=True)
         if self._publisher is not None:  # answer the requests whose envelope awaits its ack
             await self._publisher.wait_idle(self.settings.publish_timeout + 1.0)
             await self._publisher.stop()
@@ -209,16 +218,61 @@ class RouterService:
                 reply = RouteReply(status=400, message=f"malformed RouteRequest: {exc}"[:1000], router_id=self.router_id)
                 await self._send(msg.reply, reply, t0)
                 return
-            plan = self.core.plan(request)
-            routing = Routing(request, msg.reply, plan.order, t0)
-            if plan.status != 200:
-                await self._reply(routing, plan.status, plan.message)
+            query = self.core.kv_query(request)
+            if query is not None and self._kv is not None:
+                # the indexer round trip must not hold up the next route request: continue in a task
+                task = asyncio.create_task(self._route_with_kv(request, msg.reply, t0, query))
+                self._kv_tasks.add(task)
+                task.add_done_callback(self._kv_tasks.discard)
                 return
-            await self._try_next(routing)
+            kv = None
+            if getattr(self.core.policy, "needs_kv", False):
+                kv = KvView.failed("no_tokens" if not request.token_ids else "no_block_size")
+            await self._route(request, msg.reply, t0, kv)
         except Exception as exc:  # never leave a requester without an answer
             log.exception("route_failed")
             await self._send(msg.reply, RouteReply(status=500, message=f"router failure: {type(exc).__name__}: {exc}",
                                                    router_id=self.router_id), t0)
+
+    async def _route_with_kv(self, request: RouteRequest, reply_to: str, t0: float, query) -> None:
+        try:
+            assert self._kv is not None
+            candidates = self.core.candidates(request).order
+            kv = await self._kv.query(query, candidates)
+            await self._route(request, reply_to, t0, kv)
+        except Exception as exc:  # never leave a requester without an answer
+            log.exception("route_failed", request_id=request.request_id)
+            await self._send(reply_to, RouteReply(status=500, message=f"router failure: {type(exc).__name__}: {exc}",
+                                                  router_id=self.router_id), t0)
+
+    async def _route(self, request: RouteRequest, reply_to: str, t0: float, kv: KvView | None) -> None:
+        plan = self.core.plan(request, kv)
+        routing = Routing(request, reply_to, plan.order, t0)
+        if plan.status != 200:
+            await self._reply(routing, plan.status, plan.message)
+            return
+        if plan.costs:
+            self._account_pick(request, plan.costs)
+        await self._try_next(routing)
+
+    def _account_pick(self, request: RouteRequest, costs: list[WorkerCost]) -> None:
+        """Metrics and the debug line of one kv-aware decision (``costs`` cheapest first)."""
+        m = self.metrics
+        best = costs[0]
+        m.kv_picks.labels(best.worker_id).inc()
+        m.kv_hit_blocks.observe(best.matched_blocks)
+        m.kv_request_blocks.observe(best.request_blocks)
+        if best.cache_info != "ok":
+            m.kv_picks_without_cache_info.labels(best.cache_info).inc()
+        for c in costs:
+            if c.cache_info in ("ok", "unknown_block_size", "unseen"):
+                m.set_blind(c.worker_id, None if c.cache_info == "ok" else c.cache_info)
+        if self.settings.log_level == "debug":  # the breakdown costs a list build: only when shown
+            log.debug("route_pick", request_id=request.request_id, model=request.model, worker_id=best.worker_id,
+                      costs=[{"worker": c.worker_id, "cost": round(c.cost, 3), "prefill_blocks": c.prefill_blocks,
+                              "matched_blocks": c.matched_blocks, "request_blocks": c.request_blocks,
+                              "load_blocks": round(c.load_blocks, 3), "block_size": c.block_size,
+                              "cache_info": c.cache_info} for c in costs])
 
     async def _try_next(self, r: Routing) -> None:
         """Hand the work to the next candidate (its ack continues in ``_on_published``), or answer."""

@@ -12,14 +12,27 @@ from pydantic import Field
 from infera_common.settings import LogSettings, PlaneSettings
 from infera_common.subjects import TOKEN_RE
 
-from infera_router.policies import POLICY_NAMES
+from infera_router.policies import DEFAULT_POLICY, POLICY_NAMES
 
 PolicyName = Literal[POLICY_NAMES]  # type: ignore[valid-type]  # the registry's names
 
 
 class RouterSettings(PlaneSettings, LogSettings):
     router_policy: PolicyName = Field(  # type: ignore[valid-type]
-        "round-robin", description="How the router picks a worker among a model's active workers."
+        DEFAULT_POLICY,
+        description="How the router picks a worker among a model's active workers: kv-aware (least "
+        "uncached prefill + load, asks the kv-indexer), round-robin, least-loaded.",
+    )
+    kv_overlap_weight: float = Field(
+        1.0, ge=0,
+        description="kv-aware: work units one cached prefix block is worth against one block of load "
+        "(1.0 = a cached block saves one block of prefill; higher favours cache hits, lower spreads "
+        "load, 0 = load only).",
+    )
+    kv_query_timeout: float = Field(
+        0.05, gt=0, le=5.0,
+        description="kv-aware: seconds to wait for the kv-indexer's overlap answer; on timeout or no "
+        "indexer the request is routed by load only and counted in infera_router_kv_query_failures_total.",
     )
     lease_max_age: float = Field(
         900.0, gt=0,

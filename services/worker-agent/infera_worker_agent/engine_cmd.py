@@ -4,13 +4,17 @@ The agent reads (never consumes) the engine arguments it needs: ``--port``, ``--
 ``--model-path`` / ``--model`` and ``--served-model-name``. What it adds is appended at the end:
 ``--port P`` when no port is given, the bundled model for the mock engine when no model is
 given, and ``--enable-metrics`` for SGLang (its /metrics, which the load report reads, is off by
-default).
+default), and ``--kv-events-config`` for KV events unless turned off or given (``kv_config``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from infera_worker_agent.kv_config import KvEventsPlan
 
 ENGINE_MODULES = {
     "mock": "infera_mock_engine",
@@ -39,6 +43,8 @@ class EnginePlan:
     url: str  # registered in discovery
     model_hint: str | None  # served name or model path; the engine's /v1/models is the truth
     abort_path: str | None
+    engine_args: tuple[str, ...] = ()  # the user's engine arguments (before the agent's additions)
+    kv_events: "KvEventsPlan | None" = None
 
 
 def flag_value(args: Sequence[str], *names: str) -> str | None:
@@ -82,10 +88,13 @@ def plan_engine(
     free_port: int,
     default_model_path: str,
     advertise_host: str | None = None,
+    enable_kv_events: bool = False,
+    find_ports: Callable[[int], int] | None = None,
 ) -> EnginePlan:
     """Build the engine command line and the URLs the agent uses and registers.
 
-    ``free_port`` is used only when the arguments name no ``--port``.
+    ``free_port`` is used only when the arguments name no ``--port``; ``find_ports(n)`` (first of n
+    contiguous free ports) only when KV events are turned on by the agent (``kv_config``).
     """
     if engine not in ENGINE_MODULES:
         raise EngineArgsError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINE_MODULES)}")
@@ -109,6 +118,11 @@ def plan_engine(
         extra += ["--model-path", model]
     if engine == "sglang" and not has_flag(args, "--enable-metrics"):
         extra.append("--enable-metrics")
+    from infera_worker_agent.kv_config import plan_kv_events  # kv_config builds on this module's helpers
+
+    kv = plan_kv_events(engine, args, enabled=enable_kv_events and find_ports is not None,
+                        find_ports=find_ports or _no_ports)
+    extra += kv.extra_args
 
     bind_host = flag_value(args, "--host")
     reach = LOCAL_HOST if bind_host is None or bind_host in _WILDCARD_HOSTS else bind_host
@@ -124,4 +138,10 @@ def plan_engine(
         url=f"http://{url_host(advertise_host)}:{port}",
         model_hint=served or model,
         abort_path=ABORT_PATHS[engine],
+        engine_args=tuple(args),
+        kv_events=kv,
     )
+
+
+def _no_ports(n: int) -> int:
+    raise EngineArgsError("no port finder given for the KV events endpoints")

@@ -98,3 +98,16 @@ class EngineAborter:
                     log.info("engine_abort_refused", request_id=request_id, status=resp.status)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             log.info("engine_abort_failed", request_id=request_id, error=str(exc) or type(exc).__name__)
+
+
+async def engine_json(session: aiohttp.ClientSession, url: str) -> object | None:
+    """GET ``url`` as JSON; None when the engine does not serve it (e.g. real vLLM's /server_info)."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            if resp.status != 200:
+                log.info("engine_info_unavailable", url=url, status=resp.status)
+                return None
+            return await resp.json(content_type=None)
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+        log.info("engine_info_failed", url=url, error=str(exc) or type(exc).__name__)
+        return None

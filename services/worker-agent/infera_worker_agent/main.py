@@ -8,6 +8,7 @@ from infera_common.logs import configure_logging
 from infera_common.models import default_model_path
 from infera_common.runtime import event_loop_runner, free_port
 from infera_worker_agent.engine_cmd import EngineArgsError, plan_engine
+from infera_worker_agent.ports import free_port_block
 from infera_worker_agent.service import Agent
 from infera_worker_agent.settings import PROG, parse_agent_cli
 
@@ -23,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
             free_port=free_port(),
             default_model_path=str(default_model_path()),
             advertise_host=settings.advertise_host,
+            enable_kv_events=settings.enable_kv_events,
+            find_ports=free_port_block,
         )
     except EngineArgsError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

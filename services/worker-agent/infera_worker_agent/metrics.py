@@ -28,3 +28,21 @@ class AgentMetrics:
         )
         self.engine_exit_code.set(-1)
         self.engine_up = Gauge("infera_agent_engine_up", "1 while the engine is healthy and serving.", registry=r)
+        self.kv_batches = Counter(
+            "infera_agent_kv_batches_relayed", "Engine KV event batches relayed to JetStream, by DP rank.",
+            ["dp_rank"], registry=r,
+        )
+        self.kv_gaps = Counter(
+            "infera_agent_kv_gaps", "KV event sequence gaps, by outcome (detected|filled|unrecoverable).",
+            ["outcome"], registry=r,
+        )
+        self.kv_lost_batches = Counter(
+            "infera_agent_kv_lost_batches", "KV event batches missed and not recovered by replay.", registry=r
+        )
+        self.kv_publish_failures = Counter(
+            "infera_agent_kv_publish_failures", "KV relays that JetStream did not acknowledge.", registry=r
+        )
+        self.kv_malformed = Counter(
+            "infera_agent_kv_malformed", "ZMQ KV event messages dropped as malformed (not 3 frames, bad seq).",
+            registry=r,
+        )

@@ -19,12 +19,14 @@ from nats.aio.client import Client as NATS
 from infera_common.discovery import Registrar
 from infera_common.logs import get_logger
 from infera_common.metrics import start_metrics_server
-from infera_common.nats_conn import connect, delete_stream_quietly, ensure_request_stream
-from infera_common.schemas import LoadReport, WorkerRecord, WorkerStatus, encode
-from infera_common.subjects import load_subject
+from infera_common.nats_conn import connect, delete_stream_quietly, ensure_kv_event_stream, ensure_request_stream
+from infera_common.schemas import KvRelay, LoadReport, WorkerRecord, WorkerStatus, encode
+from infera_common.subjects import kv_event_subject, load_subject
 from infera_worker_agent.engine_cmd import EnginePlan
 from infera_worker_agent.engine_proc import EngineProcess, exit_status
-from infera_worker_agent.health import EngineAborter, Startup, served_model, wait_healthy
+from infera_worker_agent.health import EngineAborter, Startup, engine_json, served_model, wait_healthy
+from infera_worker_agent.kv_config import KvSource, advertised_endpoint, block_size, resolve_sources
+from infera_worker_agent.kv_relay import KvRelayer
 from infera_worker_agent.load import EngineLoad, LoadReporter
 from infera_worker_agent.metrics import AgentMetrics
 from infera_worker_agent.relay import Relay
@@ -64,6 +66,9 @@ class Agent:
         self._metrics_runner = None
         self._stream: str | None = None
         self._started_at = time.time()
+        self._kv_block_size: int | None = None
+        self._kv_sources: tuple[KvSource, ...] = ()
+        self._kv_relayer: KvRelayer | None = None
 
     # --- entry point ---------------------------------------------------------------------------
     async def run(self) -> int:
@@ -121,6 +126,8 @@ class Agent:
             return await self._startup_failed(startup)
 
         model = await served_model(self._session, self.plan.local_url) or self.plan.model_hint or "unknown"
+        await self._learn_kv()
+        await self._start_kv_relay(js)
         self._stream = await ensure_request_stream(js, self.worker_id, self.s.max_pending, self.s.request_max_age)
         self._worker = RequestWorker(
             nc=self._nc, js=js, worker_id=self.worker_id, max_pending=self.s.max_pending,
@@ -156,7 +163,46 @@ class Agent:
             discovery_backend=self.s.discovery_backend, request_transport=self.s.request_transport,
             kv_event_transport=self.s.kv_event_transport, status=status, max_pending=self.s.max_pending,
             version=_version(), ttl=self.s.discovery_ttl, started_at=self._started_at,
+            kv_block_size=self._kv_block_size,
+            kv_events_endpoints=[advertised_endpoint(s.endpoint, self.plan.advertise_host) for s in self._kv_sources],
         )
+
+    # --- KV events -----------------------------------------------------------------------------
+    async def _learn_kv(self) -> None:
+        """The engine's resolved block size and the KV-event publishers it actually bound."""
+        assert self._session is not None
+        base = self.plan.local_url
+        info = await engine_json(self._session, f"{base}/server_info")
+        info = info if isinstance(info, dict) else None
+        self._kv_block_size = block_size(self.s.engine, info, self.plan.engine_args)
+        kv = self.plan.kv_events
+        if kv is None or not kv.enabled:
+            return
+        event_sources = None
+        if self.s.engine in ("vllm", "mock"):
+            event_sources = await engine_json(self._session, f"{base}/kv_event_sources")
+        self._kv_sources = resolve_sources(kv.sources, event_sources, info)
+        log.info("kv_events_found", block_size=self._kv_block_size,
+                 sources=[(s.dp_rank, s.endpoint, s.replay_endpoint) for s in self._kv_sources])
+
+    async def _start_kv_relay(self, js) -> None:
+        if not self._kv_sources or self.s.kv_event_transport != "nats":
+            return
+        await ensure_kv_event_stream(js)
+        self._kv_relayer = KvRelayer(
+            self.worker_id, self._kv_sources, self._kv_block_size, self._publish_kv, self.metrics,
+            replay_timeout=self.s.kv_replay_timeout,
+        )
+        await self._kv_relayer.start()
+
+    async def _publish_kv(self, relay: KvRelay) -> None:
+        assert self._nc is not None
+        await self._nc.jetstream().publish(kv_event_subject(self.worker_id), encode(relay))
+
+    async def _close_kv_relay(self) -> None:
+        if self._kv_relayer is not None:
+            relayer, self._kv_relayer = self._kv_relayer, None
+            await relayer.close()
 
     # --- endings -------------------------------------------------------------------------------
     async def _startup_failed(self, startup: Startup) -> int:
@@ -243,6 +289,7 @@ class Agent:
         steps = [
             ("load_reporter", self._reporter.stop if self._reporter else None),
             ("worker", self._close_worker),
+            ("kv_relay", self._close_kv_relay),
             ("deregister", self._deregister),
             ("engine", self._stop_engine if self._engine else None),
             ("http_session", self._session.close if self._session else None),

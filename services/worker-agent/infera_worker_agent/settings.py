@@ -62,6 +62,16 @@ class AgentSettings(PlaneSettings, LogSettings):
     load_interval: float = Field(
         1.0, gt=0, le=60, description="Seconds between load reports (engine /metrics scrape + publish)."
     )
+    enable_kv_events: bool = Field(
+        True,
+        description="Turn on the engine's ZMQ KV events (--kv-events-config on free ports, one per DP rank) "
+        "and relay them; --no-enable-kv-events turns them off: SWA models such as DeepSeek-V4 need it off. "
+        "A --kv-events-config given to the engine is always kept as is.",
+    )
+    kv_replay_timeout: float = Field(
+        3.0, gt=0, le=60,
+        description="Seconds to wait for the engine's KV-event replay socket when filling a sequence gap.",
+    )
     metrics_host: str = Field("127.0.0.1", description="Address of the agent's own /metrics endpoint.")
     metrics_port: int = Field(
         9200, ge=0, le=65535, description="Port of the agent's own /metrics endpoint (0 = a free port)."

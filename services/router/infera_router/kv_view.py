@@ -1,0 +1,68 @@
+"""What the kv-indexer said about one request, and the query that asks it. Pure, no I/O.
+
+``kv_query`` builds the ``OverlapQuery`` for a request (one hash list per distinct
+``kv_block_size`` among the candidates); ``KvView`` is the answer as the kv-aware policy reads it.
+The NATS round trip itself lives in ``kv_client.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from infera_common.block_hash import block_hashes
+from infera_common.schemas import OverlapQuery, OverlapReply, RouteRequest
+
+from infera_router.state import WorkerState
+
+
+@dataclass(slots=True)
+class KvView:
+    """The indexer's answer for one request.
+
+    ``ok`` False means there is no cache information at all (no token ids, no worker with a known
+    block size, indexer timeout or absent): the kv-aware policy then ranks by load only.
+    ``depth`` holds matched prefix blocks per worker id (absent = 0); ``unseen`` the workers whose
+    depth is unknown (the indexer never saw their events).
+    """
+
+    ok: bool
+    depth: dict[str, int] = field(default_factory=dict)
+    unseen: frozenset[str] = frozenset()
+    failure: str = ""  # why ok is False: no_tokens, no_block_size, timeout, no_indexer, error, bad_reply
+
+    @classmethod
+    def failed(cls, reason: str) -> KvView:
+        return cls(ok=False, failure=reason)
+
+
+def kv_query(candidates: list[WorkerState], request: RouteRequest) -> OverlapQuery | None:
+    """The overlap query for ``request`` (None when there is nothing to ask: no tokens or block sizes)."""
+    if not request.token_ids:
+        return None
+    sizes = sorted({w.record.kv_block_size for w in candidates if w.record.kv_block_size})
+    if not sizes:
+        return None
+    return OverlapQuery(
+        model=request.model,
+        hashes={bs: block_hashes(request.token_ids, bs) for bs in sizes},
+        workers=[w.worker_id for w in candidates],
+    )
+
+
+def kv_view(candidates: list[WorkerState], reply: OverlapReply) -> KvView:
+    """Read the reply as depth per worker.
+
+    A worker that pins one DP rank (``record.dp_rank`` set) takes that rank's depth; a worker that
+    runs every rank behind one endpoint takes the deepest rank's (its engine can place the request
+    there; per-rank targets are issue 5).
+    """
+    pinned = {w.worker_id: w.record.dp_rank for w in candidates}
+    depth: dict[str, int] = {}
+    for ov in reply.overlaps:
+        if ov.worker_id not in pinned:
+            continue
+        rank = pinned[ov.worker_id]
+        if rank is not None and ov.dp_rank is not None and ov.dp_rank != rank:
+            continue
+        depth[ov.worker_id] = max(depth.get(ov.worker_id, 0), ov.blocks)
+    return KvView(ok=True, depth=depth, unseen=frozenset(reply.unseen))

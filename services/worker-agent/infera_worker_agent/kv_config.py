@@ -1,0 +1,247 @@
+"""The engine's KV-events configuration and where its publishers are: pure rules, no I/O.
+
+Unless the user passed ``--kv-events-config`` (then it is kept and its endpoints are read) or the
+agent runs with ``--no-enable-kv-events``, the agent appends
+``--kv-events-config '{"publisher":"zmq","endpoint":"tcp://*:P","replay_endpoint":"tcp://*:R","topic":""}'``
+(plus ``"enable_kv_cache_events": true`` for vLLM; SGLang ignores it). The engines offset both
+ports by the DP rank (rank r on P+r and R+r), so P..P+dp-1 and R..R+dp-1 must all be free: the
+caller passes ``find_ports(n)`` returning the first port of n contiguous free ports.
+
+After health the engine's own report wins over the plan: vLLM's ``GET /kv_event_sources`` (a bare
+array of ``{data_parallel_rank, endpoint, replay_endpoint, topic}``) or SGLang's / the mock's
+``/server_info`` ``kv_events`` descriptor; the planned endpoints are the fallback. The agent reaches
+a wildcard endpoint (``tcp://*:P``, ``tcp://0.0.0.0:P``) at 127.0.0.1 and advertises it at the
+advertise host.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from infera_worker_agent.engine_cmd import EngineArgsError, flag_value, has_flag, url_host
+
+KV_EVENTS_FLAG = "--kv-events-config"
+DP_FLAGS = {
+    "sglang": ("--dp-size", "--dp"),
+    "vllm": ("--data-parallel-size", "--dp-size", "-dp"),
+    "mock": ("--dp-size", "--data-parallel-size", "--dp"),
+}
+#: vLLM's default KV block size when neither /server_info nor ``--block-size`` says otherwise.
+VLLM_DEFAULT_BLOCK_SIZE = 16
+_TCP = re.compile(r"^tcp://(?P<host>\[[^\]]*\]|[^:/]*|\*):(?P<port>\d+)$")
+_WILDCARDS = {"*", "0.0.0.0", "::", "[::]", ""}
+LOCAL_HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class KvSource:
+    """One DP rank's publisher: PUB endpoint and (optional) replay ROUTER endpoint."""
+
+    dp_rank: int
+    endpoint: str
+    replay_endpoint: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventsPlan:
+    enabled: bool  # the engine will publish KV events
+    extra_args: tuple[str, ...]  # appended to the engine command line
+    sources: tuple[KvSource, ...]  # as configured (may name wildcard hosts or port 0)
+    user_supplied: bool = False
+
+
+def dp_size(engine: str, args: Sequence[str]) -> int:
+    value = flag_value(args, *DP_FLAGS.get(engine, ("--dp-size",)))
+    if value is None:
+        return 1
+    try:
+        size = int(value)
+    except ValueError:
+        raise EngineArgsError(f"engine DP size {value!r} is not a number") from None
+    if size < 1:
+        raise EngineArgsError(f"engine DP size {size} must be at least 1")
+    return size
+
+
+def split_tcp(endpoint: str) -> tuple[str, int] | None:
+    """``tcp://host:port`` -> (host, port); None for anything else (ipc://, inproc://, malformed)."""
+    m = _TCP.match(endpoint)
+    return (m.group("host"), int(m.group("port"))) if m else None
+
+
+def offset_endpoint(endpoint: str, rank: int) -> str:
+    """The endpoint of DP rank ``rank``: the port plus the rank (port 0 stays 0), as the engines do."""
+    parts = split_tcp(endpoint)
+    if parts is None or rank == 0 or parts[1] == 0:
+        return endpoint
+    return f"tcp://{parts[0]}:{parts[1] + rank}"
+
+
+def engine_binds(endpoint: str) -> bool:
+    """Whether the engine binds ``endpoint`` (else it connects and the subscriber must bind)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def subscriber_binds(endpoint: str) -> bool:
+    """Whether the subscriber must bind: the engine connects to a concrete ``tcp://host:port``.
+
+    A wildcard host (``tcp://0.0.0.0:P`` as /kv_event_sources reports a ``tcp://*:P`` bind) means
+    the engine bound it.
+    """
+    parts = split_tcp(endpoint)
+    if parts is not None and parts[0] in _WILDCARDS:
+        return False
+    return not engine_binds(endpoint)
+
+
+def build_config(engine: str, port: int, replay_port: int) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{port}",
+        "replay_endpoint": f"tcp://*:{replay_port}",
+        "topic": "",
+    }
+    if engine in ("vllm", "mock"):  # the mock's vllm flavour needs it like vLLM; the sglang one ignores it
+        config["enable_kv_cache_events"] = True
+    return config
+
+
+def parse_config(raw: str) -> dict[str, Any]:
+    try:
+        config = json.loads(raw)
+    except ValueError as exc:
+        raise EngineArgsError(f"{KV_EVENTS_FLAG} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise EngineArgsError(f"{KV_EVENTS_FLAG} must be a JSON object")
+    return config
+
+
+def config_publishes(engine: str, config: dict[str, Any]) -> bool:
+    publisher = config.get("publisher")
+    if engine == "vllm":
+        return bool(config.get("enable_kv_cache_events")) and publisher in (None, "zmq")
+    if engine == "sglang":
+        return publisher == "zmq"
+    # the mock: either flavour's rule may apply; publishing if either engine would
+    return publisher == "zmq" or (bool(config.get("enable_kv_cache_events")) and publisher is None)
+
+
+def sources_from_config(config: dict[str, Any], dp: int) -> tuple[KvSource, ...]:
+    endpoint = str(config.get("endpoint") or "tcp://*:5557")
+    replay = config.get("replay_endpoint")
+    return tuple(
+        KvSource(r, offset_endpoint(endpoint, r), offset_endpoint(str(replay), r) if replay else None)
+        for r in range(dp)
+    )
+
+
+def plan_kv_events(
+    engine: str, args: Sequence[str], *, enabled: bool, find_ports: Callable[[int], int]
+) -> KvEventsPlan:
+    """What to add to the engine's command line for KV events, and the publishers it will run."""
+    dp = dp_size(engine, args)
+    if has_flag(args, KV_EVENTS_FLAG):
+        config = parse_config(flag_value(args, KV_EVENTS_FLAG) or "")
+        publishes = config_publishes(engine, config)
+        sources = sources_from_config(config, dp) if publishes else ()
+        return KvEventsPlan(publishes, (), sources, user_supplied=True)
+    if not enabled:
+        return KvEventsPlan(False, (), ())
+    port, replay_port = find_ports(dp), find_ports(dp)
+    config = build_config(engine, port, replay_port)
+    return KvEventsPlan(True, (KV_EVENTS_FLAG, json.dumps(config, separators=(",", ":"))),
+                        sources_from_config(config, dp))
+
+
+# --- after health: what the engine reports ------------------------------------------------------
+def block_size(engine: str, server_info: dict[str, Any] | None, args: Sequence[str]) -> int | None:
+    """The engine's resolved KV block size.
+
+    SGLang and the mock report ``page_size`` in /server_info (the mock's vllm flavour also
+    ``block_size``); real vLLM has no /server_info, so its ``--block-size`` (default 16) is used.
+    """
+    info = server_info or {}
+    keys = ("block_size", "page_size") if engine == "vllm" else ("page_size", "block_size")
+    for key in keys:
+        value = info.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    flags = ("--block-size",) if engine == "vllm" else ("--page-size", "--block-size")
+    value = flag_value(args, *flags)
+    if value is not None and value.isdigit() and int(value) > 0:
+        return int(value)
+    return VLLM_DEFAULT_BLOCK_SIZE if engine == "vllm" else None
+
+
+def sources_from_event_sources(data: Any) -> tuple[KvSource, ...]:
+    """vLLM ``GET /kv_event_sources``: ``[{data_parallel_rank, endpoint, replay_endpoint, topic}]``."""
+    if not isinstance(data, list):
+        return ()
+    out = []
+    for i, item in enumerate(data):
+        if not isinstance(item, dict) or not isinstance(item.get("endpoint"), str):
+            continue
+        rank = item.get("data_parallel_rank")
+        replay = item.get("replay_endpoint")
+        out.append(KvSource(rank if isinstance(rank, int) else i, item["endpoint"],
+                            replay if isinstance(replay, str) and replay else None))
+    return tuple(out)
+
+
+def sources_from_descriptor(desc: Any, planned: Sequence[KvSource]) -> tuple[KvSource, ...]:
+    """SGLang / mock ``/server_info`` ``kv_events``: host + port base (+ the mock's resolved endpoints)."""
+    if not isinstance(desc, dict):
+        return ()
+    dp = desc.get("dp_size") if isinstance(desc.get("dp_size"), int) and desc["dp_size"] > 0 else max(len(planned), 1)
+    planned_replay = {s.dp_rank: s.replay_endpoint for s in planned}
+    endpoints = desc.get("endpoints")
+    if isinstance(endpoints, list) and endpoints and all(isinstance(e, str) for e in endpoints):
+        pubs = list(endpoints)
+    elif isinstance(desc.get("endpoint_port_base"), int):
+        host = desc.get("endpoint_host") or "*"
+        pubs = [f"tcp://{host}:{desc['endpoint_port_base'] + r}" for r in range(dp)]
+    else:
+        return ()
+    replay_base = desc.get("replay_endpoint_port_base")
+    replay_host = "*"
+    if isinstance(desc.get("replay_endpoint"), str) and (parts := split_tcp(desc["replay_endpoint"])):
+        replay_host = parts[0]
+    sources = []
+    for r, pub in enumerate(pubs):
+        if isinstance(replay_base, int) and replay_base > 0:
+            replay = f"tcp://{replay_host}:{replay_base + r}"
+        else:
+            replay = planned_replay.get(r)
+        sources.append(KvSource(r, pub, replay))
+    return tuple(sources)
+
+
+def resolve_sources(
+    planned: Sequence[KvSource], event_sources: Any = None, server_info: dict[str, Any] | None = None
+) -> tuple[KvSource, ...]:
+    """The publishers actually bound: /kv_event_sources, else /server_info kv_events, else the plan."""
+    return (
+        sources_from_event_sources(event_sources)
+        or sources_from_descriptor((server_info or {}).get("kv_events"), planned)
+        or tuple(planned)
+    )
+
+
+def local_endpoint(endpoint: str) -> str:
+    """How the agent (on the engine's host) reaches ``endpoint``: wildcard hosts become 127.0.0.1."""
+    parts = split_tcp(endpoint)
+    if parts is None or parts[0] not in _WILDCARDS:
+        return endpoint
+    return f"tcp://{LOCAL_HOST}:{parts[1]}"
+
+
+def advertised_endpoint(endpoint: str, advertise_host: str) -> str:
+    """How the fleet reaches ``endpoint``: wildcard hosts become the advertise host."""
+    parts = split_tcp(endpoint)
+    if parts is None or parts[0] not in _WILDCARDS:
+        return endpoint
+    return f"tcp://{url_host(advertise_host)}:{parts[1]}"

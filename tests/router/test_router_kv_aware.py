@@ -1,0 +1,117 @@
+"""The kv-aware policy without I/O: cost = weight x uncached prefill blocks + load blocks."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from infera_common.schemas import OverlapReply, WorkerOverlap
+
+from infera_router.core import RouterCore
+from infera_router.kv_view import KvView, kv_query, kv_view
+from infera_router.policy_kv_aware import KvAware
+from infera_router.state import WorkerState
+
+from router_helpers import join, load, record, route_request
+
+TOKENS = list(range(1000, 1640))  # 640 tokens: 10 blocks of 64, 20 of 32
+
+
+def worker(wid: str, bs: int | None = 64, leases: int = 0, lease_tokens: int = 0, **kw) -> WorkerState:
+    w = WorkerState(record(wid, kv_block_size=bs, **kw))
+    w.in_flight, w.in_flight_tokens = leases, lease_tokens
+    return w
+
+
+def request(tokens=TOKENS):
+    return route_request(token_ids=tokens, prompt_tokens=len(tokens))
+
+
+def view(depth: dict[str, int], unseen=()) -> KvView:
+    return KvView(ok=True, depth=depth, unseen=frozenset(unseen))
+
+
+def test_deepest_overlap_wins_on_an_idle_fleet():
+    ws = [worker("a"), worker("b"), worker("c")]
+    assert KvAware(rng=random.Random(1)).rank(ws, request(), view({"b": 8, "c": 3})) == ["b", "c", "a"]
+
+
+def test_overlap_beats_load_only_up_to_the_weight():
+    # b holds 8 of 10 blocks but carries 4 requests' worth of leases (5 blocks of load): 2 + 5 = 7 < 10
+    busy_b = [worker("a"), worker("b", leases=1, lease_tokens=5 * 64)]
+    assert KvAware(1.0).rank(busy_b, request(), view({"b": 8}))[0] == "b"
+    # with 9 blocks of load b costs 11 > a's 10: load wins
+    busier_b = [worker("a"), worker("b", leases=2, lease_tokens=9 * 64)]
+    assert KvAware(1.0).rank(busier_b, request(), view({"b": 8}))[0] == "a"
+    # a heavier weight makes the same cache hit worth more than that load: 2*2 + 9 = 13 < 2*10
+    assert KvAware(2.0).rank(busier_b, request(), view({"b": 8}))[0] == "b"
+    # weight 0: load only
+    assert KvAware(0.0).rank(busy_b, request(), view({"b": 10}))[0] == "a"
+
+
+def test_reported_requests_of_other_routers_count_as_load():
+    ws = [worker("a"), worker("b")]
+    ws[1].load = load("b", in_flight=1)  # another router's request, counted at this request's size
+    assert KvAware(1.0).rank(ws, request(), view({"b": 5})) == ["a", "b"]  # a: 10, b: 5 + 10
+
+
+def test_equal_costs_break_by_load_then_at_random():
+    # a: 10 uncached, no load; b: 4 uncached + 6 blocks of load -> both cost 10, a has less load
+    ws = [worker("a"), worker("b", leases=1, lease_tokens=6 * 64)]
+    assert KvAware(rng=random.Random(3)).rank(ws, request(), view({"b": 6})) == ["a", "b"]
+    same = [worker("a"), worker("b"), worker("c")]
+    firsts = Counter(KvAware(rng=random.Random(s)).rank(same, request(), view({}))[0] for s in range(60))
+    assert set(firsts) == {"a", "b", "c"}
+
+
+def test_unknown_block_size_and_unseen_workers_get_no_cache_bonus_and_are_labelled():
+    ws = [worker("a", bs=None), worker("b"), worker("c")]
+    costs = KvAware(rng=random.Random(1)).explain(ws, request(), view({"a": 10, "b": 9, "c": 10}, unseen=["c"]))
+    by_id = {c.worker_id: c for c in costs}
+    assert costs[0].worker_id == "b"
+    assert (by_id["a"].cache_info, by_id["a"].matched_blocks) == ("unknown_block_size", 0)
+    assert (by_id["c"].cache_info, by_id["c"].matched_blocks) == ("unseen", 0)
+    assert by_id["b"].cache_info == "ok" and by_id["b"].prefill_blocks == 1
+
+
+def test_different_block_sizes_compare_in_their_own_blocks():
+    ws = [worker("small", bs=32), worker("big", bs=64)]
+    # small holds 18 of its 20 blocks (2 left), big 4 of its 10 (6 left)
+    costs = KvAware().explain(ws, request(), view({"small": 18, "big": 4}))
+    assert [(c.worker_id, c.request_blocks, c.prefill_blocks) for c in costs] == [("small", 20, 2), ("big", 10, 6)]
+    query = kv_query(ws, request())
+    assert query is not None and sorted(query.hashes) == [32, 64]
+    assert (len(query.hashes[32]), len(query.hashes[64])) == (20, 10) and query.workers == ["small", "big"]
+
+
+def test_failed_query_falls_back_to_load_only():
+    ws = [worker("a", leases=1, lease_tokens=64), worker("b")]
+    costs = KvAware().explain(ws, request(), KvView.failed("timeout"))
+    assert [c.worker_id for c in costs] == ["b", "a"] and {c.cache_info for c in costs} == {"timeout"}
+    assert [c.cost for c in costs] == [0.0, 1.0]
+
+
+def test_no_query_without_tokens_or_block_sizes():
+    assert kv_query([worker("a")], route_request()) is None
+    assert kv_query([worker("a", bs=None)], request()) is None
+
+
+def test_reply_is_read_per_worker_and_pinned_dp_rank():
+    ws = [worker("a"), worker("b", dp_rank=1)]
+    reply = OverlapReply(overlaps=[WorkerOverlap(worker_id="a", dp_rank=0, blocks=2),
+                                   WorkerOverlap(worker_id="a", dp_rank=1, blocks=5),
+                                   WorkerOverlap(worker_id="b", dp_rank=0, blocks=9),
+                                   WorkerOverlap(worker_id="b", dp_rank=1, blocks=3),
+                                   WorkerOverlap(worker_id="zz", dp_rank=0, blocks=9)],
+                         unseen=["q"])
+    v = kv_view(ws, reply)
+    assert v.ok and v.depth == {"a": 5, "b": 3} and v.unseen == {"q"}
+
+
+def test_core_plans_with_costs_and_asks_only_for_kv_aware():
+    c = RouterCore(KvAware(rng=random.Random(1)), "r", 100.0)
+    c.apply_change(join("a", kv_block_size=64))
+    c.apply_change(join("b", kv_block_size=64))
+    assert c.kv_query(request()) is not None
+    plan = c.plan(request(), view({"b": 3}))
+    assert [w.worker_id for w in plan.order] == ["b", "a"] and plan.costs[0].matched_blocks == 3

@@ -1,0 +1,90 @@
+"""KV events end to end: the agent over the real mock engine, relaying into JetStream."""
+
+import asyncio
+
+import aiohttp
+import pytest
+from nats.js.api import DeliverPolicy
+
+from infera_common.kv_wire import BlockStored, decode_batch
+from infera_common.schemas import KvRelay, decode
+from infera_common.subjects import KV_EVENT_STREAM, kv_event_subject
+
+from .test_agent_process import agents, bus, eventually  # noqa: F401  (fixtures)
+
+PAGE = 16
+PROMPT = list(range(1000, 1000 + 3 * PAGE))  # three full blocks
+
+
+class KvStream:
+    def __init__(self) -> None:
+        self.relays: list[KvRelay] = []
+
+    async def follow(self, js, worker_id: str) -> "KvStream":
+        async def on_msg(msg):
+            self.relays.append(decode(KvRelay, msg.data))
+
+        self.sub = await js.subscribe(kv_event_subject(worker_id), cb=on_msg, ordered_consumer=True,
+                                      deliver_policy=DeliverPolicy.ALL)
+        return self
+
+    def stored_token_blocks(self) -> list[list[int]]:
+        out = []
+        for r in self.relays:
+            if r.kind == "batch":
+                for event in decode_batch(r.payload).events:
+                    if isinstance(event, BlockStored):
+                        ids = event.token_ids
+                        out += [ids[i:i + event.block_size] for i in range(0, len(ids), event.block_size)]
+        return out
+
+
+async def complete(url: str, prompt: list[int]) -> None:
+    body = {"model": "smol", "prompt": prompt, "max_tokens": 2}
+    async with aiohttp.ClientSession() as s, s.post(f"{url}/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+
+
+async def stream_exists(js) -> bool:
+    try:
+        await js.stream_info(KV_EVENT_STREAM)
+        return True
+    except Exception:
+        return False
+
+
+@pytest.mark.parametrize("flavor", ["sglang", "vllm"])
+async def test_engine_kv_events_are_relayed_after_a_cleared(bus, agents, flavor):
+    agents(f"kv-{flavor}", [], ["--served-model-name", "smol", "--page-size", str(PAGE),
+                                "--engine-flavor", flavor])
+    record = await bus.active(f"kv-{flavor}")
+    assert record.kv_block_size == PAGE
+    assert len(record.kv_events_endpoints) == 1
+    assert record.kv_events_endpoints[0].startswith("tcp://127.0.0.1:")
+    assert not record.kv_events_endpoints[0].endswith(":0")
+
+    stream = await KvStream().follow(bus.js, f"kv-{flavor}")
+    await complete(record.url, PROMPT)
+    want = [PROMPT[i:i + PAGE] for i in range(0, len(PROMPT), PAGE)]
+    assert await eventually(lambda: all(b in stream.stored_token_blocks() for b in want), 20), stream.relays
+    first = stream.relays[0]
+    assert first.kind == "cleared" and first.dp_rank is None and first.worker_id == f"kv-{flavor}"
+    batches = [r for r in stream.relays if r.kind == "batch"]
+    assert [r.seq for r in batches] == list(range(len(batches)))  # in order, none lost or repeated
+    assert all(r.dp_rank == 0 and r.block_size == PAGE for r in batches)
+
+
+async def test_no_enable_kv_events_passes_no_config_and_relays_nothing(bus, agents):
+    agent = agents("kv-off", ["--no-enable-kv-events"], ["--served-model-name", "smol", "--page-size", str(PAGE)])
+    record = await bus.active("kv-off")
+    assert "--kv-events-config" not in agent.event("agent_starting")["argv"]
+    assert record.kv_events_endpoints == []
+    assert record.kv_block_size == PAGE
+    await complete(record.url, PROMPT)
+    async with aiohttp.ClientSession() as s, s.get(f"{record.url}/server_info") as resp:
+        assert (await resp.json())["kv_events"] is None
+    await asyncio.sleep(0.5)
+    if await stream_exists(bus.js):
+        stream = await KvStream().follow(bus.js, "kv-off")
+        await asyncio.sleep(0.5)
+        assert [r for r in stream.relays if r.kind == "batch"] == []
