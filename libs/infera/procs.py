@@ -40,10 +40,19 @@ def nats_server_binary() -> str:
     return found
 
 
+#: Largest NATS message: long agentic prompts (100k+ tokens, as JSON plus token ids for routing)
+#: exceed nats-server's 1 MiB default. 8 MiB is the largest size NATS recommends.
+NATS_MAX_PAYLOAD = 8 * 1024 * 1024
+
+
 def start_nats(port: int, store_dir: str | os.PathLike, host: str = "127.0.0.1", log_file=None) -> subprocess.Popen:
-    """Start nats-server with JetStream and wait until it accepts connections."""
+    """Start nats-server with JetStream (max payload ``NATS_MAX_PAYLOAD``) and wait until it accepts connections."""
+    store = Path(store_dir)
+    store.mkdir(parents=True, exist_ok=True)
+    config = store / "infera-nats.conf"
+    config.write_text(f"max_payload: {NATS_MAX_PAYLOAD}\n")
     proc = subprocess.Popen(
-        [nats_server_binary(), "-js", "-a", host, "-p", str(port), "-sd", str(store_dir)],
+        [nats_server_binary(), "-c", str(config), "-js", "-a", host, "-p", str(port), "-sd", str(store)],
         stdout=log_file or subprocess.DEVNULL,
         stderr=subprocess.STDOUT if log_file else subprocess.DEVNULL,
         start_new_session=True,

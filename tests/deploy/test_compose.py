@@ -97,3 +97,13 @@ def test_every_console_script_resolves():
     for script, target in SCRIPTS.items():
         module, func = target.split(":")
         assert callable(getattr(importlib.import_module(module), func)), script
+
+
+def test_compose_nats_allows_the_payload_infera_up_allows():
+    from infera.procs import NATS_MAX_PAYLOAD
+
+    nats = COMPOSE["services"]["nats"]
+    conf_host_path = nats["volumes"][0].split(":")[0]
+    assert nats["command"][nats["command"].index("-c") + 1] == nats["volumes"][0].split(":")[1]
+    text = (ROOT / conf_host_path).read_text()
+    assert f"max_payload: {NATS_MAX_PAYLOAD}" in text

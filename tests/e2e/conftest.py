@@ -10,3 +10,13 @@ def fleet(tmp_path_factory):
               extra=["--engine-arg=--speedup 20"], env=env_with(INFERA_DISCOVERY_TTL="2")).start()
     yield f
     f.stop()
+
+
+@pytest.fixture(scope="module")
+def rr_fleet(tmp_path_factory):
+    """The same fleet with --router-policy round-robin (the default is kv-aware)."""
+    f = Fleet(tmp_path_factory.mktemp("rr-fleet"), workers=2,
+              extra=["--engine-arg=--speedup 20", "--router-policy", "round-robin"],
+              env=env_with(INFERA_DISCOVERY_TTL="2")).start()
+    yield f
+    f.stop()

@@ -119,7 +119,8 @@ def test_official_openai_sdk(fleet):
         client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=-3)
 
 
-async def test_round_robin_sends_traffic_to_both_workers(fleet):
+async def test_round_robin_sends_traffic_to_both_workers(rr_fleet):
+    fleet = rr_fleet
     workers = fleet.workers_list()
     assert len(workers) == 2 and {w["status"] for w in workers} == {"active"}
     before = [scrape(w["url"]).get("sglang:prompt_tokens_total", 0.0) for w in workers]
@@ -199,3 +200,29 @@ async def test_engine_error_passes_through_and_no_lease_is_left_behind(fleet):
         await asyncio.sleep(0.1)
     assert leases == 0
     assert scrape(metrics).get("infera_router_lease_releases_total", 0) >= 5
+
+
+async def test_long_agentic_prompt_over_a_mebibyte_on_the_bus_is_served(fleet):
+    # ~200k token ids: the JSON body plus the routing token ids exceed nats-server's 1 MiB default
+    ids = [(i * 7919) % 40000 + 100 for i in range(200_000)]
+    status, _, raw = await _post(fleet, "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 2})
+    # the bundled model's context is 8192 tokens: the engine refuses it, which proves it got there
+    assert status == 400, raw[:300]
+    assert "context" in json.loads(raw)["error"]["message"].lower() or "length" in json.loads(raw)["error"]["message"].lower()
+
+
+async def test_kv_aware_routing_sends_a_follow_up_turn_to_the_engine_holding_its_prefix(fleet):
+    """Multi-turn traffic: each follow-up lands where its conversation's KV cache is (cached_tokens)."""
+    hits = []
+    for conv in range(4):
+        history = [(conv * 1000 + i) % 40000 + 100 for i in range(640)]  # 10 blocks of 64
+        status, _, raw = await _post(fleet, "/v1/completions", {"model": MODEL, "prompt": history, "max_tokens": 2})
+        assert status == 200, raw
+        assert json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        await asyncio.sleep(0.5)  # the engine's KV events reach the index
+        follow_up = history + [5000 + conv] * 70
+        status, _, raw = await _post(fleet, "/v1/completions", {"model": MODEL, "prompt": follow_up, "max_tokens": 2})
+        assert status == 200, raw
+        hits.append(json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"])
+    # round-robin would put every follow-up on the other engine (no hit); kv-aware finds the prefix
+    assert all(h >= 576 for h in hits), hits

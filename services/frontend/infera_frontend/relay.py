@@ -141,6 +141,14 @@ class Relay:
             reply_subject=subject, prompt_tokens=prompt_tokens, token_ids=token_ids,
             deadline=time.time() + self.deadline_in(stream),
         ))
+        if len(data) > self._nc.max_payload:
+            self.inbox.release(subject)
+            raise ApiError(
+                413, f"The request is {len(data)} bytes on the bus (body plus token ids for routing); the NATS "
+                f"server accepts at most {self._nc.max_payload} bytes per message: raise max_payload in the "
+                "nats-server configuration (infera up and compose.yaml set 8 MiB) or send a shorter prompt.",
+                type="invalid_request_error", code="request_too_large",
+            )
         try:
             await self._nc.publish(ROUTER_ROUTE, data, reply=subject)
             reply, early = await self._route_reply(box)

@@ -1,0 +1,452 @@
+"""kv-indexer: event ingest in blocks/s and overlap-query latency for an 8k-token prompt.
+
+Builds a realistic index in process: --workers workers holding --blocks blocks in all (default
+64 x ~16k = 1M), at block size 64. Every worker serves many conversations, each starting with one of
+a few shared system prompts (Zipf popularity) followed by its own turns; a few "query"
+conversations were served by several workers (the router moved them), each holding a different
+prefix of it. Events are encoded as the mock engine's vLLM flavour puts them on the wire (msgpack
+map batch, events tagged "type", one BlockStored per prefill chunk or per decoded block, a few
+events per batch) and wrapped in the worker-agent's ``KvRelay``.
+
+Measured in the same run, each figure against a baseline:
+
+- ingest: ``ingest()`` (KvRelay decode, batch decode, apply) in blocks/s, against the floor of
+  what ingest must do anyway: msgpack-decoding the same relays and batches and hashing every
+  block's tokens with ``block_hash.block_hashes``.
+- query, in process: the service's query handler work (decode OverlapQuery, ``KvIndex.overlap``,
+  encode OverlapReply) against the codec alone (decode the query, encode the reply); the
+  ``PrefixIndex`` bitmask walk against a brute-force walk of per-worker hash sets; and
+  ``KvIndex.overlap`` (walk plus building the reply's ``WorkerOverlap`` list) against the walk.
+- query over NATS (unless --no-nats): a real nats-server, the kv-indexer service in process
+  serving the index built above, ``nc.request`` on ``infera.kv.query``; against an echo responder
+  on the same server replying a message of the same size (the bus's own round trip).
+
+The query is a 128-block (8,192-token) prompt: a system prompt every worker holds plus a
+conversation several workers hold partially; every reply is checked against the planted depths.
+
+    .venv/bin/python bench/indexer.py [--blocks 1000000] [--workers 64] [--queries 2000] [--no-nats]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import random
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgpack
+
+from infera_common.block_hash import ROOT, block_hashes
+from infera_common.schemas import KvRelay, OverlapQuery, OverlapReply, decode, encode
+from infera_common.subjects import kv_event_subject
+
+from infera_kv_indexer.index import KvIndex
+from infera_kv_indexer.ingest import ingest
+
+MODEL = "bench-model"
+BLOCK = 64
+VOCAB = 128256  # Llama-3 sized vocabulary: token ids take msgpack's 5-byte form, as in production
+SYSTEM_PROMPTS = 32
+SYSTEM_BLOCKS = 16  # 1,024-token system prompts
+QUERY_BLOCKS = 128  # 8,192-token prompt
+CONV_MAX = QUERY_BLOCKS - SYSTEM_BLOCKS
+PLANTED = 16  # query conversations, each held partially by several workers
+PREFILL_CHUNK = 32  # blocks per prefill chunk (2,048 tokens): one BlockStored each
+MASK64 = (1 << 64) - 1
+
+
+# --- workload --------------------------------------------------------------------------------
+def engine_hash(kind: int, conv: int, j: int) -> int:
+    """A content-derived 64-bit engine hash (same block, same hash on every worker, like vLLM's)."""
+    return (((kind << 56) ^ (conv << 24) ^ j) * 0x9E3779B97F4A7C15) & MASK64
+
+
+class Tokens:
+    """Deterministic, cheap token ids: a pool of random blocks, made unique per (conversation, block)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.pool = [[rng.randrange(1000, VOCAB) for _ in range(BLOCK)] for _ in range(1024)]
+
+    def block(self, conv: int, j: int) -> list[int]:
+        t = self.pool[(conv * 131 + j * 7) % len(self.pool)][:]
+        t[0], t[1], t[2] = conv % VOCAB, conv // VOCAB, j
+        return t
+
+    def system(self, sp: int, j: int) -> list[int]:
+        return self.block(10_000_000 + sp, j)
+
+
+@dataclass
+class Planted:
+    conv: int
+    sp: int
+    holders: dict[str, int]  # worker -> conversation blocks held (system prompt excluded)
+
+
+@dataclass
+class WorkerLoad:
+    relays: list[tuple[str, bytes]]  # (subject, KvRelay bytes)
+    blocks: int = 0
+    events: int = 0
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+def sp_weights() -> list[float]:
+    return [1.0 / (i + 1) for i in range(SYSTEM_PROMPTS)]
+
+
+def plant(rng: random.Random, workers: list[str]) -> list[Planted]:
+    out = []
+    for k in range(PLANTED):
+        holders = rng.sample(workers, rng.randint(3, min(10, len(workers))))
+        out.append(Planted(conv=k, sp=k % 4, holders={w: rng.randint(4, CONV_MAX - 4) for w in holders}))
+    return out
+
+
+def worker_load(w: int, wid: str, target: int, planted: list[Planted], tokens: Tokens, seed: int) -> WorkerLoad:
+    """One worker's engine batches, in the order its engine would publish them."""
+    rng = random.Random(seed * 1_000_003 + w)
+    events: list[dict] = []
+    held_sp: set[int] = set()
+    count = 0
+
+    def stored(hashes: list[int], parent: int | None, toks: list[int]) -> None:
+        events.append({"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+                       "token_ids": toks, "block_size": BLOCK, "lora_id": None, "medium": "GPU",
+                       "lora_name": None})
+
+    def system_prompt(sp: int) -> int:
+        nonlocal count
+        if sp not in held_sp:
+            held_sp.add(sp)
+            toks: list[int] = []
+            for j in range(SYSTEM_BLOCKS):
+                toks.extend(tokens.system(sp, j))
+            stored([engine_hash(1, sp, j) for j in range(SYSTEM_BLOCKS)], None, toks)
+            count += SYSTEM_BLOCKS
+        return engine_hash(1, sp, SYSTEM_BLOCKS - 1)
+
+    def conversation(conv: int, sp: int, depth: int) -> None:
+        nonlocal count
+        parent = system_prompt(sp)
+        pos = 0
+        while pos < depth:  # one turn: prefill the user's message in chunks, then decode the reply
+            user = min(rng.randint(2, 16), depth - pos)
+            while user:
+                n = min(user, PREFILL_CHUNK)
+                toks: list[int] = []
+                for j in range(pos, pos + n):
+                    toks.extend(tokens.block(conv, j))
+                hashes = [engine_hash(2, conv, j) for j in range(pos, pos + n)]
+                stored(hashes, parent, toks)
+                parent, pos, user, count = hashes[-1], pos + n, user - n, count + n
+            for _ in range(min(rng.randint(1, 8), depth - pos)):
+                h = engine_hash(2, conv, pos)
+                stored([h], parent, tokens.block(conv, pos))
+                parent, pos, count = h, pos + 1, count + 1
+
+    for p in planted:
+        if wid in p.holders:
+            conversation(p.conv, p.sp, p.holders[wid])
+    for sp in range(4):  # the popular system prompts: on every worker (the queries' prefixes)
+        system_prompt(sp)
+    weights = sp_weights()
+    k = 0
+    while count < target:
+        conv = 1000 + w * 100_000 + k
+        k += 1
+        conversation(conv, rng.choices(range(SYSTEM_PROMPTS), weights)[0], rng.randint(8, CONV_MAX))
+
+    subject = kv_event_subject(wid)
+    relays = []
+    i = seq = 0
+    while i < len(events):  # a scheduler step publishes the events of several sequences at once
+        n = rng.randint(1, 6)
+        payload = msgpack.packb({"ts": time.time(), "events": events[i:i + n], "data_parallel_rank": 0})
+        relay = KvRelay(worker_id=wid, kind="batch", dp_rank=0, seq=seq, payload=payload, block_size=BLOCK)
+        relays.append((subject, encode(relay)))
+        i, seq = i + n, seq + 1
+    return WorkerLoad(relays, count, len(events))
+
+
+def query_tokens(p: Planted, tokens: Tokens) -> list[int]:
+    out: list[int] = []
+    for j in range(SYSTEM_BLOCKS):
+        out.extend(tokens.system(p.sp, j))
+    for j in range(CONV_MAX):
+        out.extend(tokens.block(p.conv, j))
+    return out
+
+
+# --- ingest ------------------------------------------------------------------------------------
+def floor_decode(relays: list[tuple[str, bytes]]) -> None:
+    unpack = msgpack.unpackb
+    for _subject, data in relays:
+        relay = unpack(data, raw=False, strict_map_key=False)
+        unpack(relay["payload"], raw=False, strict_map_key=False)
+
+
+def floor_decode_hash(relays: list[tuple[str, bytes]]) -> None:
+    unpack = msgpack.unpackb
+    for _subject, data in relays:
+        relay = unpack(data, raw=False, strict_map_key=False)
+        batch = unpack(relay["payload"], raw=False, strict_map_key=False)
+        for ev in batch["events"]:
+            block_hashes(ev["token_ids"], ev["block_size"], ROOT)
+
+
+def run_ingest(index: KvIndex, relays: list[tuple[str, bytes]]) -> None:
+    now = time.time()
+    for subject, data in relays:
+        result = ingest(index, subject, data, now)
+        if result.malformed or result.outcome is None or result.outcome.orphaned or result.outcome.malformed:
+            out = result.outcome
+            raise RuntimeError(f"bench batch not applied cleanly on {subject}: malformed={result.malformed} "
+                               f"{result.error} outcome={out and (out.malformed, out.orphaned)}")
+
+
+def timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+# --- queries ---------------------------------------------------------------------------------
+def expected_reply(p: Planted, workers: list[str]) -> dict[str, int]:
+    return {w: SYSTEM_BLOCKS + p.holders.get(w, 0) for w in workers}
+
+
+def check(reply: OverlapReply, want: dict[str, int]) -> None:
+    got = {o.worker_id: o.blocks for o in reply.overlaps}
+    if got != want:
+        bad = {w: (got.get(w), d) for w, d in want.items() if got.get(w) != d}
+        raise RuntimeError(f"wrong overlap reply (worker: got, want): {dict(list(bad.items())[:5])}")
+
+
+def brute_force(sets: dict[str, set[int]], chain: list[int]) -> dict[str, int]:
+    out = {}
+    for w, held in sets.items():
+        d = 0
+        for h in chain:
+            if h not in held:
+                break
+            d += 1
+        if d:
+            out[w] = d
+    return out
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def nats_queries(index: KvIndex, queries: list[bytes], replies: list[bytes], wants: list[dict[str, int]],
+                       n: int) -> tuple[list[float], list[float]]:
+    import nats
+
+    from infera.procs import free_port, start_nats, stop_process
+    from infera_common.subjects import KV_QUERY
+    from infera_kv_indexer.service import KvIndexerService
+    from infera_kv_indexer.settings import KvIndexerSettings
+
+    port = free_port()
+    url = f"nats://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory(prefix="bench-indexer-") as store:
+        proc = start_nats(port, Path(store) / "js")
+        svc = client = echo_nc = None
+        try:
+            svc = KvIndexerService(KvIndexerSettings(nats_url=url, log_level="warning"))
+            svc.index = index  # serve the index built above (the stream is empty: nothing to replay)
+            await svc.start()
+            client = await nats.connect(url)
+            echo_nc = await nats.connect(url)
+            sized = {len(q): r for q, r in zip(queries, replies)}
+
+            async def echo(msg) -> None:  # the bus alone: reply a message as long as the real reply
+                await msg.respond(sized[len(msg.data)])
+
+            await echo_nc.subscribe("bench.echo", cb=echo)
+            await echo_nc.flush()
+            lat, base = [], []
+            for i in range(n + 100):
+                q = queries[i % len(queries)]
+                t0 = time.perf_counter()
+                msg = await client.request(KV_QUERY, q, timeout=5)
+                t1 = time.perf_counter()
+                await client.request("bench.echo", q, timeout=5)
+                t2 = time.perf_counter()
+                if i < len(queries):
+                    check(decode(OverlapReply, msg.data), wants[i % len(queries)])
+                if i >= 100:  # warm-up
+                    lat.append(t1 - t0)
+                    base.append(t2 - t1)
+            return lat, base
+        finally:
+            for nc in (client, echo_nc):
+                if nc is not None:
+                    await nc.close()
+            if svc is not None:
+                await svc.stop()
+            stop_process(proc)
+
+
+# --- report ----------------------------------------------------------------------------------
+def fmt_rate(x: float) -> str:
+    return f"{x / 1000:,.0f}k blocks/s"
+
+
+def fmt_us(x: float) -> str:
+    return f"{x * 1e6:,.1f} µs"
+
+
+def table(rows: list[tuple[str, str, str, str, str, str]]) -> str:
+    head = ("metric", "value", "baseline", "ratio", "aim", "met?")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(6)]
+    line = lambda r: "| " + " | ".join(c.ljust(widths[i]) for i, c in enumerate(r)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(head), sep, *(line(r) for r in rows)])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--blocks", type=int, default=1_000_000, help="blocks indexed in all (summed over workers)")
+    ap.add_argument("--workers", type=int, default=64, help="workers (one dp rank each)")
+    ap.add_argument("--queries", type=int, default=2000, help="timed queries per measurement")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--no-nats", action="store_true", help="skip the query latency over a real nats-server")
+    args = ap.parse_args(argv)
+
+    from infera_common.logs import configure_logging
+    configure_logging("warning", "console")
+
+    rng = random.Random(args.seed)
+    tokens = Tokens(rng)
+    workers = [f"w{i:03d}" for i in range(args.workers)]
+    planted = plant(rng, workers)
+    per_worker = args.blocks // args.workers
+
+    index = KvIndex()
+    for wid in workers:
+        index.worker_joined(wid, MODEL)  # discovery first, as at a normal start: blocks attach at once
+
+    t_gen = t_ing = t_dec = t_floor = 0.0
+    blocks = events = batches = 0
+    t_start = time.perf_counter()
+    for w, wid in enumerate(workers):  # generate one worker's batches, then time the three passes on them
+        t0 = time.perf_counter()
+        load = worker_load(w, wid, per_worker, planted, tokens, args.seed)
+        t_gen += time.perf_counter() - t0
+        passes = [("dec", floor_decode, (load.relays,)), ("floor", floor_decode_hash, (load.relays,)),
+                  ("ing", run_ingest, (index, load.relays))]
+        for name, fn, fargs in passes[w % 3:] + passes[:w % 3]:  # rotate the order: noise hits all alike
+            dt = timed(fn, *fargs)
+            if name == "dec":
+                t_dec += dt
+            elif name == "floor":
+                t_floor += dt
+            else:
+                t_ing += dt
+        blocks, events, batches = blocks + load.blocks, events + load.events, batches + len(load.relays)
+        del load
+    t_build = time.perf_counter() - t_start
+    held = sum(index.worker_blocks(w) for w in workers)
+    distinct = index._models[MODEL].blocks(BLOCK)  # noqa: SLF001 - a bench reports the index's size
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    # queries: precomputed as the router would send them (hashes of the 8k-token prompt)
+    chains = [block_hashes(query_tokens(p, tokens), BLOCK) for p in planted]
+    assert all(len(c) == QUERY_BLOCKS for c in chains)
+    qmsgs = [OverlapQuery(model=MODEL, hashes={BLOCK: c}) for c in chains]
+    qbytes = [encode(q) for q in qmsgs]
+    wants = [expected_reply(p, workers) for p in planted]
+    replies = [index.overlap(q) for q in qmsgs]
+    for r, want in zip(replies, wants):
+        check(r, want)
+    rbytes = [encode(r) for r in replies]
+    sets = {wid: set(t.sizes[BLOCK].refs) for wid, wk in index._workers.items()  # noqa: SLF001
+            for t in wk.targets.values()}
+    for c, want in zip(chains, wants):
+        assert brute_force(sets, c) == want
+
+    prefix = index._models[MODEL]  # noqa: SLF001 - the walk alone, without building the reply
+    handler, codec, walk, full, brute = [], [], [], [], []
+    pc = time.perf_counter
+    gc.collect()
+    for i in range(args.queries + 100):
+        k = i % len(qbytes)
+        data, q, chain, reply = qbytes[k], qmsgs[k], chains[k], replies[k]
+        t0 = pc()
+        encode(index.overlap(decode(OverlapQuery, data)))  # the service's handler work
+        t1 = pc()
+        decode(OverlapQuery, data)
+        encode(reply)  # the codec alone
+        t2 = pc()
+        prefix.overlap(q.hashes)
+        t3 = pc()
+        brute_force(sets, chain)
+        t4 = pc()
+        index.overlap(q)
+        t5 = pc()
+        if i >= 100:
+            handler.append(t1 - t0)
+            codec.append(t2 - t1)
+            walk.append(t3 - t2)
+            brute.append(t4 - t3)
+            full.append(t5 - t4)
+    del sets
+
+    nats_lat: list[float] = []
+    nats_base: list[float] = []
+    if not args.no_nats:
+        nats_lat, nats_base = asyncio.run(nats_queries(index, qbytes, rbytes, wants, args.queries))
+
+    ingest_rate, floor_rate, dec_rate = blocks / t_ing, blocks / t_floor, blocks / t_dec
+    ms1 = 1e-3
+    yes = lambda ok: "yes" if ok else "NO"  # noqa: E731
+    rows = [
+        ("ingest: ingest() relay+batch decode, apply", fmt_rate(ingest_rate),
+         f"{fmt_rate(floor_rate)} (decode+hash floor)", f"{ingest_rate / floor_rate:.2f}x",
+         "≥ 500k blocks/s", yes(ingest_rate >= 500_000)),
+        ("  floor part: msgpack decode only", fmt_rate(dec_rate), "", "", "", ""),
+    ]
+    for label, q in (("p50", 0.50), ("p99", 0.99)):
+        h, c = pct(handler, q), pct(codec, q)
+        rows.append((f"query {label}: decode+overlap+encode", fmt_us(h), f"{fmt_us(c)} (codec only)",
+                     f"{h / c:.2f}x", "≤ 1 ms" if label == "p99" else "", yes(h <= ms1) if label == "p99" else ""))
+    for label, q in (("p50", 0.50), ("p99", 0.99)):
+        a, b = pct(walk, q), pct(brute, q)
+        rows.append((f"query {label}: PrefixIndex walk only", fmt_us(a), f"{fmt_us(b)} (brute force)",
+                     f"{a / b:.2f}x", "", ""))
+    for label, q in (("p50", 0.50), ("p99", 0.99)):
+        a, b = pct(full, q), pct(walk, q)
+        rows.append((f"query {label}: KvIndex.overlap (walk+reply)", fmt_us(a), f"{fmt_us(b)} (walk only)",
+                     f"{a / b:.2f}x", "", ""))
+    if nats_lat:
+        for label, q in (("p50", 0.50), ("p99", 0.99)):
+            a, b = pct(nats_lat, q), pct(nats_base, q)
+            rows.append((f"query {label} over NATS: nc.request", fmt_us(a), f"{fmt_us(b)} (echo, same size)",
+                         f"{a / b:.2f}x", "≤ 1 ms" if label == "p99" else "",
+                         yes(a <= ms1) if label == "p99" else ""))
+
+    holders = statistics.mean(len(p.holders) for p in planted)
+    print(f"kv-indexer bench: {args.workers} workers, block size {BLOCK}, {held:,} blocks held "
+          f"({distinct:,} distinct hashes), {events:,} events in {batches:,} batches "
+          f"({blocks / events:.1f} blocks/event, {events / batches:.1f} events/batch)")
+    print(f"query: {QUERY_BLOCKS} blocks ({QUERY_BLOCKS * BLOCK:,} tokens), {PLANTED} prompts, each held "
+          f"partially by {holders:.1f} workers on average (and its {SYSTEM_BLOCKS}-block system prompt by all); "
+          f"{args.queries} timed queries per row; replies checked")
+    print(f"build {t_build:.1f}s (generation {t_gen:.1f}s), peak RSS {rss_mb:,.0f} MB, python {sys.version.split()[0]}")
+    print()
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""KV-aware routing on real multi-turn traffic: the Mooncake FAST'25 conversation trace.
+
+Standard settings (the issue's, so figures compare with its Dynamo anchor): requests 2000-2999 of
+the trace; each 512-token hash id expanded into 512 deterministic token ids (same id, same tokens),
+sent as token-id prompts truncated at 16,384 tokens; outputs capped at 256; 4 mock engines with
+block size 64 and 8,192 KV blocks each; arrivals compressed 4x (requests inside one 3 s bin of the
+trace spread over it) with the engines' speedup 4. Each policy gets a fresh fleet (nats-server,
+kv-indexer, router --router-policy P, frontend, mock engines), one after the other in one run.
+
+Reported per policy: prefix hit ratio (engine-reported cached / prompt tokens), TTFT mean/p50/p90
+and end-to-end p50 in SIMULATED ms (wall time x speedup), throughput (requests/s, simulated), the
+request split across workers (max share / mean share), failures; ratios against round-robin; and
+two references over the same window: one infinite cache and one LRU cache of the whole fleet's
+capacity (both at block size 64, full blocks only).
+
+    .venv/bin/python bench/trace_replay.py [--start 2000 --count 1000] [--workers 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import OrderedDict
+from pathlib import Path
+
+import aiohttp
+
+from infera.fleet_plan import plan_fleet
+from infera.procs import free_port, start_nats, stop_process, wait_port
+from infera_common.block_hash import block_hashes
+from infera_common.models import BUNDLED_MODEL_NAME
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_fast25_conversation_trace.jsonl.gz"
+TRACE_BLOCK = 512
+VOCAB = 49152
+
+
+def load_trace(path: Path, start: int, count: int) -> list[dict]:
+    out = []
+    with gzip.open(path, "rt") as f:
+        for i, line in enumerate(f):
+            if i >= start:
+                out.append(json.loads(line))
+            if len(out) >= count:
+                break
+    return out
+
+
+def block_tokens(hash_id: int) -> list[int]:
+    rng = random.Random(hash_id * 7919 + 17)
+    return [rng.randrange(100, VOCAB) for _ in range(TRACE_BLOCK)]
+
+
+def prompt_ids(rec: dict, cache: dict[int, list[int]], max_prompt: int) -> list[int]:
+    ids: list[int] = []
+    for h in rec["hash_ids"]:
+        if len(ids) >= max_prompt:
+            break
+        if h not in cache:
+            cache[h] = block_tokens(h)
+        ids.extend(cache[h])
+    return ids[: min(rec["input_length"], max_prompt)]
+
+
+def reference_hits(prompts: list[list[int]], block: int, capacity_blocks: int | None) -> float:
+    """Hit ratio (cached / prompt tokens) of ONE cache over the window: infinite, or LRU of capacity_blocks."""
+    lru: OrderedDict[int, None] = OrderedDict()
+    hit_tokens = total = 0
+    for ids in prompts:
+        total += len(ids)
+        hashes = block_hashes(ids, block)
+        matched = 0
+        for h in hashes:
+            if h not in lru:
+                break
+            matched += 1
+        hit_tokens += matched * block
+        for h in hashes:
+            lru[h] = None
+            lru.move_to_end(h)
+        while capacity_blocks is not None and len(lru) > capacity_blocks:
+            lru.popitem(last=False)
+    return hit_tokens / max(1, total)
+
+
+def arrivals(trace: list[dict], time_scale: float) -> list[float]:
+    """Arrival offsets in seconds: the trace's 3 s bins, requests spread evenly inside a bin."""
+    bins: dict[int, list[int]] = {}
+    for i, rec in enumerate(trace):
+        bins.setdefault(rec["timestamp"], []).append(i)
+    out = [0.0] * len(trace)
+    stamps = sorted(bins)
+    for k, ts in enumerate(stamps):
+        width = (stamps[k + 1] - ts) if k + 1 < len(stamps) else 3000
+        members = bins[ts]
+        for j, i in enumerate(members):
+            out[i] = (ts + width * j / len(members)) / 1000.0 / time_scale
+    return out
+
+
+def start_fleet(tmp: Path, policy: str, workers: int, engine_args: list[str]) -> tuple[list[subprocess.Popen], str]:
+    nats_port, http_port = free_port(), free_port()
+    procs = [start_nats(nats_port, tmp / "js")]
+    plan = plan_fleet(
+        nats_url=f"nats://127.0.0.1:{nats_port}", host="127.0.0.1", port=http_port, workers=workers,
+        router_policy=policy, engine_args=engine_args, metrics_ports=[free_port() for _ in range(workers + 2)],
+    )
+    for spec in plan:
+        log = open(tmp / f"{spec.name}.log", "ab")
+        procs.append(subprocess.Popen(spec.argv(sys.executable), stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    wait_port("127.0.0.1", http_port, 30)
+    url = f"http://127.0.0.1:{http_port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/v1/workers", timeout=1) as r:
+                active = [w for w in json.load(r)["data"] if w["status"] == "active"]
+            if len(active) == workers and all(w.get("kv_block_size") for w in active):
+                return procs, url
+        except OSError:
+            pass
+        time.sleep(0.2)
+    for p in reversed(procs):
+        stop_process(p)
+    raise RuntimeError(f"fleet not ready; logs in {tmp}")
+
+
+async def one(session: aiohttp.ClientSession, url: str, ids: list[int], max_tokens: int) -> dict:
+    body = {"model": BUNDLED_MODEL_NAME, "prompt": ids, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": 0}
+    t0 = time.perf_counter()
+    ttft = None
+    usage = None
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            return {"ok": False, "status": resp.status}
+        async for line in resp.content:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if ttft is None and chunk.get("choices") and chunk["choices"][0].get("text"):
+                ttft = time.perf_counter() - t0
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    e2e = time.perf_counter() - t0
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"ok": True, "ttft": ttft if ttft is not None else e2e, "e2e": e2e,
+            "prompt": (usage or {}).get("prompt_tokens", len(ids)), "cached": cached}
+
+
+async def replay(url: str, trace: list[dict], prompts: list[list[int]], offsets: list[float],
+                 max_tokens_cap: int) -> list[dict]:
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as session:
+        start = time.perf_counter()
+
+        async def at(i: int) -> dict:
+            delay = offsets[i] - (time.perf_counter() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            try:
+                return await one(session, url, prompts[i], max(1, min(trace[i]["output_length"], max_tokens_cap)))
+            except Exception as exc:  # counted as a failure
+                return {"ok": False, "status": repr(exc)}
+
+        return await asyncio.gather(*(at(i) for i in range(len(trace))))
+
+
+def summarize(results: list[dict], speedup: float, makespan: float, split: list[float]) -> dict:
+    ok = [r for r in results if r["ok"]]
+    ttfts = sorted(r["ttft"] for r in ok) or [float("nan")]
+    sim = 1000 * speedup  # wall seconds -> simulated ms
+    mean_share = sum(split) / max(1, len(split))
+    return {
+        "hit": sum(r["cached"] for r in ok) / max(1, sum(r["prompt"] for r in ok)),
+        "ttft_mean": sim * statistics.fmean(ttfts),
+        "ttft_p50": sim * statistics.median(ttfts),
+        "ttft_p90": sim * ttfts[min(len(ttfts) - 1, int(0.90 * len(ttfts)))],
+        "e2e_p50": sim * statistics.median([r["e2e"] for r in ok] or [float("nan")]),
+        "rps": len(ok) / (makespan * speedup),
+        "split": max(split) / mean_share if mean_share else float("nan"),
+        "split_counts": split,
+        "failed": 1 - len(ok) / max(1, len(results)),
+    }
+
+
+def engine_requests(url: str) -> list[float]:
+    """Requests each engine of the fleet has finished (its own sglang:num_requests counter)."""
+    with urllib.request.urlopen(f"{url}/v1/workers", timeout=5) as r:
+        workers = sorted(json.load(r)["data"], key=lambda w: w["worker_id"])
+    counts = []
+    for w in workers:
+        with urllib.request.urlopen(w["url"] + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        counts.append(sum(float(line.split()[-1]) for line in text.splitlines()
+                          if line.startswith("sglang:num_requests_total")))
+    return counts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--start", type=int, default=2000, help="first trace record of the window")
+    ap.add_argument("--count", type=int, default=1000, help="records in the window")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--time-scale", type=float, default=4.0, help="divide the trace's arrival times by this")
+    ap.add_argument("--speedup", type=float, default=4.0, help="mock engine --speedup")
+    ap.add_argument("--kv-blocks", type=int, default=8192, help="KV blocks per engine")
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--max-prompt", type=int, default=16384, help="truncate prompts at this many tokens")
+    ap.add_argument("--max-tokens", type=int, default=256, help="cap on the trace's output lengths")
+    ap.add_argument("--policies", nargs="+", default=["round-robin", "least-loaded", "kv-aware"])
+    ap.add_argument("--trace", type=Path, default=TRACE)
+    args = ap.parse_args()
+    trace = load_trace(args.trace, args.start, args.count)
+    token_cache: dict[int, list[int]] = {}
+    prompts = [prompt_ids(rec, token_cache, args.max_prompt) for rec in trace]
+    offsets = arrivals(trace, args.time_scale)
+    engine_args = ["--speedup", str(args.speedup), "--num-kv-blocks", str(args.kv_blocks),
+                   "--page-size", str(args.block_size), "--context-length", "131072"]
+    rows = {}
+    for policy in args.policies:
+        tmp = Path(tempfile.mkdtemp(prefix=f"infera-trace-{policy}-"))
+        procs, url = start_fleet(tmp, policy, args.workers, engine_args)
+        try:
+            before = engine_requests(url)
+            t0 = time.perf_counter()
+            results = asyncio.run(replay(url, trace, prompts, offsets, args.max_tokens))
+            makespan = time.perf_counter() - t0
+            split = [b - a for a, b in zip(before, engine_requests(url))]
+            rows[policy] = summarize(results, args.speedup, makespan, split)
+        finally:
+            for p in reversed(procs):
+                stop_process(p)
+    infinite = reference_hits(prompts, args.block_size, None)
+    fleet_lru = reference_hits(prompts, args.block_size, args.workers * args.kv_blocks)
+    base = rows.get("round-robin") or next(iter(rows.values()))
+    print(f"\nMooncake conversation trace, requests {args.start}-{args.start + len(trace) - 1}; prompts <= "
+          f"{args.max_prompt} tokens, outputs <= {args.max_tokens}; {args.workers} mock engines x {args.kv_blocks} "
+          f"blocks of {args.block_size}; arrivals / {args.time_scale:g}, speedup {args.speedup:g}; times in simulated ms\n")
+    hdr = (f"{'policy':<13} {'hit':>6} {'TTFT mean':>10} {'p50':>8} {'p90':>8} {'e2e p50':>8} {'req/s':>6} "
+           f"{'max/mean':>8} {'failed':>6} | vs round-robin: {'hit':>5} {'TTFT p90':>8}")
+    print(hdr)
+    print("-" * len(hdr))
+    for policy, r in rows.items():
+        print(f"{policy:<13} {r['hit']:>6.3f} {r['ttft_mean']:>10.0f} {r['ttft_p50']:>8.0f} {r['ttft_p90']:>8.0f} "
+              f"{r['e2e_p50']:>8.0f} {r['rps']:>6.2f} {r['split']:>8.2f} {100 * r['failed']:>5.1f}% | "
+              f"{' ':>15}{r['hit'] / max(base['hit'], 1e-9):>5.2f}x {r['ttft_p90'] / base['ttft_p90']:>7.2f}x")
+    print(f"{'infinite cache':<13} {infinite:>6.3f}   (reference: one cache of unbounded size)")
+    print(f"{'fleet LRU':<13} {fleet_lru:>6.3f}   (reference: one LRU of {args.workers * args.kv_blocks} blocks)")
+    for policy, r in rows.items():
+        print(f"requests per worker, {policy}: {[int(x) for x in r['split_counts']]}")
+
+
+if __name__ == "__main__":
+    main()
