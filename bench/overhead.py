@@ -88,12 +88,12 @@ async def drive(url: str, concurrency: int, seconds: float, stream: bool, max_to
     }
 
 
-def start_fleet(tmp: Path, speedup: float) -> tuple[list[subprocess.Popen], str, str]:
+def start_fleet(tmp: Path, speedup: float, policy: str | None = None) -> tuple[list[subprocess.Popen], str, str]:
     nats_port, http_port = free_port(), free_port()
     procs = [start_nats(nats_port, tmp / "js")]
     plan = plan_fleet(
         nats_url=f"nats://127.0.0.1:{nats_port}", host="127.0.0.1", port=http_port, workers=1,
-        router_policy=None, engine_args=["--speedup", str(speedup)],
+        router_policy=policy, engine_args=["--speedup", str(speedup)],
         metrics_ports=[free_port(), free_port(), free_port()],
     )
     for spec in plan:
@@ -121,10 +121,11 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0, help="measuring time per cell")
     ap.add_argument("--speedup", type=float, default=1.0, help="mock engine --speedup")
     ap.add_argument("--max-tokens", type=int, default=8, help="completion length of the short requests")
+    ap.add_argument("--router-policy", default=None, help="router policy (default: the router's, kv-aware)")
     ap.add_argument("--stream-tokens", type=int, default=64, help="completion length of the streamed requests")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="infera-bench-"))
-    procs, frontend, engine = start_fleet(tmp, args.speedup)
+    procs, frontend, engine = start_fleet(tmp, args.speedup, args.router_policy)
     rows = []
     try:
         for c in args.concurrency:
@@ -135,7 +136,7 @@ def main() -> None:
     finally:
         for p in reversed(procs):
             stop_process(p)
-    print(f"\nmock engine speedup {args.speedup}; short = non-streaming, max_tokens {args.max_tokens}; "
+    print(f"\nrouter policy {args.router_policy or 'default (kv-aware)'}; mock engine speedup {args.speedup}; short = non-streaming, max_tokens {args.max_tokens}; "
           f"stream = max_tokens {args.stream_tokens}; {args.seconds:.0f}s per cell; logs {tmp}\n")
     hdr = (f"{'conc':>4} {'kind':<6} | {'direct p50':>10} {'p99':>8} {'req/s':>8} {'tok/s':>8} | "
            f"{'infera p50':>10} {'p99':>8} {'req/s':>8} {'tok/s':>8} | {'+p50 ms':>7} {'req/s %':>7} {'tok/s %':>7}")
