@@ -17,17 +17,13 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
 
-from infera.fleet_plan import plan_fleet
-from infera.procs import free_port, start_nats, stop_process, wait_port
+from benchfleet import start_fleet, stop_fleet
 from infera_common.models import BUNDLED_MODEL_NAME
 
 PROMPT = [{"role": "user", "content": "Write one short sentence about the sea."}]
@@ -88,33 +84,6 @@ async def drive(url: str, concurrency: int, seconds: float, stream: bool, max_to
     }
 
 
-def start_fleet(tmp: Path, speedup: float, policy: str | None = None) -> tuple[list[subprocess.Popen], str, str]:
-    nats_port, http_port = free_port(), free_port()
-    procs = [start_nats(nats_port, tmp / "js")]
-    plan = plan_fleet(
-        nats_url=f"nats://127.0.0.1:{nats_port}", host="127.0.0.1", port=http_port, workers=1,
-        router_policy=policy, engine_args=["--speedup", str(speedup)],
-        metrics_ports=[free_port(), free_port(), free_port()],
-    )
-    for spec in plan:
-        log = open(tmp / f"{spec.name}.log", "ab")
-        procs.append(subprocess.Popen(spec.argv(sys.executable), stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
-    wait_port("127.0.0.1", http_port, 30)
-    frontend = f"http://127.0.0.1:{http_port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{frontend}/v1/workers", timeout=1) as r:
-                workers = [w for w in json.load(r)["data"] if w["status"] == "active"]
-            if workers:
-                return procs, frontend, workers[0]["url"]
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"fleet not ready; logs in {tmp}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128])
@@ -125,7 +94,9 @@ def main() -> None:
     ap.add_argument("--stream-tokens", type=int, default=64, help="completion length of the streamed requests")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="infera-bench-"))
-    procs, frontend, engine = start_fleet(tmp, args.speedup, args.router_policy)
+    procs, frontend, workers = start_fleet(tmp, workers=1, policy=args.router_policy,
+                                           engine_args=["--speedup", str(args.speedup)])
+    engine = workers[0]["url"]
     rows = []
     try:
         for c in args.concurrency:
@@ -134,8 +105,7 @@ def main() -> None:
                 infera = asyncio.run(drive(f"{frontend}/v1/chat/completions", c, args.seconds, stream, mt))
                 rows.append((c, label, direct, infera))
     finally:
-        for p in reversed(procs):
-            stop_process(p)
+        stop_fleet(procs)
     print(f"\nrouter policy {args.router_policy or 'default (kv-aware)'}; mock engine speedup {args.speedup}; short = non-streaming, max_tokens {args.max_tokens}; "
           f"stream = max_tokens {args.stream_tokens}; {args.seconds:.0f}s per cell; logs {tmp}\n")
     hdr = (f"{'conc':>4} {'kind':<6} | {'direct p50':>10} {'p99':>8} {'req/s':>8} {'tok/s':>8} | "

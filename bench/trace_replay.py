@@ -24,8 +24,6 @@ import gzip
 import json
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -34,8 +32,7 @@ from pathlib import Path
 
 import aiohttp
 
-from infera.fleet_plan import plan_fleet
-from infera.procs import free_port, start_nats, stop_process, wait_port
+from benchfleet import start_fleet, stop_fleet
 from infera_common.block_hash import block_hashes
 from infera_common.models import BUNDLED_MODEL_NAME
 
@@ -103,36 +100,8 @@ def arrivals(trace: list[dict], time_scale: float) -> list[float]:
         width = (stamps[k + 1] - ts) if k + 1 < len(stamps) else 3000
         members = bins[ts]
         for j, i in enumerate(members):
-            out[i] = (ts + width * j / len(members)) / 1000.0 / time_scale
+            out[i] = (ts - stamps[0] + width * j / len(members)) / 1000.0 / time_scale
     return out
-
-
-def start_fleet(tmp: Path, policy: str, workers: int, engine_args: list[str]) -> tuple[list[subprocess.Popen], str]:
-    nats_port, http_port = free_port(), free_port()
-    procs = [start_nats(nats_port, tmp / "js")]
-    plan = plan_fleet(
-        nats_url=f"nats://127.0.0.1:{nats_port}", host="127.0.0.1", port=http_port, workers=workers,
-        router_policy=policy, engine_args=engine_args, metrics_ports=[free_port() for _ in range(workers + 2)],
-    )
-    for spec in plan:
-        log = open(tmp / f"{spec.name}.log", "ab")
-        procs.append(subprocess.Popen(spec.argv(sys.executable), stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
-    wait_port("127.0.0.1", http_port, 30)
-    url = f"http://127.0.0.1:{http_port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/v1/workers", timeout=1) as r:
-                active = [w for w in json.load(r)["data"] if w["status"] == "active"]
-            if len(active) == workers and all(w.get("kv_block_size") for w in active):
-                return procs, url
-        except OSError:
-            pass
-        time.sleep(0.2)
-    for p in reversed(procs):
-        stop_process(p)
-    raise RuntimeError(f"fleet not ready; logs in {tmp}")
 
 
 async def one(session: aiohttp.ClientSession, url: str, ids: list[int], max_tokens: int) -> dict:
@@ -230,7 +199,8 @@ def main() -> None:
     rows = {}
     for policy in args.policies:
         tmp = Path(tempfile.mkdtemp(prefix=f"infera-trace-{policy}-"))
-        procs, url = start_fleet(tmp, policy, args.workers, engine_args)
+        procs, url, _ = start_fleet(tmp, workers=args.workers, policy=policy, engine_args=engine_args,
+                                    need_block_size=True)
         try:
             before = engine_requests(url)
             t0 = time.perf_counter()
@@ -239,8 +209,7 @@ def main() -> None:
             split = [b - a for a, b in zip(before, engine_requests(url))]
             rows[policy] = summarize(results, args.speedup, makespan, split)
         finally:
-            for p in reversed(procs):
-                stop_process(p)
+            stop_fleet(procs)
     infinite = reference_hits(prompts, args.block_size, None)
     fleet_lru = reference_hits(prompts, args.block_size, args.workers * args.kv_blocks)
     base = rows.get("round-robin") or next(iter(rows.values()))
