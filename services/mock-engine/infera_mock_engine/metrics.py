@@ -34,16 +34,7 @@ class EngineCollector:
     def _sglang(self) -> Iterator[Metric]:
         e, s = self.engine, self.engine.scheduler
         labels, values = ["model_name"], [self.model]
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(values, value)
-            return g
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(values, value)
-            return c
+        gauge, counter = _families(labels, values)
 
         st = s.stats
         yield gauge("sglang:num_running_reqs", "The number of running requests.", s.num_running)
@@ -61,16 +52,7 @@ class EngineCollector:
     def _vllm(self) -> Iterator[Metric]:
         e, s = self.engine, self.engine.scheduler
         labels, values = ["model_name", "engine"], [self.model, "0"]
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(values, value)
-            return g
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(values, value)
-            return c
+        gauge, counter = _families(labels, values)
 
         st = s.stats
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running)
@@ -99,3 +81,19 @@ def render(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]
     """The exposition the scraper asked for (Accept header) and its content type."""
     encoder, content_type = choose_encoder(accept or "")
     return encoder(registry), content_type
+
+
+def _families(labels: list[str], values: list[str]):
+    """Builders of one-sample gauge and counter families with the flavour's labels."""
+
+    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=labels)
+        g.add_metric(values, value)
+        return g
+
+    def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=labels)
+        c.add_metric(values, value)
+        return c
+
+    return gauge, counter
