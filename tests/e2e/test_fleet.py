@@ -226,3 +226,37 @@ async def test_kv_aware_routing_sends_a_follow_up_turn_to_the_engine_holding_its
         hits.append(json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"])
     # round-robin would put every follow-up on the other engine (no hit); kv-aware finds the prefix
     assert all(h >= 576 for h in hits), hits
+
+
+async def test_engine_events_reach_the_index_through_agent_and_stream(fleet):
+    """agent -> JetStream -> kv-indexer: the engine that served a prompt holds its full blocks in the index."""
+    import nats
+
+    from infera_common.block_hash import block_hashes
+    from infera_common.schemas import OverlapQuery, OverlapReply, decode, encode
+    from infera_common.subjects import KV_QUERY
+
+    workers = fleet.workers_list()
+    target, other = workers[0], workers[1]
+    block = target["kv_block_size"]
+    assert block and other["kv_block_size"] == block
+    prompt = [(i * 31) % 40000 + 100 for i in range(10 * block)]
+    async with aiohttp.ClientSession() as s:  # straight to one engine, bypassing the router
+        async with s.post(target["url"] + "/v1/completions",
+                          json={"model": MODEL, "prompt": prompt, "max_tokens": 1}) as r:
+            assert r.status == 200
+    nc = await nats.connect(fleet.nats_url)
+    try:
+        query = encode(OverlapQuery(model=MODEL, hashes={block: block_hashes(prompt, block)}))
+        depths: dict[str, int] = {}
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            reply = decode(OverlapReply, (await nc.request(KV_QUERY, query, timeout=2)).data)
+            depths = {o.worker_id: o.blocks for o in reply.overlaps}
+            if depths.get(target["worker_id"]) == 10:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        await nc.close()
+    assert depths.get(target["worker_id"]) == 10
+    assert depths.get(other["worker_id"], 0) == 0
