@@ -159,3 +159,18 @@ async def delete_stream_quietly(js: JetStreamContext, name: str) -> None:
         await js.delete_stream(name)
     except Exception as exc:  # already gone, or the broker is down at shutdown
         log.info("stream_delete_skipped", stream=name, error=str(exc))
+
+
+async def close_connection(nc: NATS, timeout: float = 5.0) -> None:
+    """Drain ``nc`` (deliver what is in flight), else close it, never waiting more than ``timeout``.
+
+    With the server gone, nats-py's drain waits for a reconnect that never comes: bounded here so a
+    service stopping at the same time as its broker still exits.
+    """
+    try:
+        await asyncio.wait_for(nc.drain(), timeout)
+    except Exception:  # already closed, broker gone, or the drain timed out
+        try:
+            await asyncio.wait_for(nc.close(), timeout)
+        except Exception:  # nothing more can be done: the process is exiting
+            log.warning("nats_close_timed_out")

@@ -130,3 +130,24 @@ async def test_router_process_serves_routes_metrics_and_stops_on_sigterm(nats_se
         if reg is not None:
             await reg.stop()
         await nc.close()
+
+
+async def test_router_stops_on_sigterm_even_when_nats_is_already_gone(tmp_path, subprocess_env):
+    from infera.procs import free_port, start_nats, stop_process
+
+    port = free_port()
+    nats = start_nats(port, tmp_path / "js")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "infera_router", "--nats-url", f"nats://127.0.0.1:{port}", "--metrics-port", "0",
+        env=subprocess_env, stderr=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        await _read_until(proc.stderr, "router_serving")
+        stop_process(nats)  # the broker goes first (a whole node being shut down)
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        stop_process(nats)
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -11,7 +11,7 @@ from nats.aio.client import Client as NATS
 
 from infera_common.discovery import Watcher
 from infera_common.logs import get_logger
-from infera_common.nats_conn import connect
+from infera_common.nats_conn import close_connection, connect
 from infera_common.tokenizer import ChatTokenizer
 
 from infera_frontend.app import HttpApi
@@ -100,8 +100,5 @@ class Frontend:
         if self.inbox is not None:
             await self.inbox.stop()
         if self.nc is not None:
-            try:
-                await self.nc.drain()
-            except Exception:  # already closed
-                await self.nc.close()
+            await close_connection(self.nc)
         log.info("frontend_stopped", frontend_id=self.frontend_id)

@@ -23,7 +23,7 @@ from nats.js.api import DeliverPolicy
 from infera_common.discovery import Watcher
 from infera_common.fleet import Change
 from infera_common.logs import get_logger
-from infera_common.nats_conn import connect, ensure_kv_event_stream
+from infera_common.nats_conn import close_connection, connect, ensure_kv_event_stream
 from infera_common.schemas import OverlapQuery, OverlapReply, decode, encode
 from infera_common.subjects import KV_EVENT_STREAM, KV_EVENT_SUBJECTS, KV_INDEXER_QUEUE, KV_QUERY
 
@@ -118,10 +118,7 @@ class KvIndexerService:
             await self._watcher.stop()
             self._watcher = None
         if self.nc is not None:
-            try:
-                await self.nc.drain()
-            except Exception:
-                await self.nc.close()
+            await close_connection(self.nc)
             self.nc = None
         log.info("kv_indexer_stopped", messages=self.messages)
 

@@ -21,7 +21,7 @@ from nats.aio.subscription import Subscription
 from infera_common.discovery import Watcher
 from infera_common.fleet import Change
 from infera_common.logs import get_logger
-from infera_common.nats_conn import connect
+from infera_common.nats_conn import close_connection, connect
 from infera_common.schemas import LoadReport, Release, RouteReply, RouteRequest, WorkEnvelope, decode, encode
 from infera_common.subjects import (
     LOAD_SUBJECTS,
@@ -134,10 +134,7 @@ class RouterService:
                 pass
         self._subs.clear()
         if self.nc is not None:
-            try:
-                await self.nc.drain()
-            except Exception:
-                await self.nc.close()
+            await close_connection(self.nc)
             self.nc = None
         log.info("router_stopped", router_id=self.router_id, leases_held=len(self.core.leases))
 
