@@ -68,6 +68,7 @@ class NatsApi:
         ]
         for subject, cb in routes:
             self._subs.append(await self._nc.subscribe(subject, queue=FRONTEND_QUEUE, cb=cb))
+        await self._nc.flush()  # the broker knows the subscriptions before we say we serve
 
     async def stop(self) -> None:
         """Stop taking requests, then end the ones in flight (their workers get a Cancel)."""

@@ -89,6 +89,7 @@ class KvIndexerService:
         self.metrics.replaying.set(0)
         log.info("replay_done", messages=self.messages, seconds=round(time.monotonic() - t0, 3))
         self._query_sub = await self.nc.subscribe(KV_QUERY, queue=KV_INDEXER_QUEUE, cb=self._on_query)
+        await self.nc.flush()  # the broker knows the subscription before we say we serve
         seen, unseen, unattached = self.index.counts()
         log.info("kv_indexer_serving", subject=KV_QUERY, workers_seen=seen, workers_unseen=unseen,
                  workers_unattached=unattached, max_age=self.settings.kv_event_max_age)

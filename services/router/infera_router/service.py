@@ -100,6 +100,7 @@ class RouterService:
         self._subs.append(await self.nc.subscribe(self.release_subject, cb=self._on_release))
         self._subs.append(await self.nc.subscribe(LOAD_SUBJECTS, cb=self._on_load))
         self._route_sub = await self.nc.subscribe(ROUTER_ROUTE, queue=ROUTER_QUEUE, cb=self._on_route)
+        await self.nc.flush()  # the broker knows the subscriptions before we say we serve
         self._sweeper = asyncio.create_task(self._sweep(), name="lease-sweeper")
         log.info(
             "router_serving", router_id=self.router_id, policy=self.settings.router_policy,

@@ -119,6 +119,7 @@ class RequestWorker:
             await self._js.delete_consumer(stream, config.durable_name)
             await self._js.add_consumer(stream, config=config)
         self._cancel_sub = await self._nc.subscribe(cancel_subject(self.worker_id), cb=self._on_cancel)
+        await self._nc.flush()  # cancel subscription known to the broker before we register
         self._tasks["keepalive"] = asyncio.create_task(self._keepalive(), name="keepalive")
 
     @property
