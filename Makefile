@@ -23,8 +23,17 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(VENV)/bin/pytest -m slow $(ARGS)
 
-bench: $(STAMP)
-	$(PY) bench/overhead.py $(ARGS)
+# `make bench [BENCH=overhead|trace_replay|indexer] [ARGS=...]`: installs the `bench` extra too
+# (sglang-router, for trace_replay's comparison row), then runs bench/$(BENCH).py.
+BENCH       ?= overhead
+BENCH_STAMP := $(VENV)/.installed-bench
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -e '.[test,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(PY) bench/$(BENCH).py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,7 +1,9 @@
-"""Starting a local fleet for a benchmark: nats-server plus the `infera up` topology, as processes."""
+"""Starting a local fleet for a benchmark, as processes: nats-server plus the `infera up` topology,
+or (for comparison) bare mock engines behind the public sglang-router."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import signal
 import subprocess
@@ -10,18 +12,31 @@ import time
 import urllib.request
 from pathlib import Path
 
-from infera.fleet_plan import plan_fleet
+from infera.fleet_plan import default_engine_args, plan_fleet
 from infera.procs import free_port, start_nats, stop_process, wait_port
+from infera_common.models import default_model_path
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (e.g. from ``timeout``) becomes SystemExit, so the caller's ``finally`` stops the
+    fleet: its processes run in their own sessions and would otherwise outlive the benchmark."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "ab")
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _get_json(url: str, timeout: float = 1.0):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.load(r)
 
 
 def start_fleet(tmp: Path, *, workers: int, policy: str | None, engine_args: list[str],
                 need_block_size: bool = False) -> tuple[list[subprocess.Popen], str, list[dict]]:
-    """Start the fleet with logs in ``tmp``; returns (processes, frontend URL, active worker records).
-
-    SIGTERM (e.g. from ``timeout``) is turned into SystemExit so the caller's ``finally`` stops the
-    fleet: its processes run in their own sessions and would otherwise outlive the benchmark.
-    """
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    """Start the fleet with logs in ``tmp``; returns (processes, frontend URL, active worker records)."""
+    _stop_on_sigterm()
     nats_port, http_port = free_port(), free_port()
     procs = [start_nats(nats_port, tmp / "js")]
     plan = plan_fleet(
@@ -29,17 +44,14 @@ def start_fleet(tmp: Path, *, workers: int, policy: str | None, engine_args: lis
         router_policy=policy, engine_args=engine_args, metrics_ports=[free_port() for _ in range(workers + 2)],
     )
     for spec in plan:
-        log = open(tmp / f"{spec.name}.log", "ab")
-        procs.append(subprocess.Popen(spec.argv(sys.executable), stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
+        procs.append(_spawn(spec.argv(sys.executable), tmp / f"{spec.name}.log"))
     url = f"http://127.0.0.1:{http_port}"
     try:
         wait_port("127.0.0.1", http_port, 30)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(f"{url}/v1/workers", timeout=1) as r:
-                    active = [w for w in json.load(r)["data"] if w["status"] == "active"]
+                active = [w for w in _get_json(f"{url}/v1/workers")["data"] if w["status"] == "active"]
                 if len(active) == workers and (not need_block_size or all(w.get("kv_block_size") for w in active)):
                     return procs, url, active
             except OSError:
@@ -48,6 +60,77 @@ def start_fleet(tmp: Path, *, workers: int, policy: str | None, engine_args: lis
         raise RuntimeError(f"fleet not ready; logs in {tmp}")
     except BaseException:  # also SystemExit from SIGTERM during start-up
         stop_fleet(procs)
+        raise
+
+
+def start_engines(tmp: Path, *, workers: int, engine_args: list[str]) -> tuple[list[subprocess.Popen], list[str]]:
+    """``workers`` mock engines (sglang flavour) with the arguments a fleet's agents give them, minus
+    the agents' KV-event publishing; returns (processes, engine URLs) once every /health answers 200."""
+    _stop_on_sigterm()
+    procs: list[subprocess.Popen] = []
+    urls: list[str] = []
+    try:
+        for i in range(1, workers + 1):
+            port = free_port()
+            argv = [sys.executable, "-m", "infera_mock_engine", *default_engine_args(), *engine_args,
+                    "--model-path", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port)]
+            procs.append(_spawn(argv, tmp / f"engine-{i}.log"))
+            urls.append(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + 60
+        for proc, url in zip(procs, urls):
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"mock engine {url} exited with {proc.returncode}; logs in {tmp}")
+                try:
+                    with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"mock engine {url} not healthy; logs in {tmp}")
+                time.sleep(0.2)
+        return procs, urls
+    except BaseException:
+        stop_fleet(procs)
+        raise
+
+
+def sglang_router_installed() -> bool:
+    return importlib.util.find_spec("sglang_router") is not None
+
+
+def start_sglang_router(tmp: Path, worker_urls: list[str], *, policy: str = "cache_aware",
+                        extra_args: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+    """The public sglang-router (``python -m sglang_router.launch_router``) in front of ``worker_urls``;
+    returns (process, router URL) once it lists every worker as healthy (it registers them in the
+    background after it starts listening)."""
+    _stop_on_sigterm()
+    port = free_port()
+    argv = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+            "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--log-level", "warn", "--shutdown-grace-period-secs", "5", *(extra_args or [])]
+    proc = _spawn(argv, tmp / "sglang-router.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_port("127.0.0.1", port, 30, proc)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"sglang-router exited with {proc.returncode}; log in {tmp}")
+            try:
+                listed = _get_json(f"{url}/workers")
+                listed = listed.get("workers", []) if isinstance(listed, dict) else listed
+                healthy = {w.get("url") for w in listed if w.get("is_healthy", True)}
+                if healthy >= set(worker_urls):
+                    return proc, url
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"sglang-router did not register its {len(worker_urls)} workers; log in {tmp}")
+    except BaseException:
+        stop_process(proc)
         raise
 
 

@@ -4,16 +4,26 @@ Standard settings (the issue's, so figures compare with its Dynamo anchor): requ
 the trace; each 512-token hash id expanded into 512 deterministic token ids (same id, same tokens),
 sent as token-id prompts truncated at 16,384 tokens; outputs capped at 256; 4 mock engines with
 block size 64 and 8,192 KV blocks each; arrivals compressed 4x (requests inside one 3 s bin of the
-trace spread over it) with the engines' speedup 4. Each policy gets a fresh fleet (nats-server,
-kv-indexer, router --router-policy P, frontend, mock engines), one after the other in one run.
+trace spread over it) with the engines' speedup 4. Each row gets a fresh fleet, one after the other
+in one run:
 
-Reported per policy: prefix hit ratio (engine-reported cached / prompt tokens), TTFT mean/p50/p90
-and end-to-end p50 in SIMULATED ms (wall time x speedup), throughput (requests/s, simulated), the
-request split across workers (max share / mean share), failures; ratios against round-robin; and
-two references over the same window: one infinite cache and one LRU cache of the whole fleet's
-capacity (both at block size 64, full blocks only).
+- an Infera routing policy (round-robin, least-loaded, kv-aware, ...): nats-server, kv-indexer,
+  router --router-policy P, frontend and one worker-agent + mock engine per worker, as `infera up`
+  starts them; requests go to the frontend's POST /v1/completions with the token ids as `prompt`;
+- `sglang-router`: the same mock engines started bare (no Infera service) behind the public
+  sglang-router (pip extra `bench`) with its `cache_aware` policy; requests go to the router's
+  POST /generate with the token ids as `input_ids` (its /v1/completions takes text prompts only,
+  and on /generate its cache-aware tree keys on the ids, written out as decimal text).
+
+Reported per row: prefix hit ratio (engine-reported cached / prompt tokens), TTFT mean/p50/p90
+and end-to-end p50 in SIMULATED ms (wall time x speedup), throughput over the replay (requests/s
+and output tokens/s, simulated), the request split across engines (max share / mean share, from
+each engine's own request counter), failures; ratios against round-robin; and two references over
+the same window: one infinite cache and one LRU cache of the whole fleet's capacity (both at block
+size 64, full blocks only).
 
     .venv/bin/python bench/trace_replay.py [--start 2000 --count 1000] [--workers 4]
+        [--policies round-robin least-loaded kv-aware sglang-router]
 """
 
 from __future__ import annotations
@@ -32,12 +42,14 @@ from pathlib import Path
 
 import aiohttp
 
-from benchfleet import start_fleet, stop_fleet
+from benchfleet import (sglang_router_installed, start_engines, start_fleet, start_sglang_router,
+                        stop_fleet)
 from infera_common.block_hash import block_hashes
 from infera_common.models import BUNDLED_MODEL_NAME
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_fast25_conversation_trace.jsonl.gz"
 TRACE_BLOCK = 512
+SGLANG_ROW = "sglang-router"  # --policies name of the sglang-router cache_aware row
 VOCAB = 49152
 
 
@@ -104,7 +116,8 @@ def arrivals(trace: list[dict], time_scale: float) -> list[float]:
     return out
 
 
-async def one(session: aiohttp.ClientSession, url: str, ids: list[int], max_tokens: int) -> dict:
+async def one_completion(session: aiohttp.ClientSession, url: str, ids: list[int], max_tokens: int) -> dict:
+    """One streamed POST /v1/completions with a token-id prompt (Infera's frontend)."""
     body = {"model": BUNDLED_MODEL_NAME, "prompt": ids, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, "temperature": 0}
     t0 = time.perf_counter()
@@ -122,13 +135,42 @@ async def one(session: aiohttp.ClientSession, url: str, ids: list[int], max_toke
             if chunk.get("usage"):
                 usage = chunk["usage"]
     e2e = time.perf_counter() - t0
-    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    usage = usage or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return {"ok": True, "ttft": ttft if ttft is not None else e2e, "e2e": e2e,
-            "prompt": (usage or {}).get("prompt_tokens", len(ids)), "cached": cached}
+            "prompt": usage.get("prompt_tokens", len(ids)), "cached": cached,
+            "output": usage.get("completion_tokens", 0)}
 
 
-async def replay(url: str, trace: list[dict], prompts: list[list[int]], offsets: list[float],
+async def one_generate(session: aiohttp.ClientSession, url: str, ids: list[int], max_tokens: int) -> dict:
+    """One streamed SGLang-native POST /generate with ``input_ids`` (the sglang-router row).
+
+    Each frame carries everything generated so far; the last one's meta_info has the usage.
+    """
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0},
+            "stream": True}
+    t0 = time.perf_counter()
+    ttft = None
+    meta: dict = {}
+    async with session.post(url + "/generate", json=body) as resp:
+        if resp.status != 200:
+            return {"ok": False, "status": resp.status}
+        async for line in resp.content:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if ttft is None and chunk.get("output_ids"):
+                ttft = time.perf_counter() - t0
+            meta = chunk.get("meta_info") or meta
+    e2e = time.perf_counter() - t0
+    return {"ok": True, "ttft": ttft if ttft is not None else e2e, "e2e": e2e,
+            "prompt": meta.get("prompt_tokens", len(ids)), "cached": meta.get("cached_tokens", 0),
+            "output": meta.get("completion_tokens", 0)}
+
+
+async def replay(send, url: str, trace: list[dict], prompts: list[list[int]], offsets: list[float],
                  max_tokens_cap: int) -> list[dict]:
+    """Send request i at offsets[i] (seconds from the start) with ``send`` (one_completion / one_generate)."""
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as session:
         start = time.perf_counter()
@@ -138,7 +180,7 @@ async def replay(url: str, trace: list[dict], prompts: list[list[int]], offsets:
             if delay > 0:
                 await asyncio.sleep(delay)
             try:
-                return await one(session, url, prompts[i], max(1, min(trace[i]["output_length"], max_tokens_cap)))
+                return await send(session, url, prompts[i], max(1, min(trace[i]["output_length"], max_tokens_cap)))
             except Exception as exc:  # counted as a failure
                 return {"ok": False, "status": repr(exc)}
 
@@ -149,6 +191,7 @@ def summarize(results: list[dict], speedup: float, makespan: float, split: list[
     ok = [r for r in results if r["ok"]]
     ttfts = sorted(r["ttft"] for r in ok) or [float("nan")]
     sim = 1000 * speedup  # wall seconds -> simulated ms
+    sim_seconds = makespan * speedup
     mean_share = sum(split) / max(1, len(split))
     return {
         "hit": sum(r["cached"] for r in ok) / max(1, sum(r["prompt"] for r in ok)),
@@ -156,30 +199,96 @@ def summarize(results: list[dict], speedup: float, makespan: float, split: list[
         "ttft_p50": sim * statistics.median(ttfts),
         "ttft_p90": sim * ttfts[min(len(ttfts) - 1, int(0.90 * len(ttfts)))],
         "e2e_p50": sim * statistics.median([r["e2e"] for r in ok] or [float("nan")]),
-        "rps": len(ok) / (makespan * speedup),
+        "rps": len(ok) / sim_seconds,
+        "tps": sum(r["output"] for r in ok) / sim_seconds,
+        "makespan": makespan,
         "split": max(split) / mean_share if mean_share else float("nan"),
         "split_counts": split,
         "failed": 1 - len(ok) / max(1, len(results)),
+        "errors": sorted({str(r["status"]) for r in results if not r["ok"]})[:3],
     }
 
 
-def engine_requests(url: str) -> list[float]:
-    """Requests each engine of the fleet has finished (its own sglang:num_requests counter)."""
-    with urllib.request.urlopen(f"{url}/v1/workers", timeout=5) as r:
-        workers = sorted(json.load(r)["data"], key=lambda w: w["worker_id"])
+def engine_requests(engine_urls: list[str]) -> list[float]:
+    """Requests each engine has finished (its own sglang:num_requests counter)."""
     counts = []
-    for w in workers:
-        with urllib.request.urlopen(w["url"] + "/metrics", timeout=5) as r:
+    for url in engine_urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
             text = r.read().decode()
         counts.append(sum(float(line.split()[-1]) for line in text.splitlines()
                           if line.startswith("sglang:num_requests_total")))
     return counts
 
 
+def fleet_engines(frontend: str) -> list[str]:
+    """The engine URLs of an Infera fleet, in worker-id order (from the frontend's /v1/workers)."""
+    with urllib.request.urlopen(f"{frontend}/v1/workers", timeout=5) as r:
+        workers = sorted(json.load(r)["data"], key=lambda w: w["worker_id"])
+    return [w["url"] for w in workers]
+
+
+def measure(send, url: str, engines: list[str], trace, prompts, offsets, args) -> dict:
+    before = engine_requests(engines)
+    t0 = time.perf_counter()
+    results = asyncio.run(replay(send, url, trace, prompts, offsets, args.max_tokens))
+    makespan = time.perf_counter() - t0
+    split = [b - a for a, b in zip(before, engine_requests(engines))]
+    return summarize(results, args.speedup, makespan, split)
+
+
+def run_infera(policy: str, engine_args: list[str], trace, prompts, offsets, args) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix=f"infera-trace-{policy}-"))
+    procs, url, _ = start_fleet(tmp, workers=args.workers, policy=policy, engine_args=engine_args,
+                                need_block_size=True)
+    try:
+        return measure(one_completion, url, fleet_engines(url), trace, prompts, offsets, args)
+    finally:
+        stop_fleet(procs)
+
+
+def run_sglang_router(engine_args: list[str], trace, prompts, offsets, args) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="infera-trace-sglang-router-"))
+    procs, engines = start_engines(tmp, workers=args.workers, engine_args=engine_args)
+    try:
+        router, url = start_sglang_router(tmp, engines, policy="cache_aware")
+        procs.append(router)
+        return measure(one_generate, url, engines, trace, prompts, offsets, args)
+    finally:
+        stop_fleet(procs)
+
+
+def row_label(policy: str) -> str:
+    return f"{SGLANG_ROW} cache_aware" if policy == SGLANG_ROW else policy
+
+
+def print_table(rows: dict[str, dict], args, n: int, infinite: float, fleet_lru: float) -> None:
+    base = rows.get("round-robin") or next(iter(rows.values()))
+    print(f"\nMooncake conversation trace, requests {args.start}-{args.start + n - 1}; prompts <= "
+          f"{args.max_prompt} tokens, outputs <= {args.max_tokens}; {args.workers} mock engines x {args.kv_blocks} "
+          f"blocks of {args.block_size}; arrivals / {args.time_scale:g}, speedup {args.speedup:g}; times in "
+          f"simulated ms, throughput per simulated s\n")
+    w = 25
+    hdr = (f"{'policy':<{w}} {'hit':>6} {'TTFT mean':>10} {'p50':>7} {'p90':>7} {'e2e p50':>8} {'req/s':>6} "
+           f"{'out tok/s':>9} {'max/mean':>8} {'failed':>6} | vs round-robin: {'hit':>5} {'TTFT p90':>8}")
+    print(hdr)
+    print("-" * len(hdr))
+    for policy, r in rows.items():
+        print(f"{row_label(policy):<{w}} {r['hit']:>6.3f} {r['ttft_mean']:>10.0f} {r['ttft_p50']:>7.0f} "
+              f"{r['ttft_p90']:>7.0f} {r['e2e_p50']:>8.0f} {r['rps']:>6.2f} {r['tps']:>9.0f} {r['split']:>8.2f} "
+              f"{100 * r['failed']:>5.1f}% | {' ':>15}{r['hit'] / max(base['hit'], 1e-9):>5.2f}x "
+              f"{r['ttft_p90'] / base['ttft_p90']:>7.2f}x")
+    print(f"{'infinite cache':<{w}} {infinite:>6.3f}   (reference: one cache of unbounded size)")
+    print(f"{'fleet LRU':<{w}} {fleet_lru:>6.3f}   (reference: one LRU of {args.workers * args.kv_blocks} blocks)")
+    for policy, r in rows.items():
+        errors = f"; errors: {', '.join(r['errors'])}" if r["errors"] else ""
+        print(f"requests per engine, {row_label(policy)}: {[int(x) for x in r['split_counts']]} "
+              f"(replay took {r['makespan']:.0f} s wall{errors})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--start", type=int, default=2000, help="first trace record of the window")
-    ap.add_argument("--count", type=int, default=1000, help="records in the window")
+    ap.add_argument("--count", type=int, default=1000, help="records in the window (fewer for a quick run)")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--time-scale", type=float, default=4.0, help="divide the trace's arrival times by this")
     ap.add_argument("--speedup", type=float, default=4.0, help="mock engine --speedup")
@@ -187,9 +296,14 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--max-prompt", type=int, default=16384, help="truncate prompts at this many tokens")
     ap.add_argument("--max-tokens", type=int, default=256, help="cap on the trace's output lengths")
-    ap.add_argument("--policies", nargs="+", default=["round-robin", "least-loaded", "kv-aware"])
+    ap.add_argument("--policies", nargs="+", default=["round-robin", "least-loaded", "kv-aware", SGLANG_ROW],
+                    help=f"rows to run, in order: Infera --router-policy names, and {SGLANG_ROW} "
+                    "(the public sglang-router, policy cache_aware, in front of bare mock engines)")
     ap.add_argument("--trace", type=Path, default=TRACE)
     args = ap.parse_args()
+    if SGLANG_ROW in args.policies and not sglang_router_installed():
+        ap.error(f"the {SGLANG_ROW} row needs the sglang-router package: `make bench` installs it (or "
+                 f"`.venv/bin/pip install -e '.[test,bench]'`); or leave {SGLANG_ROW} out of --policies")
     trace = load_trace(args.trace, args.start, args.count)
     token_cache: dict[int, list[int]] = {}
     prompts = [prompt_ids(rec, token_cache, args.max_prompt) for rec in trace]
@@ -198,36 +312,13 @@ def main() -> None:
                    "--page-size", str(args.block_size), "--context-length", "131072"]
     rows = {}
     for policy in args.policies:
-        tmp = Path(tempfile.mkdtemp(prefix=f"infera-trace-{policy}-"))
-        procs, url, _ = start_fleet(tmp, workers=args.workers, policy=policy, engine_args=engine_args,
-                                    need_block_size=True)
-        try:
-            before = engine_requests(url)
-            t0 = time.perf_counter()
-            results = asyncio.run(replay(url, trace, prompts, offsets, args.max_tokens))
-            makespan = time.perf_counter() - t0
-            split = [b - a for a, b in zip(before, engine_requests(url))]
-            rows[policy] = summarize(results, args.speedup, makespan, split)
-        finally:
-            stop_fleet(procs)
+        if policy == SGLANG_ROW:
+            rows[policy] = run_sglang_router(engine_args, trace, prompts, offsets, args)
+        else:
+            rows[policy] = run_infera(policy, engine_args, trace, prompts, offsets, args)
     infinite = reference_hits(prompts, args.block_size, None)
     fleet_lru = reference_hits(prompts, args.block_size, args.workers * args.kv_blocks)
-    base = rows.get("round-robin") or next(iter(rows.values()))
-    print(f"\nMooncake conversation trace, requests {args.start}-{args.start + len(trace) - 1}; prompts <= "
-          f"{args.max_prompt} tokens, outputs <= {args.max_tokens}; {args.workers} mock engines x {args.kv_blocks} "
-          f"blocks of {args.block_size}; arrivals / {args.time_scale:g}, speedup {args.speedup:g}; times in simulated ms\n")
-    hdr = (f"{'policy':<13} {'hit':>6} {'TTFT mean':>10} {'p50':>8} {'p90':>8} {'e2e p50':>8} {'req/s':>6} "
-           f"{'max/mean':>8} {'failed':>6} | vs round-robin: {'hit':>5} {'TTFT p90':>8}")
-    print(hdr)
-    print("-" * len(hdr))
-    for policy, r in rows.items():
-        print(f"{policy:<13} {r['hit']:>6.3f} {r['ttft_mean']:>10.0f} {r['ttft_p50']:>8.0f} {r['ttft_p90']:>8.0f} "
-              f"{r['e2e_p50']:>8.0f} {r['rps']:>6.2f} {r['split']:>8.2f} {100 * r['failed']:>5.1f}% | "
-              f"{' ':>15}{r['hit'] / max(base['hit'], 1e-9):>5.2f}x {r['ttft_p90'] / base['ttft_p90']:>7.2f}x")
-    print(f"{'infinite cache':<13} {infinite:>6.3f}   (reference: one cache of unbounded size)")
-    print(f"{'fleet LRU':<13} {fleet_lru:>6.3f}   (reference: one LRU of {args.workers * args.kv_blocks} blocks)")
-    for policy, r in rows.items():
-        print(f"requests per worker, {policy}: {[int(x) for x in r['split_counts']]}")
+    print_table(rows, args, len(trace), infinite, fleet_lru)
 
 
 if __name__ == "__main__":

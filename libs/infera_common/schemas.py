@@ -164,6 +164,17 @@ class Release(_Msg):
     outcome: Literal["ok", "error", "cancelled", "expired"]
 
 
+class Prefilled(_Msg):
+    """Worker-agent -> router: the streamed request behind this lease produced its first token.
+
+    Its prefill is done; from now on it only decodes. Sent at most once per lease, before the
+    Release, and only for streamed requests (a unary answer arrives whole, so its Release says it all).
+    """
+
+    lease_id: str
+    worker_id: str
+
+
 class Cancel(_Msg):
     """Frontend -> worker-agent: stop this request (client gone or timed out)."""
 

@@ -53,6 +53,11 @@ def router_release_subject(router_id: str) -> str:
     return f"{PREFIX}.router.release.{_token(router_id)}"
 
 
+def router_prefilled_subject(router_id: str) -> str:
+    """Subject on which the router that issued a lease hears that its request's prefill is done."""
+    return f"{PREFIX}.router.prefilled.{_token(router_id)}"
+
+
 # --- frontend API for NATS clients -------------------------------------------
 FRONTEND_QUEUE = "infera-frontend"
 API_CHAT_COMPLETIONS = f"{PREFIX}.api.v1.chat.completions"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from infera_common.schemas import OverlapReply, WorkerOverlap
+from infera_common.schemas import LoadReport, OverlapReply, WorkerOverlap
 
 from infera_router.core import RouterCore
 from infera_router.kv_view import KvView, kv_query, kv_view
@@ -17,9 +17,11 @@ from router_helpers import join, load, record, route_request
 TOKENS = list(range(1000, 1640))  # 640 tokens: 10 blocks of 64, 20 of 32
 
 
-def worker(wid: str, bs: int | None = 64, leases: int = 0, lease_tokens: int = 0, **kw) -> WorkerState:
+def worker(wid: str, bs: int | None = 64, leases: int = 0, lease_tokens: int = 0, decoding_tokens: int = 0,
+           **kw) -> WorkerState:
+    """``lease_tokens`` of prompts still prefilling, ``decoding_tokens`` of prompts past their first token."""
     w = WorkerState(record(wid, kv_block_size=bs, **kw))
-    w.in_flight, w.in_flight_tokens = leases, lease_tokens
+    w.in_flight, w.in_flight_tokens, w.prefill_tokens = leases, lease_tokens + decoding_tokens, lease_tokens
     return w
 
 
@@ -55,10 +57,43 @@ def test_reported_requests_of_other_routers_count_as_load():
     assert KvAware(1.0).rank(ws, request(), view({"b": 5})) == ["a", "b"]  # a: 10, b: 5 + 10
 
 
+def test_requests_beside_the_agent_count_once_and_waiting_ones_are_not_counted_twice():
+    ws = [worker("a", leases=2, lease_tokens=2 * 64), worker("b")]
+    ws[0].load = load("a", in_flight=2, waiting=1)  # our own two requests, one queued in the engine
+    assert KvAware(1.0).explain(ws, request(), view({}))[1].load_blocks == 2
+    ws[1].load = LoadReport(worker_id="b", in_flight=0, engine_running=1)  # a client straight at the engine
+    assert {c.worker_id: c.load_blocks for c in KvAware(1.0).explain(ws, request(), view({}))}["b"] == 10
+
+
+def test_decoding_requests_weigh_the_decode_weight_per_block():
+    # b holds 8 of 10 blocks; its 16 blocks of leases are past their first token
+    ws = [worker("a"), worker("b", leases=1, decoding_tokens=16 * 64)]
+    assert KvAware(1.0, decode_weight=0.25).rank(ws, request(), view({"b": 8}))[0] == "b"  # 2 + 4 < 10
+    assert KvAware(1.0, decode_weight=1.0).rank(ws, request(), view({"b": 8}))[0] == "a"  # 2 + 16 > 10
+    # the same 16 blocks still prefilling count in full whatever the decode weight
+    still = [worker("a"), worker("b", leases=1, lease_tokens=16 * 64)]
+    assert KvAware(1.0, decode_weight=0.0).rank(still, request(), view({"b": 8}))[0] == "a"
+
+
+def test_a_prefilled_note_moves_the_lease_from_prefill_to_decode_load_once():
+    c = RouterCore(KvAware(rng=random.Random(1)), "r", 100.0)
+    c.apply_change(join("a", kv_block_size=64))
+    a = c.fleet.get("a")
+    first = c.acquire(a, route_request(request_id="1", prompt_tokens=640), 0.0)
+    second = c.acquire(a, route_request(request_id="2", prompt_tokens=128), 0.0)
+    assert (a.in_flight_tokens, a.prefill_tokens) == (768, 768)
+    assert c.prefilled(first.lease_id) is first and (a.in_flight_tokens, a.prefill_tokens) == (768, 128)
+    assert c.prefilled(first.lease_id) is None and a.prefill_tokens == 128  # a duplicate changes nothing
+    assert c.prefilled("r-unknown") is None
+    c.release(first.lease_id)
+    c.release(second.lease_id)  # released before any first token
+    assert (a.in_flight, a.in_flight_tokens, a.prefill_tokens) == (0, 0, 0)
+
+
 def test_equal_costs_break_by_load_then_at_random():
     # a: 10 uncached, no load; b: 4 uncached + 6 blocks of load -> both cost 10, a has less load
     ws = [worker("a"), worker("b", leases=1, lease_tokens=6 * 64)]
-    assert KvAware(rng=random.Random(3)).rank(ws, request(), view({"b": 6})) == ["a", "b"]
+    assert KvAware(1.0, rng=random.Random(3)).rank(ws, request(), view({"b": 6})) == ["a", "b"]
     same = [worker("a"), worker("b"), worker("c")]
     firsts = Counter(KvAware(rng=random.Random(s)).rank(same, request(), view({}))[0] for s in range(60))
     assert set(firsts) == {"a", "b", "c"}

@@ -10,8 +10,10 @@ import aiohttp
 import pytest
 
 from infera_common.nats_conn import connect, ensure_request_stream
-from infera_common.schemas import Cancel, Frame, Release, WorkEnvelope, decode, encode
-from infera_common.subjects import cancel_subject, request_stream, router_release_subject, work_consumer, work_subject
+from infera_common.schemas import Cancel, Frame, Prefilled, Release, WorkEnvelope, decode, encode
+from infera_common.subjects import (
+    cancel_subject, request_stream, router_prefilled_subject, router_release_subject, work_consumer, work_subject,
+)
 from infera_worker_agent.health import EngineAborter
 from infera_worker_agent.metrics import AgentMetrics
 from infera_worker_agent.relay import Relay
@@ -27,13 +29,19 @@ class Harness:
     def __init__(self, nc, engine: FakeEngine, worker: RequestWorker, metrics: AgentMetrics, session) -> None:
         self.nc, self.js, self.engine, self.worker, self.metrics, self.session = nc, nc.jetstream(), engine, worker, metrics, session
         self.releases: list[Release] = []
+        self.notes: list[Prefilled | Release] = []  # prefilled notes and releases, in arrival order
         self._n = 0
 
     async def start(self) -> None:
         async def on_release(msg):
             self.releases.append(decode(Release, msg.data))
+            self.notes.append(self.releases[-1])
+
+        async def on_prefilled(msg):
+            self.notes.append(decode(Prefilled, msg.data))
 
         await self.nc.subscribe(router_release_subject(ROUTER), cb=on_release)
+        await self.nc.subscribe(router_prefilled_subject(ROUTER), cb=on_prefilled)
 
     async def submit(self, body: dict, *, stream: bool = True, deadline_in: float = 30.0, rid: str | None = None):
         """Publish an envelope; returns (request_id, frame subscription)."""
@@ -105,6 +113,18 @@ async def test_stream_relayed_acked_and_released_once(h):
     assert [r.outcome for r in await h.released(f"lease-{rid}")] == ["ok"]
     assert await h.stream_msgs() == 0  # acked: gone from the work queue
     assert h.worker.in_flight == 0
+
+
+async def test_the_router_hears_once_when_a_stream_s_prefill_is_done_and_never_for_unary(h):
+    rid, sub = await h.submit({"stream": True, "events": 3})
+    await h.frames(sub)
+    await h.released(f"lease-{rid}")
+    assert [(type(n).__name__, n.lease_id) for n in h.notes] == [("Prefilled", f"lease-{rid}"), ("Release", f"lease-{rid}")]
+    h.notes.clear()
+    rid, sub = await h.submit({"stream": False}, stream=False)
+    await h.frames(sub)
+    await h.released(f"lease-{rid}")
+    assert [type(n).__name__ for n in h.notes] == ["Release"]
 
 
 async def test_many_concurrent_requests_each_released_exactly_once(h):

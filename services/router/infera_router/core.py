@@ -84,6 +84,20 @@ class RouterCore:
         lease = self.leases.acquire(worker.worker_id, request.request_id, request.prompt_tokens, now)
         worker.in_flight += 1
         worker.in_flight_tokens += lease.prompt_tokens
+        worker.prefill_tokens += lease.prompt_tokens
+        return lease
+
+    def prefilled(self, lease_id: str) -> Lease | None:
+        """The lease's request produced its first token: its prompt no longer waits for prefill.
+
+        None when the lease is unknown or was already marked (a duplicate note changes nothing)."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.prefilled:
+            return None
+        lease.prefilled = True
+        worker = self.fleet.get(lease.worker_id)
+        if worker is not None:
+            worker.prefill_tokens -= lease.prompt_tokens
         return lease
 
     def release(self, lease_id: str) -> Lease | None:
@@ -105,6 +119,8 @@ class RouterCore:
         if worker is not None:
             worker.in_flight -= 1
             worker.in_flight_tokens -= lease.prompt_tokens
+            if not lease.prefilled:
+                worker.prefill_tokens -= lease.prompt_tokens
 
     # --- fleet ---------------------------------------------------------------------------
     def apply_change(self, change: Change) -> list[Lease]:

@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Lease:
     lease_id: str
     worker_id: str
     request_id: str
     created: float  # monotonic seconds
     prompt_tokens: int = 0
+    prefilled: bool = False  # the worker said its first token went out: it only decodes now
 
 
 class LeaseTable:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from infera_common.schemas import WorkerStatus
@@ -12,6 +15,8 @@ from infera_common.schemas import WorkerStatus
 KV_QUERY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 #: Request sizes and cache hits, in KV blocks.
 BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+#: infera_router_breaker_state values.
+BREAKER_STATE_VALUES = {"closed": 0, "half_open": 1, "open": 2}
 ROUTE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 2.5)
 
 
@@ -48,8 +53,13 @@ class RouterMetrics:
             "Leases dropped without a release: worker_left (left discovery), max_age (release lost).",
             ["reason"], registry=r,
         )
+        self.prefilled = Counter(
+            "infera_router_prefilled",
+            "Streamed requests whose first token went out (their prompt stops counting as pending prefill).",
+            registry=r,
+        )
         self.bad_messages = Counter(
-            "infera_router_bad_messages", "Messages that could not be decoded, by kind (route, release, load).",
+            "infera_router_bad_messages", "Messages that could not be decoded, by kind (route, release, prefilled, load).",
             ["kind"], registry=r,
         )
         self.load_reports = Counter(
@@ -93,6 +103,57 @@ class RouterMetrics:
             "1 for a worker whose cache depth the router could not know at its last kv-aware pick "
             "(reason: unknown_block_size or unseen), else 0.", ["worker", "reason"], registry=r,
         )
+        # --- session affinity (sessions.SessionTable), by role; never by session id ---
+        self.session_active_leases = Gauge(
+            "infera_router_session_active_leases", "Running requests holding a session binding, by role.",
+            ["role"], registry=r,
+        )
+        self.session_bindings = Gauge(
+            "infera_router_session_bindings", "Sessions currently bound to a target, by role.", ["role"], registry=r,
+        )
+        self.session_hits = Counter(
+            "infera_router_session_hits", "Requests sent to their session's bound target, by role.",
+            ["role"], registry=r,
+        )
+        self.session_selections = Counter(
+            "infera_router_session_selections",
+            "Session bindings recorded after the policy picked (new sessions and replacements), by role.",
+            ["role"], registry=r,
+        )
+        self.session_fallbacks = Counter(
+            "infera_router_session_fallbacks",
+            "Requests whose session's bound target was unavailable and were routed by the policy, by role.",
+            ["role"], registry=r,
+        )
+        self.session_dropped = Counter(
+            "infera_router_session_dropped",
+            "Session bindings dropped, by role and reason: expired (idle past the TTL), invalidated "
+            "(request or stream failed).", ["role", "reason"], registry=r,
+        )
+        self.session_unbound = Counter(
+            "infera_router_session_unbound",
+            "Session requests routed without a binding because the session table was full, by role.",
+            ["role"], registry=r,
+        )
+        # --- circuit breaker (breaker.CircuitBreaker) and failover ---
+        self.breaker_state = Gauge(
+            "infera_router_breaker_state", "Circuit breaker per worker: 0 closed, 1 half_open, 2 open.",
+            ["worker"], registry=r,
+        )
+        self.breaker_trips = Counter(
+            "infera_router_breaker_trips", "Times a worker's circuit breaker opened (trips and failed probes).",
+            ["worker"], registry=r,
+        )
+        self.breaker_all_open = Counter(
+            "infera_router_breaker_all_open",
+            "Requests routed although every candidate's circuit breaker was open, by model.",
+            ["model"], registry=r,
+        )
+        self.retries = Counter(
+            "infera_router_retries", "Requests retried on another worker before their first byte, by failure kind.",
+            ["kind"], registry=r,
+        )
+        self._session_seen: dict[tuple[str, str], int] = {}  # (role, counter) -> value already exported
         self._blind: dict[str, str] = {}  # worker -> reason currently set to 1
         self._lease_gauges: dict[str, Gauge] = {}
         # label children of the per-request series, resolved once (labels() is slow)
@@ -136,3 +197,31 @@ class RouterMetrics:
     def set_live(self, model: str, counts: dict[str, int]) -> None:
         for status in WorkerStatus:
             self.live_workers.labels(model, status.value).set(counts.get(status.value, 0))
+
+    def set_session_stats(self, stats: Mapping[str, Any]) -> None:
+        """Export a ``SessionTable.stats()`` snapshot: set the gauges, advance the counters."""
+        counters = (("hits", self.session_hits, ()), ("selections", self.session_selections, ()),
+                    ("fallbacks", self.session_fallbacks, ()), ("unbound_full", self.session_unbound, ()),
+                    ("expired", self.session_dropped, ("expired",)),
+                    ("invalidated", self.session_dropped, ("invalidated",)))
+        for role, s in stats.items():
+            role = str(role)
+            self.session_active_leases.labels(role).set(s.active_leases)
+            self.session_bindings.labels(role).set(s.bindings)
+            for name, metric, extra in counters:
+                value = getattr(s, name)
+                child = metric.labels(role, *extra)  # the series exists from the first export, at 0
+                delta = value - self._session_seen.get((role, name), 0)
+                if delta > 0:
+                    child.inc(delta)
+                self._session_seen[(role, name)] = value
+
+    def set_breaker_state(self, worker: str, state: str | None) -> None:
+        """Export a worker's breaker state (closed / half_open / open); None removes the series."""
+        if state is None:
+            try:
+                self.breaker_state.remove(worker)
+            except KeyError:
+                pass
+        else:
+            self.breaker_state.labels(worker).set(BREAKER_STATE_VALUES[state])

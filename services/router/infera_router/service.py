@@ -22,12 +22,13 @@ from infera_common.discovery import Watcher
 from infera_common.fleet import Change
 from infera_common.logs import get_logger
 from infera_common.nats_conn import close_connection, connect
-from infera_common.schemas import LoadReport, Release, RouteReply, RouteRequest, WorkEnvelope, decode, encode
+from infera_common.schemas import LoadReport, Prefilled, Release, RouteReply, RouteRequest, WorkEnvelope, decode, encode
 from infera_common.subjects import (
     LOAD_SUBJECTS,
     ROUTER_QUEUE,
     ROUTER_ROUTE,
     request_stream,
+    router_prefilled_subject,
     router_release_subject,
     work_subject,
 )
@@ -72,7 +73,7 @@ class RouterService:
         self.router_id = settings.resolved_router_id()
         self.release_subject = router_release_subject(self.router_id)
         self.metrics = metrics or RouterMetrics()
-        policy = create_policy(settings.router_policy, settings.kv_overlap_weight)
+        policy = create_policy(settings.router_policy, settings.kv_overlap_weight, settings.kv_decode_weight)
         self.core = RouterCore(policy, self.router_id, settings.lease_max_age)
         self._kv: KvClient | None = None
         self._kv_tasks: set[asyncio.Task] = set()
@@ -98,6 +99,7 @@ class RouterService:
         await self._publisher.start()
         self._kv = KvClient(self.nc, self.settings.kv_query_timeout, self.metrics)
         self._subs.append(await self.nc.subscribe(self.release_subject, cb=self._on_release))
+        self._subs.append(await self.nc.subscribe(router_prefilled_subject(self.router_id), cb=self._on_prefilled))
         self._subs.append(await self.nc.subscribe(LOAD_SUBJECTS, cb=self._on_load))
         self._route_sub = await self.nc.subscribe(ROUTER_ROUTE, queue=ROUTER_QUEUE, cb=self._on_route)
         await self.nc.flush()  # the broker knows the subscriptions before we say we serve
@@ -183,6 +185,16 @@ class RouterService:
             return
         self.metrics.release_outcomes[release.outcome].inc()
         self._lease_gauge(lease)
+
+    async def _on_prefilled(self, msg: Msg) -> None:
+        try:
+            note = decode(Prefilled, msg.data)
+        except ValueError as exc:
+            self.metrics.bad_messages.labels("prefilled").inc()
+            log.warning("bad_prefilled", error=str(exc))
+            return
+        if self.core.prefilled(note.lease_id) is not None:
+            self.metrics.prefilled.inc()
 
     async def _sweep(self) -> None:
         interval = max(0.05, min(5.0, self.settings.lease_max_age / 10))

@@ -13,6 +13,7 @@ from infera_common.settings import LogSettings, PlaneSettings
 from infera_common.subjects import TOKEN_RE
 
 from infera_router.policies import DEFAULT_POLICY, POLICY_NAMES
+from infera_router.policy_kv_aware import DEFAULT_DECODE_WEIGHT, DEFAULT_OVERLAP_WEIGHT
 
 PolicyName = Literal[POLICY_NAMES]  # type: ignore[valid-type]  # the registry's names
 
@@ -24,10 +25,16 @@ class RouterSettings(PlaneSettings, LogSettings):
         "uncached prefill + load, asks the kv-indexer), round-robin, least-loaded.",
     )
     kv_overlap_weight: float = Field(
-        1.0, ge=0,
+        DEFAULT_OVERLAP_WEIGHT, ge=0,
         description="kv-aware: work units one cached prefix block is worth against one block of load "
-        "(1.0 = a cached block saves one block of prefill; higher favours cache hits, lower spreads "
-        "load, 0 = load only).",
+        "(1 = a cached block saves one block of prefill; higher favours cache hits, lower spreads "
+        "load, 0 = load only). Default chosen on the Mooncake trace with bench/policy_sim.py.",
+    )
+    kv_decode_weight: float = Field(
+        DEFAULT_DECODE_WEIGHT, ge=0,
+        description="kv-aware: what one KV block held by a request that is already decoding weighs "
+        "against one block of prompt still to prefill on that worker (decode slows a new request's "
+        "first token far less than a queued prefill; 0 = ignore decoding requests).",
     )
     kv_query_timeout: float = Field(
         0.05, gt=0, le=5.0,

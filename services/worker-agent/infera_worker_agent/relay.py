@@ -33,9 +33,11 @@ def outcome_for_status(status: int) -> Outcome:
 class FrameSink:
     """Numbered frames to one reply subject."""
 
-    def __init__(self, publish: Publish, subject: str) -> None:
+    def __init__(self, publish: Publish, subject: str,
+                 on_first_data: Callable[[], Awaitable[None]] | None = None) -> None:
         self._publish = publish
         self._subject = subject
+        self._on_first_data = on_first_data  # called once, after the first streamed data frame
         self.seq = 0
         self.closed = False  # an end, error or final head frame was sent
 
@@ -47,6 +49,9 @@ class FrameSink:
         if final or kind == "end" or kind == "error":
             self.closed = True
         await self._publish(self._subject, encode(frame))
+        if kind == "data" and self._on_first_data is not None:
+            first, self._on_first_data = self._on_first_data, None
+            await first()
 
     async def error(self, status: int, message: str) -> None:
         await self.send("error", status=status, message=message)

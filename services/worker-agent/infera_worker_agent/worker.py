@@ -12,6 +12,7 @@ executed twice. While draining, envelopes still delivered are answered with the 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -22,8 +23,10 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.client import JetStreamContext
 
 from infera_common.logs import get_logger
-from infera_common.schemas import Cancel, Release, WorkEnvelope, decode, encode
-from infera_common.subjects import cancel_subject, request_stream, router_release_subject, work_consumer, work_subject
+from infera_common.schemas import Cancel, Prefilled, Release, WorkEnvelope, decode, encode
+from infera_common.subjects import (
+    cancel_subject, request_stream, router_prefilled_subject, router_release_subject, work_consumer, work_subject,
+)
 from infera_worker_agent.metrics import AgentMetrics
 from infera_worker_agent.recent import RecentIds
 from infera_worker_agent.relay import FrameSink, Outcome, Relay
@@ -208,7 +211,8 @@ class RequestWorker:
         return None
 
     def _start(self, env: WorkEnvelope, msg: Msg) -> None:
-        entry = InFlight(env, msg, FrameSink(self._nc.publish, env.reply_subject))
+        prefilled = functools.partial(self._prefilled, env) if env.stream else None
+        entry = InFlight(env, msg, FrameSink(self._nc.publish, env.reply_subject, prefilled))
         self._inflight[env.request_id] = entry
         self._metrics.in_flight.set(len(self._inflight))
         self._idle.clear()
@@ -275,6 +279,12 @@ class RequestWorker:
     def _untrack(self, request_id: str) -> None:
         self._inflight.pop(request_id, None)
         self._metrics.in_flight.set(len(self._inflight))
+
+    async def _prefilled(self, env: WorkEnvelope) -> None:
+        """The first token went out: tell the lease's router this request now only decodes."""
+        note = Prefilled(lease_id=env.lease_id, worker_id=self.worker_id)
+        await _quietly(self._nc.publish(router_prefilled_subject(env.router_id), encode(note)),
+                       "prefilled", env.request_id)
 
     async def _finish(self, env: WorkEnvelope, msg: Msg, outcome: Outcome) -> None:
         """Exactly once per envelope: ack it (it leaves the queue), count it, release its lease."""

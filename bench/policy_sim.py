@@ -1,0 +1,164 @@
+"""The routing policies alone, in simulated time: the router's own policy objects in front of the
+mock engine's own scheduler and prefix cache, with no processes, no NATS and no wall clock.
+
+What it isolates: the routing decision. Each policy sees what the full stack's router would see
+(the lease table of in-flight requests, which of them have produced their first token, and the
+indexer's prefix depths — here exact and without lag: each engine's cache is asked directly) and
+each engine runs the mock engine's continuous-batching scheduler and paged LRU prefix cache with the
+same timing curves. A run is deterministic and takes seconds, so policy settings can be compared
+side by side; `bench/trace_replay.py` then measures the chosen settings through the real stack.
+
+Same window and settings as trace_replay.py (issue 3's standard settings): Mooncake conversation
+trace requests 2000-2999, token-id prompts <= 16,384 tokens, outputs <= 256, 4 engines x 8,192
+blocks of 64. Simulated time runs at the trace's own pace (trace_replay compresses arrivals 4x and
+speeds the engines up 4x: the same thing in simulated ms).
+
+    .venv/bin/python bench/policy_sim.py [--decode-weights 0 0.25 1] [--overlap-weights 1 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import random
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from infera_common.schemas import Endpoint, RouteRequest  # noqa: E402
+from infera_mock_engine.prefix_cache import PrefixCache  # noqa: E402
+from infera_mock_engine.scheduler import FINISHED, Scheduler, SchedulerConfig, Sequence  # noqa: E402
+from infera_mock_engine.timing import TimingModel  # noqa: E402
+from infera_router.core import RouterCore  # noqa: E402
+from infera_router.kv_view import KvView  # noqa: E402
+from infera_router.policies import create_policy  # noqa: E402
+from infera_common.fleet import Change  # noqa: E402
+from infera_common.schemas import WorkerRecord  # noqa: E402
+
+import trace_replay as tr  # noqa: E402
+
+
+def simulate(policy_name: str, prompts: list[list[int]], outputs: list[int], arrivals_ms: list[float], *,
+             workers: int, kv_blocks: int, block_size: int, overlap_weight: float = 1.0,
+             decode_weight: float = 0.25, seed: int = 1) -> dict:
+    policy = create_policy(policy_name, overlap_weight, decode_weight)
+    if hasattr(policy, "_rng"):
+        policy._rng = random.Random(seed)
+    core = RouterCore(policy, "sim", 1e12)
+    engines: dict[str, Scheduler] = {}
+    for i in range(workers):
+        wid = f"w{i}"
+        core.apply_change(Change("join", WorkerRecord(
+            worker_id=wid, model="m", engine="mock", url="http://sim", advertise_host="sim",
+            status="active", kv_block_size=block_size)))
+        engines[wid] = Scheduler(SchedulerConfig(), PrefixCache(kv_blocks, block_size), TimingModel())
+    rng = random.Random(seed)
+    events: list[tuple[float, int, str, object]] = []  # (time ms, tiebreak, kind, payload)
+    tick = itertools.count()
+    for i, t in enumerate(arrivals_ms):
+        heapq.heappush(events, (t, next(tick), "arrive", i))
+    busy: dict[str, bool] = dict.fromkeys(engines, False)
+    live: dict[int, tuple[Sequence, str, str, float]] = {}  # key -> (seq, worker, lease, arrival)
+    ttft: list[float] = []
+    e2e: list[float] = []
+    split = dict.fromkeys(engines, 0)
+    cached = prompt = 0
+
+    def kick(wid: str, now: float) -> None:
+        sched = engines[wid]
+        if busy[wid] or not (sched.running or sched.waiting):
+            return
+        step = sched.plan_step()
+        if step.empty:
+            return
+        busy[wid] = True
+        heapq.heappush(events, (now + step.seconds * 1000.0, next(tick), "step", (wid, step)))
+
+    while events:
+        now, _, kind, payload = heapq.heappop(events)
+        if kind == "arrive":
+            i = payload
+            req = RouteRequest(request_id=str(i), model="m", endpoint=Endpoint.COMPLETIONS, body=b"{}",
+                               stream=True, reply_subject="sim", deadline=0, prompt_tokens=len(prompts[i]),
+                               token_ids=prompts[i])
+            depth = {wid: s.kv.match(prompts[i]) // block_size for wid, s in engines.items()}
+            plan = core.plan(req, KvView(ok=True, depth=depth))
+            worker = plan.order[0]
+            lease = core.acquire(worker, req, now)
+            seq = Sequence(str(i), prompts[i], outputs[i], "length", lambda: rng.randrange(100, tr.VOCAB))
+            live[seq.key] = (seq, worker.worker_id, lease.lease_id, now)
+            split[worker.worker_id] += 1
+            engines[worker.worker_id].add(seq)
+            kick(worker.worker_id, now)
+        else:
+            wid, step = payload
+            sched = engines[wid]
+            before = {s.key: s.generated for s, _ in step.prefill}
+            sched.finish_step(step)
+            sched.kv.take_events()
+            for key, gen in before.items():
+                seq, _, lease_id, t0 = live.get(key, (None, None, None, 0.0))
+                if seq is not None and gen == 0 and seq.generated > 0:
+                    ttft.append(now - t0)
+                    core.prefilled(lease_id)
+            for key in [k for k, (s, w, _, _) in live.items() if w == wid and s.state == FINISHED]:
+                seq, _, lease_id, t0 = live.pop(key)
+                e2e.append(now - t0)
+                cached += seq.cached_tokens
+                prompt += seq.prompt_len
+                core.release(lease_id)
+            busy[wid] = False
+            kick(wid, now)
+    q = statistics.quantiles(ttft, n=10)
+    shares = list(split.values())
+    return {"hit": cached / max(1, prompt), "ttft_mean": statistics.fmean(ttft), "ttft_p50": statistics.median(ttft),
+            "ttft_p90": q[8], "e2e_p50": statistics.median(e2e), "max_share": max(shares) / statistics.fmean(shares),
+            "split": shares}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--start", type=int, default=2000)
+    ap.add_argument("--count", type=int, default=1000)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--kv-blocks", type=int, default=8192)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--max-prompt", type=int, default=16384)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--decode-weights", type=float, nargs="+", default=[0.0, 0.25, 1.0])
+    ap.add_argument("--overlap-weights", type=float, nargs="+", default=[1.0, 2.0])
+    ap.add_argument("--load", type=float, default=1.0,
+                    help="compress the trace's arrivals by this factor on top of the standard pace (2 = twice the load)")
+    ap.add_argument("--trace", type=Path, default=tr.TRACE)
+    args = ap.parse_args()
+    trace = tr.load_trace(args.trace, args.start, args.count)
+    cache: dict[int, list[int]] = {}
+    prompts = [tr.prompt_ids(r, cache, args.max_prompt) for r in trace]
+    outputs = [max(1, min(r["output_length"], args.max_tokens)) for r in trace]
+    arrivals_ms = [t * 1000.0 for t in tr.arrivals(trace, args.load)]
+    common = dict(workers=args.workers, kv_blocks=args.kv_blocks, block_size=args.block_size)
+    runs: list[tuple[str, dict]] = [(p, simulate(p, prompts, outputs, arrivals_ms, **common))
+                                    for p in ("round-robin", "least-loaded")]
+    for ow in args.overlap_weights:
+        for dw in args.decode_weights:
+            runs.append((f"kv-aware o={ow:g} d={dw:g}", simulate(
+                "kv-aware", prompts, outputs, arrivals_ms, overlap_weight=ow, decode_weight=dw, **common)))
+    rr = runs[0][1]
+    print(f"policy simulation: Mooncake requests {args.start}-{args.start + args.count - 1}, {args.workers} engines x "
+          f"{args.kv_blocks} blocks of {args.block_size}; load x{args.load:g}; exact, lag-free index; simulated ms\n")
+    print(f"{'policy':<26} {'hit':>6} {'TTFT mean':>9} {'p50':>7} {'p90':>7} {'e2e p50':>8} {'max/mean':>8} "
+          f"| vs round-robin: {'hit':>5} {'TTFT p90':>8}")
+    print("-" * 110)
+    for name, r in runs:
+        print(f"{name:<26} {r['hit']:>6.3f} {r['ttft_mean']:>9.0f} {r['ttft_p50']:>7.0f} {r['ttft_p90']:>7.0f} "
+              f"{r['e2e_p50']:>8.0f} {r['max_share']:>8.2f} | {'':>15} {r['hit'] / rr['hit']:>5.2f}x "
+              f"{r['ttft_p90'] / rr['ttft_p90']:>7.2f}x")
+    print(f"{'fleet LRU (reference)':<26} "
+          f"{tr.reference_hits(prompts, args.block_size, args.workers * args.kv_blocks):>6.3f}")
+
+
+if __name__ == "__main__":
+    main()
