@@ -34,14 +34,18 @@ def _get_json(url: str, timeout: float = 1.0):
 
 
 def start_fleet(tmp: Path, *, workers: int, policy: str | None, engine_args: list[str],
-                need_block_size: bool = False) -> tuple[list[subprocess.Popen], str, list[dict]]:
-    """Start the fleet with logs in ``tmp``; returns (processes, frontend URL, active worker records)."""
+                need_block_size: bool = False, metrics_ports: list[int] | None = None,
+                ) -> tuple[list[subprocess.Popen], str, list[dict]]:
+    """Start the fleet with logs in ``tmp``; returns (processes, frontend URL, active worker records).
+
+    ``metrics_ports`` (kv-indexer, router, then one per worker) lets the caller read their /metrics."""
     _stop_on_sigterm()
     nats_port, http_port = free_port(), free_port()
     procs = [start_nats(nats_port, tmp / "js")]
     plan = plan_fleet(
         nats_url=f"nats://127.0.0.1:{nats_port}", host="127.0.0.1", port=http_port, workers=workers,
-        router_policy=policy, engine_args=engine_args, metrics_ports=[free_port() for _ in range(workers + 2)],
+        router_policy=policy, engine_args=engine_args,
+        metrics_ports=metrics_ports or [free_port() for _ in range(workers + 2)],
     )
     for spec in plan:
         procs.append(_spawn(spec.argv(sys.executable), tmp / f"{spec.name}.log"))

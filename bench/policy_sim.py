@@ -28,7 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from infera_common.block_hash import block_hashes  # noqa: E402
 from infera_common.schemas import Endpoint, RouteRequest  # noqa: E402
+from infera_mock_engine.block_hasher import BlockHasher  # noqa: E402
+from infera_mock_engine.kv_events import BlockRemoved, BlockStored  # noqa: E402
 from infera_mock_engine.prefix_cache import PrefixCache  # noqa: E402
 from infera_mock_engine.scheduler import FINISHED, Scheduler, SchedulerConfig, Sequence  # noqa: E402
 from infera_mock_engine.timing import TimingModel  # noqa: E402
@@ -41,9 +44,26 @@ from infera_common.schemas import WorkerRecord  # noqa: E402
 import trace_replay as tr  # noqa: E402
 
 
+def chain_hashes(hasher: BlockHasher, ids: list[int], bs: int) -> list[int]:
+    out, parent = [], None
+    for i in range(len(ids) // bs):
+        parent = hasher.digest(parent, ids[i * bs:(i + 1) * bs])
+        out.append(hasher.external(parent))
+    return out
+
+
+def prefix_depth(cached: set[int], chain: list[int]) -> int:
+    n = 0
+    for h in chain:
+        if h not in cached:
+            break
+        n += 1
+    return n
+
+
 def simulate(policy_name: str, prompts: list[list[int]], outputs: list[int], arrivals_ms: list[float], *,
              workers: int, kv_blocks: int, block_size: int, overlap_weight: float = 1.0,
-             decode_weight: float = 0.25, seed: int = 1) -> dict:
+             decode_weight: float = 0.25, seed: int = 1, index_lag_ms: float = 0.0, slowdown: float = 1.0) -> dict:
     policy = create_policy(policy_name, overlap_weight, decode_weight)
     if hasattr(policy, "_rng"):
         policy._rng = random.Random(seed)
@@ -54,8 +74,11 @@ def simulate(policy_name: str, prompts: list[list[int]], outputs: list[int], arr
         core.apply_change(Change("join", WorkerRecord(
             worker_id=wid, model="m", engine="mock", url="http://sim", advertise_host="sim",
             status="active", kv_block_size=block_size)))
-        engines[wid] = Scheduler(SchedulerConfig(), PrefixCache(kv_blocks, block_size), TimingModel())
+        engines[wid] = Scheduler(SchedulerConfig(), PrefixCache(kv_blocks, block_size), TimingModel(speedup=1.0 / slowdown))
     rng = random.Random(seed)
+    # the index: per engine, the external hashes of its cached blocks, as its KV events arrive
+    index: dict[str, set[int]] = {wid: set() for wid in engines}
+    hasher = BlockHasher()
     events: list[tuple[float, int, str, object]] = []  # (time ms, tiebreak, kind, payload)
     tick = itertools.count()
     for i, t in enumerate(arrivals_ms):
@@ -84,21 +107,33 @@ def simulate(policy_name: str, prompts: list[list[int]], outputs: list[int], arr
             req = RouteRequest(request_id=str(i), model="m", endpoint=Endpoint.COMPLETIONS, body=b"{}",
                                stream=True, reply_subject="sim", deadline=0, prompt_tokens=len(prompts[i]),
                                token_ids=prompts[i])
-            depth = {wid: s.kv.match(prompts[i]) // block_size for wid, s in engines.items()}
-            plan = core.plan(req, KvView(ok=True, depth=depth))
+            chain = chain_hashes(hasher, prompts[i], block_size)
+            depth = {wid: prefix_depth(index[wid], chain) for wid in engines}
+            router_chain = block_hashes(prompts[i], block_size)  # what the router hashes (the indexer's hash)
+            plan = core.plan(req, KvView(ok=True, depth=depth, hashes={block_size: router_chain}))
             worker = plan.order[0]
-            lease = core.acquire(worker, req, now)
+            best = plan.costs[0] if plan.costs else None
+            lease = core.acquire(worker, req, now, best.matched_blocks * block_size if best else 0, router_chain)
             seq = Sequence(str(i), prompts[i], outputs[i], "length", lambda: rng.randrange(100, tr.VOCAB))
             live[seq.key] = (seq, worker.worker_id, lease.lease_id, now)
             split[worker.worker_id] += 1
             engines[worker.worker_id].add(seq)
             kick(worker.worker_id, now)
+        elif kind == "index":
+            wid, batch = payload
+            for ev in batch:
+                if isinstance(ev, BlockStored):
+                    index[wid].update(ev.block_hashes)
+                elif isinstance(ev, BlockRemoved):
+                    index[wid].difference_update(ev.block_hashes)
+                else:
+                    index[wid].clear()
         else:
             wid, step = payload
             sched = engines[wid]
             before = {s.key: s.generated for s, _ in step.prefill}
             sched.finish_step(step)
-            sched.kv.take_events()
+            heapq.heappush(events, (now + index_lag_ms, next(tick), "index", (wid, sched.kv.take_events())))
             for key, gen in before.items():
                 seq, _, lease_id, t0 = live.get(key, (None, None, None, 0.0))
                 if seq is not None and gen == 0 and seq.generated > 0:
@@ -132,6 +167,8 @@ def main() -> None:
     ap.add_argument("--overlap-weights", type=float, nargs="+", default=[1.0, 2.0])
     ap.add_argument("--load", type=float, default=1.0,
                     help="compress the trace's arrivals by this factor on top of the standard pace (2 = twice the load)")
+    ap.add_argument("--index-lag-ms", type=float, default=0.0,
+                    help="simulated ms between an engine's step and its KV events reaching the index")
     ap.add_argument("--trace", type=Path, default=tr.TRACE)
     args = ap.parse_args()
     trace = tr.load_trace(args.trace, args.start, args.count)
@@ -139,7 +176,8 @@ def main() -> None:
     prompts = [tr.prompt_ids(r, cache, args.max_prompt) for r in trace]
     outputs = [max(1, min(r["output_length"], args.max_tokens)) for r in trace]
     arrivals_ms = [t * 1000.0 for t in tr.arrivals(trace, args.load)]
-    common = dict(workers=args.workers, kv_blocks=args.kv_blocks, block_size=args.block_size)
+    common = dict(workers=args.workers, kv_blocks=args.kv_blocks, block_size=args.block_size,
+                  index_lag_ms=args.index_lag_ms)
     runs: list[tuple[str, dict]] = [(p, simulate(p, prompts, outputs, arrivals_ms, **common))
                                     for p in ("round-robin", "least-loaded")]
     for ow in args.overlap_weights:
@@ -148,7 +186,8 @@ def main() -> None:
                 "kv-aware", prompts, outputs, arrivals_ms, overlap_weight=ow, decode_weight=dw, **common)))
     rr = runs[0][1]
     print(f"policy simulation: Mooncake requests {args.start}-{args.start + args.count - 1}, {args.workers} engines x "
-          f"{args.kv_blocks} blocks of {args.block_size}; load x{args.load:g}; exact, lag-free index; simulated ms\n")
+          f"{args.kv_blocks} blocks of {args.block_size}; load x{args.load:g}; index lag {args.index_lag_ms:g} ms; "
+          "simulated ms\n")
     print(f"{'policy':<26} {'hit':>6} {'TTFT mean':>9} {'p50':>7} {'p90':>7} {'e2e p50':>8} {'max/mean':>8} "
           f"| vs round-robin: {'hit':>5} {'TTFT p90':>8}")
     print("-" * 110)

@@ -44,6 +44,7 @@ import aiohttp
 
 from benchfleet import (sglang_router_installed, start_engines, start_fleet, start_sglang_router,
                         stop_fleet)
+from infera.procs import free_port
 from infera_common.block_hash import block_hashes
 from infera_common.models import BUNDLED_MODEL_NAME
 
@@ -236,12 +237,31 @@ def measure(send, url: str, engines: list[str], trace, prompts, offsets, args) -
     return summarize(results, args.speedup, makespan, split)
 
 
+#: The router's own counters worth reading after a replay (why a kv-aware pick went where it did).
+ROUTER_COUNTERS = ("infera_router_kv_query_failures_total", "infera_router_kv_picks_without_cache_info_total",
+                   "infera_router_prefilled_total", "infera_router_kv_hit_blocks_sum", "infera_router_kv_picks_total")
+
+
+def router_counters(metrics_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(metrics_url, timeout=5) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in ROUTER_COUNTERS:
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[-1])
+    return out
+
+
 def run_infera(policy: str, engine_args: list[str], trace, prompts, offsets, args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix=f"infera-trace-{policy}-"))
+    ports = [free_port() for _ in range(args.workers + 2)]
     procs, url, _ = start_fleet(tmp, workers=args.workers, policy=policy, engine_args=engine_args,
-                                need_block_size=True)
+                                need_block_size=True, metrics_ports=ports)
     try:
-        return measure(one_completion, url, fleet_engines(url), trace, prompts, offsets, args)
+        result = measure(one_completion, url, fleet_engines(url), trace, prompts, offsets, args)
+        result["router"] = router_counters(f"http://127.0.0.1:{ports[1]}/metrics")
+        return result
     finally:
         stop_fleet(procs)
 
@@ -283,6 +303,9 @@ def print_table(rows: dict[str, dict], args, n: int, infinite: float, fleet_lru:
         errors = f"; errors: {', '.join(r['errors'])}" if r["errors"] else ""
         print(f"requests per engine, {row_label(policy)}: {[int(x) for x in r['split_counts']]} "
               f"(replay took {r['makespan']:.0f} s wall{errors})")
+        if r.get("router"):
+            print(f"router counters, {row_label(policy)}: "
+                  + ", ".join(f"{k.removeprefix('infera_router_')} {v:.0f}" for k, v in r["router"].items()))
 
 
 def main() -> None:

@@ -21,7 +21,8 @@ def worker(wid: str, bs: int | None = 64, leases: int = 0, lease_tokens: int = 0
            **kw) -> WorkerState:
     """``lease_tokens`` of prompts still prefilling, ``decoding_tokens`` of prompts past their first token."""
     w = WorkerState(record(wid, kv_block_size=bs, **kw))
-    w.in_flight, w.in_flight_tokens, w.prefill_tokens = leases, lease_tokens + decoding_tokens, lease_tokens
+    w.in_flight, w.in_flight_tokens = leases, lease_tokens + decoding_tokens
+    w.prefill_tokens, w.decode_tokens = lease_tokens, decoding_tokens
     return w
 
 
@@ -79,15 +80,16 @@ def test_a_prefilled_note_moves_the_lease_from_prefill_to_decode_load_once():
     c = RouterCore(KvAware(rng=random.Random(1)), "r", 100.0)
     c.apply_change(join("a", kv_block_size=64))
     a = c.fleet.get("a")
-    first = c.acquire(a, route_request(request_id="1", prompt_tokens=640), 0.0)
+    first = c.acquire(a, route_request(request_id="1", prompt_tokens=640), 0.0, cached_tokens=512)
     second = c.acquire(a, route_request(request_id="2", prompt_tokens=128), 0.0)
-    assert (a.in_flight_tokens, a.prefill_tokens) == (768, 768)
-    assert c.prefilled(first.lease_id) is first and (a.in_flight_tokens, a.prefill_tokens) == (768, 128)
+    # prefill work is what was not cached; decode holds the whole prompt
+    assert (a.in_flight_tokens, a.prefill_tokens, a.decode_tokens) == (768, 128 + 128, 0)
+    assert c.prefilled(first.lease_id) is first and (a.prefill_tokens, a.decode_tokens) == (128, 640)
     assert c.prefilled(first.lease_id) is None and a.prefill_tokens == 128  # a duplicate changes nothing
     assert c.prefilled("r-unknown") is None
     c.release(first.lease_id)
     c.release(second.lease_id)  # released before any first token
-    assert (a.in_flight, a.in_flight_tokens, a.prefill_tokens) == (0, 0, 0)
+    assert (a.in_flight, a.in_flight_tokens, a.prefill_tokens, a.decode_tokens) == (0, 0, 0, 0)
 
 
 def test_equal_costs_break_by_load_then_at_random():
@@ -150,3 +152,18 @@ def test_core_plans_with_costs_and_asks_only_for_kv_aware():
     assert c.kv_query(request()) is not None
     plan = c.plan(request(), view({"b": 3}))
     assert [w.worker_id for w in plan.order] == ["b", "a"] and plan.costs[0].matched_blocks == 3
+
+
+def test_in_flight_prompts_deepen_the_indexer_view_until_released():
+    c = RouterCore(KvAware(rng=random.Random(1)), "r", 100.0)
+    c.apply_change(join("a", kv_block_size=64))
+    c.apply_change(join("b", kv_block_size=64))
+    chain = list(range(10))
+    hashed = KvView(ok=True, depth={"b": 3}, hashes={64: chain})
+    assert [w.worker_id for w in c.plan(request(), hashed).order] == ["b", "a"]
+    lease = c.acquire(c.fleet.get("a"), request(), 0.0, hashes=chain)  # the same prompt, just sent to a
+    plan = c.plan(request(), hashed)
+    assert plan.order[0].worker_id == "a" and plan.costs[0].matched_blocks == 10
+    c.release(lease.lease_id)
+    assert c.plan(request(), hashed).order[0].worker_id == "b"
+    assert len(c.inflight) == 0

@@ -68,11 +68,15 @@ async def test_request_goes_to_the_deepest_overlap(kv_bench):
     finally:
         await sub.unsubscribe()
     assert [r.status for r in replies] == [200, 200]
-    # r0 -> c (2 uncached blocks of 32); r1 still c: 2 + 12 blocks of r0's lease = 14 > a's 5 + 0
-    assert [r.worker_id for r in replies] == ["c", "a"]
+    # r0 -> c (2 uncached blocks of 32). r1 -> c again: r0's whole prompt is in flight there, so
+    # all 12 blocks count as (about to be) cached although the indexer still says 10; r0's 2 blocks
+    # still to prefill (its cached 10 are no prefill work) are c's only load
+    assert [r.worker_id for r in replies] == ["c", "c"]
     assert len(queries) == 2 and queries[0].model == "m" and sorted(queries[0].workers) == ["a", "b", "c"]
-    assert metric(router, "infera_router_kv_picks_total", worker="c") == 1
-    assert metric(router, "infera_router_kv_hit_blocks_sum") == 11  # 10 on c, then 1 on a
+    assert metric(router, "infera_router_kv_picks_total", worker="c") == 2
+    assert metric(router, "infera_router_kv_hit_blocks_sum") == 10 + 12
+    c = router.core.fleet.get("c")
+    assert (c.in_flight, c.prefill_tokens) == (2, 2 * 32)
     assert metric(router, "infera_router_kv_request_blocks_count") == 2
     assert metric(router, "infera_router_kv_workers_without_events", worker="b", reason="unseen") == 1
     assert metric(router, "infera_router_kv_query_failures_total", reason="no_indexer") == 0

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from infera_common.fleet import Change
 from infera_common.schemas import LoadReport, OverlapQuery, RouteRequest
 
+from infera_router.inflight_blocks import InflightBlocks
 from infera_router.kv_view import KvView, kv_query
 from infera_router.leases import Lease, LeaseTable
 from infera_router.policy import Policy
@@ -34,6 +35,7 @@ class RouterCore:
         self.policy = policy
         self.fleet = FleetState()
         self.leases = LeaseTable(lease_prefix)
+        self.inflight = InflightBlocks()
         self.lease_max_age = lease_max_age
 
     # --- routing -------------------------------------------------------------------------
@@ -70,6 +72,8 @@ class RouterCore:
         if plan.status != 200:
             return plan
         candidates = plan.order
+        if kv is not None and kv.ok and kv.hashes:
+            kv = self._with_inflight(candidates, kv)
         by_id = {w.worker_id: w for w in candidates}
         explain = getattr(self.policy, "explain", None)
         if explain is not None:
@@ -78,13 +82,31 @@ class RouterCore:
         ranked = self.policy.rank(candidates, request, kv)
         return Plan(200, order=[by_id[wid] for wid in ranked])
 
+    def _with_inflight(self, candidates: list[WorkerState], kv: KvView) -> KvView:
+        """The indexer's depths, deepened where this router's in-flight prompts are about to be cached."""
+        depth = dict(kv.depth)
+        for w in candidates:
+            chain = kv.hashes.get(w.record.kv_block_size or 0)
+            if chain and w.worker_id not in kv.unseen:
+                pending = self.inflight.depth(w.worker_id, chain)
+                if pending > depth.get(w.worker_id, 0):
+                    depth[w.worker_id] = pending
+        return KvView(ok=True, depth=depth, unseen=kv.unseen, hashes=kv.hashes)
+
     # --- leases --------------------------------------------------------------------------
-    def acquire(self, worker: WorkerState, request: RouteRequest, now: float) -> Lease:
-        """Take a lease on ``worker`` for ``request`` (before publishing the work). ``now`` is monotonic."""
-        lease = self.leases.acquire(worker.worker_id, request.request_id, request.prompt_tokens, now)
+    def acquire(self, worker: WorkerState, request: RouteRequest, now: float, cached_tokens: int = 0,
+                hashes: list[int] | None = None) -> Lease:
+        """Take a lease on ``worker`` for ``request`` (before publishing the work). ``now`` is monotonic;
+        ``cached_tokens`` of the prompt are already cached there (the policy's view): not prefill work;
+        ``hashes`` are the prompt's block hashes at the worker's block size (in flight until released)."""
+        prefill = max(0, request.prompt_tokens - cached_tokens)
+        lease = self.leases.acquire(worker.worker_id, request.request_id, request.prompt_tokens, now, prefill)
+        if hashes:
+            lease.hashes = hashes
+            self.inflight.add(worker.worker_id, hashes)
         worker.in_flight += 1
         worker.in_flight_tokens += lease.prompt_tokens
-        worker.prefill_tokens += lease.prompt_tokens
+        worker.prefill_tokens += lease.prefill_tokens
         return lease
 
     def prefilled(self, lease_id: str) -> Lease | None:
@@ -97,7 +119,8 @@ class RouterCore:
         lease.prefilled = True
         worker = self.fleet.get(lease.worker_id)
         if worker is not None:
-            worker.prefill_tokens -= lease.prompt_tokens
+            worker.prefill_tokens -= lease.prefill_tokens
+            worker.decode_tokens += lease.prompt_tokens
         return lease
 
     def release(self, lease_id: str) -> Lease | None:
@@ -115,18 +138,22 @@ class RouterCore:
         return dropped
 
     def _unaccount(self, lease: Lease) -> None:
+        self.inflight.remove(lease.worker_id, lease.hashes)
         worker = self.fleet.get(lease.worker_id)
         if worker is not None:
             worker.in_flight -= 1
             worker.in_flight_tokens -= lease.prompt_tokens
-            if not lease.prefilled:
-                worker.prefill_tokens -= lease.prompt_tokens
+            if lease.prefilled:
+                worker.decode_tokens -= lease.prompt_tokens
+            else:
+                worker.prefill_tokens -= lease.prefill_tokens
 
     # --- fleet ---------------------------------------------------------------------------
     def apply_change(self, change: Change) -> list[Lease]:
         """Apply a discovery change; a leaving worker takes all its leases with it (returned)."""
         self.fleet.apply(change)
         if change.kind == "leave":
+            self.inflight.drop_worker(change.record.worker_id)
             return self.leases.drop_worker(change.record.worker_id)
         return []
 

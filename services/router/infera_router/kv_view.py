@@ -29,6 +29,7 @@ class KvView:
     depth: dict[str, int] = field(default_factory=dict)
     unseen: frozenset[str] = frozenset()
     failure: str = ""  # why ok is False: no_tokens, no_block_size, timeout, no_indexer, error, bad_reply
+    hashes: dict[int, list[int]] = field(default_factory=dict)  # the request's block hashes per block size
 
     @classmethod
     def failed(cls, reason: str) -> KvView:

@@ -7,7 +7,7 @@ Leases are stored in creation order, so expiring the old ones costs only what it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -17,7 +17,9 @@ class Lease:
     request_id: str
     created: float  # monotonic seconds
     prompt_tokens: int = 0
+    prefill_tokens: int = 0  # of those, the ones not cached on the worker when it was picked
     prefilled: bool = False  # the worker said its first token went out: it only decodes now
+    hashes: list[int] = field(default_factory=list)  # the prompt's block hashes at the worker's block size
 
 
 class LeaseTable:
@@ -27,9 +29,11 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}  # insertion (= creation) order
         self._by_worker: dict[str, dict[str, Lease]] = {}
 
-    def acquire(self, worker_id: str, request_id: str, prompt_tokens: int, now: float) -> Lease:
+    def acquire(self, worker_id: str, request_id: str, prompt_tokens: int, now: float,
+                prefill_tokens: int | None = None) -> Lease:
         self._next += 1
-        lease = Lease(f"{self._prefix}-{self._next}", worker_id, request_id, now, prompt_tokens)
+        prefill = prompt_tokens if prefill_tokens is None else prefill_tokens
+        lease = Lease(f"{self._prefix}-{self._next}", worker_id, request_id, now, prompt_tokens, prefill)
         self._leases[lease.lease_id] = lease
         self._by_worker.setdefault(worker_id, {})[lease.lease_id] = lease
         return lease

@@ -5,8 +5,8 @@ Cost of worker ``w`` for a request of ``T`` prompt tokens (lower is better), in 
 work, roughly tokens / bs):
 
     prefill(w) = ceil(T / bs) - matched(w)          blocks the engine must still compute
-    load(w)    = prefilling(w) / bs                 prompt blocks of this router's requests on w
-                                                    still waiting for (or in) their prefill
+    load(w)    = prefilling(w) / bs                 uncached prompt blocks of this router's requests
+                                                    on w still waiting for (or in) their prefill
                + kv_decode_weight * decoding(w) / bs   KV blocks of its requests now decoding
                + others(w) * ceil(T / bs)           requests it cannot see, sized like this one
     cost(w)    = kv_overlap_weight * prefill(w) + load(w)
@@ -14,7 +14,8 @@ work, roughly tokens / bs):
 ``matched(w)`` is the indexer's prefix depth for ``w`` (full blocks of the request's token ids
 hashed at ``bs``). A request this router sent stays ``prefilling`` until the worker-agent reports
 its first streamed token (``Prefilled``), then counts as ``decoding`` until its release (a unary
-request has no first-token report and counts as prefilling throughout). The split matters: a new
+request has no first-token report and counts as prefilling throughout); its prefill work is the
+prompt less what the policy saw cached on ``w`` when it picked ``w``. The split matters: a new
 request's first token waits behind every prompt still being prefilled on that worker, but a
 decoding request only slows each engine step a little (and holds KV blocks), so counting it at
 full size keeps a busy conversation away from the worker that holds its cache.
@@ -88,8 +89,7 @@ def unseen_requests(worker: WorkerState) -> int:
 
 
 def worker_load(worker: WorkerState, bs: int, req_blocks: int, decode_weight: float) -> float:
-    decoding = worker.in_flight_tokens - worker.prefill_tokens
-    return (worker.prefill_tokens + decode_weight * decoding) / bs + unseen_requests(worker) * req_blocks
+    return (worker.prefill_tokens + decode_weight * worker.decode_tokens) / bs + unseen_requests(worker) * req_blocks
 
 
 def worker_cost(worker: WorkerState, tokens: int, kv: KvView, weight: float,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -61,6 +61,8 @@ class Routing:
     order: list[WorkerState]  # candidates, most preferred first
     t0: float  # perf_counter at arrival
     tried: int = 0
+    costs: list[WorkerCost] | None = None  # the kv-aware breakdown, in ``order``'s order
+    hashes: dict[int, list[int]] = field(default_factory=dict)  # the prompt's block hashes per block size
     lease: Lease | None = None
     full: int = 0
     gone: int = 0
@@ -249,6 +251,7 @@ class RouterService:
             assert self._kv is not None
             candidates = self.core.candidates(request).order
             kv = await self._kv.query(query, candidates)
+            kv.hashes = query.hashes  # for the in-flight view and the lease
             await self._route(request, reply_to, t0, kv)
         except Exception as exc:  # never leave a requester without an answer
             log.exception("route_failed", request_id=request.request_id)
@@ -262,6 +265,8 @@ class RouterService:
             await self._reply(routing, plan.status, plan.message)
             return
         if plan.costs:
+            routing.costs = plan.costs
+            routing.hashes = kv.hashes if kv is not None else {}
             self._account_pick(request, plan.costs)
         await self._try_next(routing)
 
@@ -292,7 +297,12 @@ class RouterService:
         worker = r.order[r.tried]
         r.tried += 1
         request = r.request
-        lease = r.lease = self.core.acquire(worker, request, time.monotonic())
+        cached = 0
+        if r.costs is not None:  # the same order as r.order
+            cost = r.costs[r.tried - 1]
+            cached = cost.matched_blocks * cost.block_size
+        hashes = r.hashes.get(worker.record.kv_block_size or 0)
+        lease = r.lease = self.core.acquire(worker, request, time.monotonic(), cached, hashes)
         self.metrics.set_leases(worker.worker_id, worker.in_flight)
         try:
             data = encode(WorkEnvelope(

@@ -21,7 +21,8 @@ class WorkerState:
     load: LoadReport | None = None  # the latest load report, if any arrived
     in_flight: int = 0  # leases this router holds on the worker
     in_flight_tokens: int = 0  # prompt tokens of those leases
-    prefill_tokens: int = 0  # prompt tokens of those leases whose prefill is not known to be done
+    prefill_tokens: int = 0  # uncached prompt tokens of the leases whose prefill is not known to be done
+    decode_tokens: int = 0  # prompt tokens of the leases past their first token
 
     @property
     def worker_id(self) -> str:
