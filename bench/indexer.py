@@ -13,13 +13,14 @@ Measured in the same run, each figure against a baseline:
 - ingest: ``ingest()`` (KvRelay decode, batch decode, apply) in blocks/s, against the floor of
   what ingest must do anyway: msgpack-decoding the same relays and batches and hashing every
   block's tokens with ``block_hash.block_hashes``.
-- query, in process: the service's query handler work (decode OverlapQuery, ``KvIndex.overlap``,
-  encode OverlapReply) against the codec alone (decode the query, encode the reply); the
+- query, in process: the service's query handler work (``query.answer``: query bytes in, reply
+  bytes out) against the msgpack codec alone (unpack the same query, pack the same reply); the
   ``PrefixIndex`` bitmask walk against a brute-force walk of per-worker hash sets; and
-  ``KvIndex.overlap`` (walk plus building the reply's ``WorkerOverlap`` list) against the walk.
+  ``KvIndex.depths`` (walk plus the reply's sorted worker list) against the walk.
 - query over NATS (unless --no-nats): a real nats-server, the kv-indexer service in process
-  serving the index built above, ``nc.request`` on ``infera.kv.query``; against an echo responder
-  on the same server replying a message of the same size (the bus's own round trip).
+  serving the index built above on the event loop it runs on in production (uvloop when
+  installed), ``nc.request`` on ``infera.kv.query``; against an echo responder on the same
+  server and loop replying a message of the same size (the bus's own round trip).
 
 The query is a 128-block (8,192-token) prompt: a system prompt every worker holds plus a
 conversation several workers hold partially; every reply is checked against the planted depths.
@@ -30,7 +31,6 @@ conversation several workers hold partially; every reply is checked against the 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import random
 import resource
@@ -49,6 +49,7 @@ from infera_common.subjects import kv_event_subject
 
 from infera_kv_indexer.index import KvIndex
 from infera_kv_indexer.ingest import ingest
+from infera_kv_indexer.query import answer
 
 MODEL = "bench-model"
 BLOCK = 64
@@ -371,6 +372,9 @@ def main(argv: list[str] | None = None) -> None:
     for r, want in zip(replies, wants):
         check(r, want)
     rbytes = [encode(r) for r in replies]
+    for data, rb in zip(qbytes, rbytes):
+        assert answer(index, data) == rb  # the handler's bytes are the schema's encoding
+    rdicts = [msgpack.unpackb(rb) for rb in rbytes]
     sets = {wid: set(t.sizes[BLOCK].refs) for wid, wk in index._workers.items()  # noqa: SLF001
             for t in wk.targets.values()}
     for c, want in zip(chains, wants):
@@ -379,21 +383,22 @@ def main(argv: list[str] | None = None) -> None:
     prefix = index._models[MODEL]  # noqa: SLF001 - the walk alone, without building the reply
     handler, codec, walk, full, brute = [], [], [], [], []
     pc = time.perf_counter
+    unpack, pack = msgpack.unpackb, msgpack.packb
     gc.collect()
     for i in range(args.queries + 100):
         k = i % len(qbytes)
-        data, q, chain, reply = qbytes[k], qmsgs[k], chains[k], replies[k]
+        data, q, chain, rdict = qbytes[k], qmsgs[k], chains[k], rdicts[k]
         t0 = pc()
-        encode(index.overlap(decode(OverlapQuery, data)))  # the service's handler work
+        answer(index, data)  # the service's handler work: query bytes in, reply bytes out
         t1 = pc()
-        decode(OverlapQuery, data)
-        encode(reply)  # the codec alone
+        unpack(data, raw=False, strict_map_key=False)
+        pack(rdict, use_bin_type=True)  # the codec alone
         t2 = pc()
         prefix.overlap(q.hashes)
         t3 = pc()
         brute_force(sets, chain)
         t4 = pc()
-        index.overlap(q)
+        index.depths(q.model, q.hashes, q.workers)
         t5 = pc()
         if i >= 100:
             handler.append(t1 - t0)
@@ -406,7 +411,10 @@ def main(argv: list[str] | None = None) -> None:
     nats_lat: list[float] = []
     nats_base: list[float] = []
     if not args.no_nats:
-        nats_lat, nats_base = asyncio.run(nats_queries(index, qbytes, rbytes, wants, args.queries))
+        from infera_common.runtime import event_loop_runner
+
+        with event_loop_runner() as runner:  # the service's own loop (uvloop when installed)
+            nats_lat, nats_base = runner.run(nats_queries(index, qbytes, rbytes, wants, args.queries))
 
     ingest_rate, floor_rate, dec_rate = blocks / t_ing, blocks / t_floor, blocks / t_dec
     ms1 = 1e-3
@@ -419,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     for label, q in (("p50", 0.50), ("p99", 0.99)):
         h, c = pct(handler, q), pct(codec, q)
-        rows.append((f"query {label}: decode+overlap+encode", fmt_us(h), f"{fmt_us(c)} (codec only)",
+        rows.append((f"query {label}: handler (bytes to bytes)", fmt_us(h), f"{fmt_us(c)} (msgpack codec only)",
                      f"{h / c:.2f}x", "≤ 1 ms" if label == "p99" else "", yes(h <= ms1) if label == "p99" else ""))
     for label, q in (("p50", 0.50), ("p99", 0.99)):
         a, b = pct(walk, q), pct(brute, q)
@@ -427,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
                      f"{a / b:.2f}x", "", ""))
     for label, q in (("p50", 0.50), ("p99", 0.99)):
         a, b = pct(full, q), pct(walk, q)
-        rows.append((f"query {label}: KvIndex.overlap (walk+reply)", fmt_us(a), f"{fmt_us(b)} (walk only)",
+        rows.append((f"query {label}: KvIndex.depths (walk+reply)", fmt_us(a), f"{fmt_us(b)} (walk only)",
                      f"{a / b:.2f}x", "", ""))
     if nats_lat:
         for label, q in (("p50", 0.50), ("p99", 0.99)):

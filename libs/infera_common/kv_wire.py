@@ -11,12 +11,16 @@ A ZMQ PUB message is multipart ``[topic, seq, payload]``: ``seq`` an 8-byte big-
 
 Engine block hashes are opaque (vLLM unsigned 64-bit, SGLang signed): they are kept only as keys
 for ``BlockRemoved``; the index hashes ``token_ids`` itself (``block_hash.py``).
-A malformed event raises ``KvWireError``; a caller counts and drops it.
+A malformed event raises ``KvWireError``; a caller counts and drops it. Token ids are checked for
+being a list of the right length here; each id's type and range (``0..2**32-1``) is checked where
+they are hashed (``block_hashes`` raises), so ingest reads every token once.
+
+This is ingest's hot path: events are plain (non-frozen) slotted objects, built with one type check
+per field, no per-token work.
 """
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass, field
 
 import msgpack
@@ -29,7 +33,7 @@ class KvWireError(ValueError):
     """Bytes that are not a well-formed KV event (batch)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BlockStored:
     block_hashes: list[int]
     parent_block_hash: int | None
@@ -39,13 +43,13 @@ class BlockStored:
     medium: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BlockRemoved:
     block_hashes: list[int]
     medium: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AllBlocksCleared:
     pass
 
@@ -53,7 +57,7 @@ class AllBlocksCleared:
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EventBatch:
     ts: float
     events: list[KvEvent]
@@ -75,88 +79,81 @@ def encode_seq(seq: int) -> bytes:
 def decode_batch(payload: bytes) -> EventBatch:
     """Decode one msgpack batch; a malformed event is reported in ``malformed``, not raised."""
     try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        raw = _unpackb(payload, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types
         raise KvWireError(f"batch is not msgpack: {exc}") from exc
-    if isinstance(raw, dict):
+    if type(raw) is dict:
         ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
-    elif isinstance(raw, (list, tuple)) and len(raw) >= 2:
+    elif type(raw) is list and len(raw) >= 2:
         ts, events = raw[0], raw[1]
         rank = raw[2] if len(raw) > 2 else None
     else:
         raise KvWireError("batch is neither [ts, events, dp_rank] nor a map with 'events'")
-    if not isinstance(events, list):
+    if type(events) is not list:
         raise KvWireError("batch 'events' is not a list")
-    if not isinstance(ts, (int, float)):
+    if type(ts) is not float and type(ts) is not int:
         raise KvWireError("batch 'ts' is not a number")
-    if rank is not None and not isinstance(rank, int):
+    if rank is not None and type(rank) is not int:
         raise KvWireError("batch dp rank is not an integer")
     decoded: list[KvEvent] = []
     malformed: list[str] = []
+    append = decoded.append
     for event in events:
         try:
-            decoded.append(decode_event(event))
+            append(decode_event(event))
         except KvWireError as exc:
             malformed.append(str(exc))
     return EventBatch(float(ts), decoded, rank, malformed)
 
 
-_POSITIONAL = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
-    "BlockRemoved": ("block_hashes", "medium"),
-    "AllBlocksCleared": (),
-}
+_unpackb = msgpack.unpackb
 
 
 def decode_event(event: object) -> KvEvent:
-    if isinstance(event, dict):
+    if type(event) is dict:
         tag = event.get("type")
-        fields = event
-    elif isinstance(event, (list, tuple)) and event and isinstance(event[0], str):
+        get = event.get
+        if tag == "BlockStored":
+            return _stored(get("block_hashes"), get("parent_block_hash"), get("token_ids"), get("block_size"),
+                           get("lora_id"), get("medium"))
+        if tag == "BlockRemoved":
+            return _removed(get("block_hashes"), get("medium"))
+    elif type(event) is list and event and type(event[0]) is str:
         tag = event[0]
-        names = _POSITIONAL.get(tag, ())
-        fields = dict(zip(names, event[1:]))
+        if tag == "BlockStored":  # [tag, block_hashes, parent, token_ids, block_size, lora_id, medium, ...]
+            fields = event[1:7] if len(event) >= 7 else (event[1:] + [None] * 6)[:6]
+            return _stored(*fields)
+        if tag == "BlockRemoved":  # [tag, block_hashes, medium]
+            return _removed(event[1] if len(event) > 1 else None, event[2] if len(event) > 2 else None)
     else:
         raise KvWireError(f"event is neither a tagged map nor a tagged array: {type(event).__name__}")
-    if tag == "BlockStored":
-        hashes = _int_list(fields.get("block_hashes"), "block_hashes")
-        tokens = _token_list(fields.get("token_ids"))
-        size = fields.get("block_size")
-        if not isinstance(size, int) or size <= 0:
-            raise KvWireError(f"BlockStored block_size {size!r} is not a positive integer")
-        if len(tokens) != len(hashes) * size:
-            raise KvWireError(
-                f"BlockStored carries {len(tokens)} token ids for {len(hashes)} blocks of {size}"
-            )
-        parent = fields.get("parent_block_hash")
-        if parent is not None and not isinstance(parent, int):
-            raise KvWireError("BlockStored parent_block_hash is not an integer")
-        lora = fields.get("lora_id")
-        return BlockStored(hashes, parent, tokens, size, lora if isinstance(lora, int) else None,
-                           _opt_str(fields.get("medium")))
-    if tag == "BlockRemoved":
-        return BlockRemoved(_int_list(fields.get("block_hashes"), "block_hashes"), _opt_str(fields.get("medium")))
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     raise KvWireError(f"unknown event type {tag!r}")
 
 
-def _int_list(value: object, name: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise KvWireError(f"{name} is not a list of integers")
-    return value
-
-
-def _token_list(value: object) -> list[int]:
-    """Token ids, checked in C (``array``) rather than per element: this is ingest's hot path."""
-    if not isinstance(value, list):
+def _stored(hashes: object, parent: object, tokens: object, size: object, lora: object, medium: object) -> BlockStored:
+    hashes = _int_list(hashes, "block_hashes")
+    if type(tokens) is not list:
         raise KvWireError("token_ids is not a list of integers")
-    try:
-        array("q", value)
-    except (TypeError, OverflowError):
-        raise KvWireError("token_ids is not a list of integers") from None
+    if type(size) is not int or size <= 0:
+        raise KvWireError(f"BlockStored block_size {size!r} is not a positive integer")
+    if len(tokens) != len(hashes) * size:
+        raise KvWireError(f"BlockStored carries {len(tokens)} token ids for {len(hashes)} blocks of {size}")
+    if parent is not None and type(parent) is not int:
+        raise KvWireError("BlockStored parent_block_hash is not an integer")
+    return BlockStored(hashes, parent, tokens, size, lora if type(lora) is int else None,
+                       medium if type(medium) is str else None)
+
+
+def _removed(hashes: object, medium: object) -> BlockRemoved:
+    return BlockRemoved(_int_list(hashes, "block_hashes"), medium if type(medium) is str else None)
+
+
+def _int_list(value: object, name: str) -> list[int]:
+    if type(value) is not list:
+        raise KvWireError(f"{name} is not a list of integers")
+    for v in value:
+        if type(v) is not int:  # bool is not an int here
+            raise KvWireError(f"{name} is not a list of integers")
     return value
-
-
-def _opt_str(value: object) -> str | None:
-    return value if isinstance(value, str) else None

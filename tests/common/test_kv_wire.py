@@ -3,7 +3,6 @@
 import msgpack
 import pytest
 
-from infera_common.block_hash import block_hashes, chain
 from infera_common.kv_wire import (
     AllBlocksCleared, BlockRemoved, BlockStored, KvWireError, decode_batch, decode_seq, encode_seq,
 )
@@ -73,12 +72,26 @@ def test_seq_frames_round_trip_including_the_end_marker():
         decode_seq(b"\x00\x01")
 
 
-def test_block_hashes_chain_full_blocks_only():
-    hashes = block_hashes(list(range(10)), 4)
-    assert len(hashes) == 2  # the partial third block has no hash
-    assert hashes[0] == chain(0, [0, 1, 2, 3]) and hashes[1] == chain(hashes[0], [4, 5, 6, 7])
-    # same block tokens under a different parent: a different hash (prefix identity)
-    assert block_hashes([4, 5, 6, 7], 4)[0] != hashes[1]
-    # a stored event's token ids give the hashes the router computes from the prompt
-    assert block_hashes(list(range(8)), 4) == hashes
-    assert block_hashes(list(range(8)), 8) != hashes[1:]
+@pytest.mark.parametrize("event", [
+    {"type": "BlockStored", "block_hashes": [True], "parent_block_hash": None, "token_ids": [1, 2], "block_size": 2},
+    {"type": "BlockStored", "block_hashes": ["1"], "parent_block_hash": None, "token_ids": [1, 2], "block_size": 2},
+    {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": "ab", "block_size": 2},
+    {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": "p", "token_ids": [1, 2], "block_size": 2},
+    {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2], "block_size": 0},
+    {"type": "BlockRemoved", "block_hashes": 5},
+    ["BlockStored", [1], None, [1, 2]],  # no block size
+])
+def test_each_malformed_event_is_reported_alone(event):
+    batch = decode_batch(msgpack.packb({"ts": 2, "events": [event, {"type": "AllBlocksCleared"}]}))
+    assert len(batch.malformed) == 1 and [type(e) for e in batch.events] == [AllBlocksCleared]
+    assert batch.ts == 2.0
+
+
+def test_lenient_fields_fall_back_and_extra_or_missing_optional_fields_are_fine():
+    batch = decode_batch(msgpack.packb([0, [["BlockStored", [7], 9, [1, 2], 2, "lora", 5, "name", "more"],
+                                            ["BlockStored", [8], None, [3, 4], 2],
+                                            ["BlockRemoved", [7]]]]))
+    long, short, removed = batch.events
+    assert (long.parent_block_hash, long.lora_id, long.medium) == (9, None, None)
+    assert (short.block_hashes, short.token_ids, short.lora_id, short.medium) == ([8], [3, 4], None, None)
+    assert (removed.block_hashes, removed.medium) == ([7], None) and batch.malformed == []

@@ -210,8 +210,9 @@ def test_malformed_messages_change_nothing_and_bad_events_do_not_spoil_their_bat
     engine = FakeEngine("w1", seed=2)
     out = feed(index, engine, {"type": "Nonsense"},
                ["BlockStored", [1], None, [-5, 2, 3, 4], 4, None, None],  # token id out of range
+               ["BlockStored", [2], None, ["a", 2, 3, 4], 4, None, None],  # token id not an integer
                engine.stored(prompt)).outcome
-    assert out.malformed == 2 and out.applied == {"BlockStored": 1}
+    assert out.malformed == 3 and out.applied == {"BlockStored": 1}
     assert depths(index.overlap(query(prompt))) == {("w1", 0): 2}
 
 
@@ -265,3 +266,15 @@ def test_overlap_equals_a_brute_force_walk_for_many_workers():
     feed(index, fresh, fresh.stored(trunk[:4]))
     got = {w: n for (w, _), n in depths(index.overlap(query(trunk))).items()}
     assert got == {**{w: n for w, n in held.items() if n and w != "w0"}, "fresh": 1}
+
+
+def test_an_engine_hash_reused_for_other_content_moves_to_it():
+    index, engine = indexed("w1"), FakeEngine("w1")
+    a, b = tokens(8), tokens(8, start=9000)
+    stored = {"type": "BlockStored", "parent_block_hash": None, "block_size": 4}
+    feed(index, engine, {**stored, "block_hashes": [1, 2], "token_ids": a})
+    assert depths(index.overlap(query(a))) == {("w1", 0): 2}
+    feed(index, engine, {**stored, "block_hashes": [3, 1], "token_ids": b})  # hash 1 now names b's 2nd block
+    assert depths(index.overlap(query(a))) == {}  # a's first block is gone
+    assert depths(index.overlap(query(b))) == {("w1", 0): 2}
+    assert index.worker_blocks("w1") == 3  # a's second block (hash 2) stays until removed

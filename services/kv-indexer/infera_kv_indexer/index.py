@@ -126,22 +126,25 @@ class KvIndex:
             if last is not None and seq > last + 1:
                 out.gap = seq - last - 1
             target.last_seq = seq
+        applied = out.applied
+        prefix = self._models[worker.model] if target.bit else None  # type: ignore[index]
         for event in batch.events:
+            cls = type(event)
             try:
-                if isinstance(event, BlockStored):
-                    applied = self._store(worker, target, event, out)
-                elif isinstance(event, BlockRemoved):
-                    applied = self._remove(worker, target, event, out)
-                elif isinstance(event, AllBlocksCleared):
-                    applied = self._clear_blocks(worker, target)
+                if cls is BlockStored:
+                    done = self._store(worker, target, event, out, prefix)
+                elif cls is BlockRemoved:
+                    done = self._remove(worker, target, event, out)
+                elif cls is AllBlocksCleared:
+                    done = self._clear_blocks(worker, target)
                 else:  # pragma: no cover - kv_wire only yields the three
-                    applied = False
-            except (ValueError, OverflowError):  # e.g. token ids outside 0..2**32-1
+                    done = False
+            except (ValueError, OverflowError, TypeError):  # token ids that are not 0..2**32-1 integers
                 out.malformed += 1
                 continue
-            if applied:
-                name = type(event).__name__
-                out.applied[name] = out.applied.get(name, 0) + 1
+            if done:
+                name = cls.__name__
+                applied[name] = applied.get(name, 0) + 1
         return out
 
     def clear(self, worker_id: str, dp_rank: int | None, now: float) -> None:
@@ -155,8 +158,10 @@ class KvIndex:
             if target is not None and prefix is not None:
                 prefix.remove_target(target.key, target.held())
 
-    def _store(self, worker: _Worker, target: _Target, ev: BlockStored, out: Outcome) -> bool:
-        blocks = target.sizes.get(ev.block_size)
+    def _store(self, worker: _Worker, target: _Target, ev: BlockStored, out: Outcome,
+               prefix: PrefixIndex | None) -> bool:
+        size = ev.block_size
+        blocks = target.sizes.get(size)
         if ev.parent_block_hash is None:
             parent: int | None = ROOT
         else:
@@ -164,20 +169,27 @@ class KvIndex:
         if parent is None:
             out.orphaned += len(ev.block_hashes)
             return False
-        hashes = block_hashes(ev.token_ids, ev.block_size, parent)
+        hashes = block_hashes(ev.token_ids, size, parent)  # raises on bad token ids: nothing changed yet
         if blocks is None:
-            blocks = target.sizes[ev.block_size] = _Blocks()
+            blocks = target.sizes[size] = _Blocks()
+        engine, refs = blocks.engine, blocks.refs
+        fresh: list[int] = []  # index hashes this target did not hold: added to the model's index
         for engine_hash, index_hash in zip(ev.block_hashes, hashes):
-            old = blocks.engine.get(engine_hash)
+            old = engine.get(engine_hash)
             if old == index_hash:
                 continue  # stored again (another medium, a replay)
-            if old is not None:
-                self._unref(worker, target, ev.block_size, blocks, old)
-            blocks.engine[engine_hash] = index_hash
-            count = blocks.refs.get(index_hash, 0)
-            blocks.refs[index_hash] = count + 1
-            if not count and target.bit:
-                self._models[worker.model].add(ev.block_size, index_hash, target.bit)  # type: ignore[index]
+            if old is not None:  # the engine reused a hash for other content (rare): keep the order
+                if fresh and prefix is not None:
+                    prefix.add_all(size, fresh, target.bit)
+                fresh = []
+                self._unref(worker, target, size, blocks, old)
+            engine[engine_hash] = index_hash
+            count = refs.get(index_hash, 0)
+            refs[index_hash] = count + 1
+            if not count:
+                fresh.append(index_hash)
+        if fresh and prefix is not None:
+            prefix.add_all(size, fresh, target.bit)
         return True
 
     def _remove(self, worker: _Worker, target: _Target, ev: BlockRemoved, out: Outcome) -> bool:
@@ -251,16 +263,25 @@ class KvIndex:
 
     # --- queries ------------------------------------------------------------------------------
     def overlap(self, query: OverlapQuery) -> OverlapReply:
-        wanted = None if query.workers is None else set(query.workers)
-        prefix = self._models.get(query.model)
-        depths = prefix.overlap(query.hashes, wanted) if prefix is not None else {}
-        overlaps = [
-            WorkerOverlap(worker_id=wid, dp_rank=rank, blocks=blocks)
-            for (wid, rank), blocks in sorted(depths.items())
-        ]
-        fleet = self._by_model.get(query.model, set())
-        unseen = sorted(w for w in fleet if w not in self._workers and (wanted is None or w in wanted))
-        return OverlapReply(overlaps=overlaps, unseen=unseen)
+        overlaps, unseen = self.depths(query.model, query.hashes, query.workers)
+        return OverlapReply(
+            overlaps=[WorkerOverlap(worker_id=wid, dp_rank=rank, blocks=blocks) for wid, rank, blocks in overlaps],
+            unseen=unseen,
+        )
+
+    def depths(self, model: str, hashes: dict[int, list[int]],
+               workers: list[str] | None = None) -> tuple[list[tuple[str, int, int]], list[str]]:
+        """``OverlapReply``'s content as plain values: ``[(worker_id, dp_rank, blocks)]`` sorted,
+        and the unseen workers (the query handler encodes these without building models)."""
+        wanted = None if workers is None else set(workers)
+        prefix = self._models.get(model)
+        overlaps = prefix.ordered(prefix.overlap(hashes, wanted)) if prefix is not None else []
+        fleet = self._by_model.get(model)
+        if not fleet:
+            return overlaps, []
+        seen = self._workers
+        unseen = sorted(w for w in fleet if w not in seen and (wanted is None or w in wanted))
+        return overlaps, unseen
 
     def worker_blocks(self, worker_id: str) -> int:
         """Blocks the worker holds (all ranks and block sizes; 0 when unknown)."""

@@ -4,23 +4,47 @@ A message is a msgpack ``KvRelay`` on ``kv_event_subject(worker_id)``. Anything 
 reported as ``malformed`` (``relay``: the envelope, or a subject that is not its worker's;
 ``batch``: the engine batch inside) and changes nothing; bad events inside a readable batch are
 counted in the outcome and the rest of the batch is applied.
+
+This is the ingest hot path, so the envelope is read without pydantic when every field already has
+its exact type (what the worker-agent sends); anything else goes through ``KvRelay``'s own
+validation, which accepts and rejects exactly what it always did.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Literal
 
+import msgpack
+
 from infera_common.kv_wire import KvWireError, decode_batch
-from infera_common.schemas import KvRelay, decode
+from infera_common.schemas import KvRelay
 from infera_common.subjects import kv_event_subject
 
 from infera_kv_indexer.index import KvIndex, Outcome
 
+#: Worker ids whose subject was already checked (bounded: cleared when it grows past this).
+_SUBJECT_CACHE_MAX = 4096
+_subjects: dict[str, str] = {}
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(slots=True)
+class Relay:
+    """A decoded ``KvRelay`` (the same fields), without pydantic's per-instance cost."""
+
+    worker_id: str
+    kind: str
+    dp_rank: int | None
+    seq: int
+    payload: bytes
+    block_size: int | None
+    ts: float
+
+
+@dataclass(slots=True)
 class Ingested:
-    relay: KvRelay | None = None
+    relay: Relay | None = None
     outcome: Outcome | None = None  # kind "batch" applied (or skipped as a duplicate)
     malformed: Literal["relay", "batch"] | None = None
     error: str = ""
@@ -28,8 +52,8 @@ class Ingested:
 
 def ingest(index: KvIndex, subject: str, data: bytes, now: float) -> Ingested:
     try:
-        relay = decode(KvRelay, data)
-        if kv_event_subject(relay.worker_id) != subject:
+        relay = decode_relay(data)
+        if _subject(relay.worker_id) != subject:
             raise ValueError(f"relay of worker {relay.worker_id!r} arrived on {subject!r}")
     except ValueError as exc:
         return Ingested(malformed="relay", error=str(exc)[:300])
@@ -41,3 +65,36 @@ def ingest(index: KvIndex, subject: str, data: bytes, now: float) -> Ingested:
     except KvWireError as exc:
         return Ingested(relay, malformed="batch", error=str(exc)[:300])
     return Ingested(relay, index.apply_batch(relay.worker_id, relay.dp_rank, relay.seq, batch, now))
+
+
+def decode_relay(data: bytes) -> Relay:
+    """A ``KvRelay`` from its bytes; raises ``ValueError`` when malformed (as ``schemas.decode``)."""
+    try:
+        raw = _unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ValueError(f"not msgpack: {exc}") from exc
+    if type(raw) is dict:
+        get = raw.get
+        worker_id, kind, rank, seq = get("worker_id"), get("kind", "batch"), get("dp_rank"), get("seq", -1)
+        payload, size, ts = get("payload", b""), get("block_size"), get("ts")
+        if ts is None and "ts" not in raw:
+            ts = time.time()
+        if (type(worker_id) is str and (kind == "batch" or kind == "cleared") and type(kind) is str
+                and (rank is None or type(rank) is int) and type(seq) is int and type(payload) is bytes
+                and (size is None or type(size) is int) and (type(ts) is float or type(ts) is int)):
+            return Relay(worker_id, kind, rank, seq, payload, size, float(ts))
+    full = KvRelay.model_validate(raw)  # lenient coercions and the errors, exactly as the schema says
+    return Relay(full.worker_id, full.kind, full.dp_rank, full.seq, full.payload, full.block_size, full.ts)
+
+
+def _subject(worker_id: str) -> str:
+    subject = _subjects.get(worker_id)
+    if subject is None:
+        subject = kv_event_subject(worker_id)  # raises ValueError for an id that is not a subject token
+        if len(_subjects) >= _SUBJECT_CACHE_MAX:
+            _subjects.clear()
+        _subjects[worker_id] = subject
+    return subject
+
+
+_unpackb = msgpack.unpackb

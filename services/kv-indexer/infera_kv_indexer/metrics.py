@@ -71,10 +71,17 @@ class KvIndexerMetrics:
         self._block_gauges: dict[str, Gauge] = {}
 
     def event_applied(self, event_type: str, n: int) -> None:
-        child = self._children.get(("events", event_type))
+        self._child(self.events, "events", event_type).inc(n)
+
+    def relay_message(self, kind: str) -> None:
+        self._child(self.relay_messages, "relay_messages", kind).inc()
+
+    def _child(self, family: Counter, name: str, label: str):  # noqa: ANN202 - prometheus' child type
+        """A labelled child, looked up once (``labels()`` costs microseconds on the ingest path)."""
+        child = self._children.get((name, label))
         if child is None:
-            child = self._children[("events", event_type)] = self.events.labels(event_type)
-        child.inc(n)  # type: ignore[attr-defined]
+            child = self._children[(name, label)] = family.labels(label)
+        return child
 
     def set_blocks(self, worker_id: str, blocks: int) -> None:
         child = self._block_gauges.get(worker_id)

@@ -24,12 +24,12 @@ from infera_common.discovery import Watcher
 from infera_common.fleet import Change
 from infera_common.logs import get_logger
 from infera_common.nats_conn import close_connection, connect, ensure_kv_event_stream
-from infera_common.schemas import OverlapQuery, OverlapReply, decode, encode
 from infera_common.subjects import KV_EVENT_STREAM, KV_EVENT_SUBJECTS, KV_INDEXER_QUEUE, KV_QUERY
 
 from infera_kv_indexer.index import KvIndex
 from infera_kv_indexer.ingest import Ingested, ingest
 from infera_kv_indexer.metrics import KvIndexerMetrics
+from infera_kv_indexer.query import EMPTY_REPLY, decode_query, encode_reply
 from infera_kv_indexer.settings import KvIndexerSettings
 
 log = get_logger("kv_indexer")
@@ -57,6 +57,8 @@ class KvIndexerService:
         self._applied_seq = 0  # stream sequence of the last message applied
         self._caught_up = asyncio.Event()
         self.messages = 0
+        self._query_ok = self.metrics.queries.labels("ok")
+        self._query_malformed = self.metrics.queries.labels("malformed")
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -159,7 +161,7 @@ class KvIndexerService:
             return
         relay = result.relay
         assert relay is not None
-        m.relay_messages.labels(relay.kind).inc()
+        m.relay_message(relay.kind)
         m.lag.observe(max(0.0, now - relay.ts))
         out = result.outcome
         if out is not None:
@@ -194,22 +196,22 @@ class KvIndexerService:
     async def _on_query(self, msg: Msg) -> None:
         t0 = time.perf_counter()
         try:
-            query = decode(OverlapQuery, msg.data)
+            model, hashes, workers = decode_query(msg.data)
         except ValueError as exc:
-            self.metrics.queries.labels("malformed").inc()
+            self._query_malformed.inc()
             log.warning("malformed_query", error=str(exc)[:300])
-            reply = OverlapReply()
+            reply = EMPTY_REPLY
         else:
-            try:
-                reply = self.index.overlap(query)
-                self.metrics.queries.labels("ok").inc()
+            try:  # query.answer's work, with a malformed query told apart from a failure
+                reply = encode_reply(*self.index.depths(model, hashes, workers))
+                self._query_ok.inc()
             except Exception:  # a bug: answer "nothing known" rather than let the router wait
                 self.metrics.queries.labels("failed").inc()
-                log.exception("query_failed", model=query.model)
-                reply = OverlapReply()
+                log.exception("query_failed", model=model)
+                reply = EMPTY_REPLY
         if msg.reply:
             try:
-                await msg.respond(encode(reply))
+                await msg.respond(reply)
             except Exception as exc:  # requester or connection gone
                 log.warning("query_reply_failed", error=str(exc))
         self.metrics.query_seconds.observe(time.perf_counter() - t0)
