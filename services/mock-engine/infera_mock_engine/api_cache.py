@@ -27,8 +27,7 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
 
 async def kv_event_sources(request: web.Request) -> web.Response:
     """vLLM: a bare JSON array, one entry per DP rank publishing KV events ([] when none)."""
-    publisher = engine_of(request).publisher
-    return json_response([publisher.source()] if publisher is not None else [])
+    return json_response([publisher.source() for publisher in engine_of(request).publishers])
 
 
 def add_routes(app: web.Application) -> None:

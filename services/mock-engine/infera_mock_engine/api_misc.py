@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from infera_mock_engine import __version__
 from infera_mock_engine.engine import Engine, GenerationParams, RequestError
+from infera_mock_engine.ranks import EngineRank
 from infera_mock_engine.http_common import engine_of, json_response
 from infera_mock_engine.metrics import render
 
@@ -30,7 +31,7 @@ async def health_generate(request: web.Request) -> web.Response:
     engine = engine_of(request)
     if not engine.ready.is_set():
         return web.Response(status=503)
-    if engine.scheduler.num_running:
+    if engine.totals().running:
         return web.Response(status=200)
     bos = engine.tokenizer.special.get("bos_token")
     first = engine.tokenizer.tokenizer.token_to_id(bos) if bos else None
@@ -60,10 +61,10 @@ async def model_info(request: web.Request) -> web.Response:
     })
 
 
-def _load(engine: Engine) -> dict[str, Any]:
-    s, kv = engine.scheduler, engine.kv
+def _load(engine: Engine, rank: EngineRank) -> dict[str, Any]:
+    s, kv = rank.scheduler, rank.kv
     return {
-        "dp_rank": 0,
+        "dp_rank": rank.dp_rank,
         "num_running_reqs": s.num_running,
         "num_waiting_reqs": s.num_waiting,
         "num_total_reqs": s.num_running + s.num_waiting,
@@ -77,19 +78,39 @@ def _load(engine: Engine) -> dict[str, Any]:
     }
 
 
+def _kv_events(engine: Engine) -> dict[str, Any] | None:
+    """SGLang's `kv_events` descriptor (host, port base, dp_size), with every rank's bound endpoints."""
+    pubs = engine.publishers
+    if not pubs:
+        return None
+    desc = pubs[0].descriptor(dp_size=engine.config.dp_size)
+    desc["endpoints"] = [p.bound_endpoint for p in pubs]
+    desc["replay_endpoints"] = [p.bound_replay_endpoint for p in pubs]
+    return desc
+
+
+def _disaggregation(engine: Engine) -> dict[str, Any]:
+    if engine.pd is not None:
+        return engine.pd.info()
+    return {"mode": "null", "protocol": None, "bootstrap_host": None, "bootstrap_port": None}
+
+
 async def server_info(request: web.Request) -> web.Response:
     engine = engine_of(request)
     info = engine.config.public()
+    pd = _disaggregation(engine)
     info.update(
         version=f"infera-mock-{__version__}",
         is_mock=True,
-        dp_size=1,
+        dp_size=engine.config.dp_size,
         tp_size=1,
-        disaggregation_mode="null",
-        kv_events=engine.publisher.descriptor() if engine.publisher is not None else None,
+        disaggregation_mode=pd["mode"],
+        disaggregation_bootstrap_port=pd["bootstrap_port"] or engine.config.disagg.bootstrap_port,
+        disaggregation=pd,
+        kv_events=_kv_events(engine),
         status="ready" if engine.ready.is_set() else "starting",
         uptime_s=time.monotonic() - request.app[STARTED],
-        internal_states=[_load(engine)],
+        internal_states=[_load(engine, rank) for rank in engine.ranks],
     )
     return json_response(info)
 
@@ -109,18 +130,19 @@ async def models(request: web.Request) -> web.Response:
 async def loads(request: web.Request) -> web.Response:
     """SGLang /v1/loads: per-DP-rank loads plus an aggregate."""
     engine = engine_of(request)
-    load = _load(engine)
+    per_rank = [_load(engine, rank) for rank in engine.ranks]
+    n = len(per_rank)
     return json_response({
         "timestamp": datetime.now(timezone.utc).isoformat(),
         "version": f"infera-mock-{__version__}",
-        "dp_rank_count": 1,
-        "loads": [load],
+        "dp_rank_count": n,
+        "loads": per_rank,
         "aggregate": {
-            "total_running_reqs": load["num_running_reqs"],
-            "total_waiting_reqs": load["num_waiting_reqs"],
-            "total_reqs": load["num_total_reqs"],
-            "total_used_tokens": load["num_used_tokens"],
-            "avg_token_usage": load["token_usage"],
+            "total_running_reqs": sum(x["num_running_reqs"] for x in per_rank),
+            "total_waiting_reqs": sum(x["num_waiting_reqs"] for x in per_rank),
+            "total_reqs": sum(x["num_total_reqs"] for x in per_rank),
+            "total_used_tokens": sum(x["num_used_tokens"] for x in per_rank),
+            "avg_token_usage": sum(x["token_usage"] for x in per_rank) / n,
         },
     })
 
@@ -128,15 +150,15 @@ async def loads(request: web.Request) -> web.Response:
 async def get_load(request: web.Request) -> web.Response:
     """SGLang's older /get_load: a list with one entry per DP rank."""
     engine = engine_of(request)
-    s = engine.scheduler
-    return json_response([{"dp_rank": 0, "num_reqs": s.num_running + s.num_waiting,
-                           "num_waiting_reqs": s.num_waiting, "num_tokens": engine.kv.used_blocks * engine.kv.page_size}])
+    return json_response([{"dp_rank": r.dp_rank, "num_reqs": r.scheduler.num_running + r.scheduler.num_waiting,
+                           "num_waiting_reqs": r.scheduler.num_waiting, "num_tokens": r.kv.used_blocks * r.kv.page_size}
+                          for r in engine.ranks])
 
 
 async def vllm_load(request: web.Request) -> web.Response:
     """vLLM /load: requests in flight."""
-    s = engine_of(request).scheduler
-    return json_response({"server_load": s.num_running + s.num_waiting})
+    t = engine_of(request).totals()
+    return json_response({"server_load": t.running + t.waiting + t.pd_pending})
 
 
 async def metrics(request: web.Request) -> web.Response:

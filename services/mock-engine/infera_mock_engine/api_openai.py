@@ -12,8 +12,10 @@ from typing import Any
 
 from aiohttp import web
 
-from infera_mock_engine.engine import Engine, GenerationParams, GenerationStream, Output, RequestError
+from infera_mock_engine.engine import Engine, GenerationFailed, GenerationParams, GenerationStream, Output, RequestError
+from infera_mock_engine.errors import stream_error_event
 from infera_mock_engine.http_common import SseWriter, engine_of, json_response, parse_body, request_id, require_ready
+from infera_mock_engine.pd_request import routing
 from infera_mock_engine.protocol import ChatCompletionRequest, CompletionRequest, _OpenAIRequest
 
 
@@ -123,6 +125,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _respond(request: web.Request, engine: Engine, body: _OpenAIRequest, params: GenerationParams,
                    shape: _Shape, echo: str) -> web.StreamResponse:
+    params.routing = routing(body, request.headers, engine.config.engine_flavor, engine.config.disagg)
     stream = engine.submit(params)  # raises RequestError before anything is sent
     head = {
         "id": shape.id_prefix + params.rid,
@@ -141,6 +144,8 @@ async def _respond(request: web.Request, engine: Engine, body: _OpenAIRequest, p
         choice.update(logprobs=None, finish_reason=last.finish_reason, **_stop_fields(engine, last))
         payload = {"id": head["id"], "object": shape.full_object, "created": head["created"],
                    "model": head["model"], "choices": [choice], "usage": _usage(stream)}
+        if engine.config.engine_flavor == "vllm":
+            payload["kv_transfer_params"] = None  # vLLM's field; its Mooncake connector returns none
         return json_response(payload, params.rid)
 
 
@@ -171,6 +176,12 @@ async def _stream(request: web.Request, engine: Engine, body: _OpenAIRequest, st
             await sse.send({"id": head["id"], "object": shape.chunk_object, "created": head["created"],
                             "model": head["model"], "choices": [], "usage": _usage(stream)})
         return await sse.done()
+    except GenerationFailed as e:  # a failed KV transfer after the stream began: an error event, then [DONE]
+        try:
+            await sse.send(stream_error_event(engine.config.engine_flavor, e))
+            return await sse.done()
+        except ConnectionError:
+            return sse.response
     except ConnectionError:
         return sse.response  # client gone: leaving `async with stream` aborts the sequence
 

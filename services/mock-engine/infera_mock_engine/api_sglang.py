@@ -11,8 +11,9 @@ from typing import Any
 
 from aiohttp import web
 
-from infera_mock_engine.engine import GenerationParams, GenerationStream, Output, RequestError
+from infera_mock_engine.engine import GenerationFailed, GenerationParams, GenerationStream, Output, RequestError
 from infera_mock_engine.http_common import SseWriter, engine_of, json_response, parse_body, request_id, require_ready
+from infera_mock_engine.pd_request import routing
 from infera_mock_engine.protocol import AbortRequest, GenerateRequest
 
 
@@ -71,6 +72,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         seed=sp.sampling_seed if sp.sampling_seed is not None else sp.seed,
         ignore_eos=sp.ignore_eos,
     )
+    params.routing = routing(body, request.headers, engine.config.engine_flavor, engine.config.disagg)
     started = time.monotonic()
     stream = engine.submit(params)
     async with stream:
@@ -88,6 +90,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 await sse.send({"text": "".join(text_so_far), "output_ids": list(ids_so_far),
                                 "meta_info": _meta(stream, out, started)})
             return await sse.done()
+        except GenerationFailed as e:  # SGLang streams a scheduler abort as a last frame with its status
+            meta = _meta(stream, Output("", [], stream.completion_tokens), started)
+            meta["finish_reason"] = {"type": "abort", "message": e.message, "status_code": e.status}
+            try:
+                await sse.send({"text": "".join(text_so_far), "output_ids": list(ids_so_far), "meta_info": meta})
+                return await sse.done()
+            except ConnectionError:
+                return sse.response
         except ConnectionError:
             return sse.response  # client gone: leaving `async with stream` aborts the sequence
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from infera_mock_engine.kv_events_config import KvEventsConfig
+from infera_mock_engine.pd_config import DisaggConfig
 
 FLAVORS = ("sglang", "vllm")
 DEFAULT_PORTS = {"sglang": 30000, "vllm": 8000}
@@ -33,6 +34,8 @@ class EngineConfig:
     kv_events: KvEventsConfig | None = None  # --kv-events-config; None = not given
     kv_events_ignored: tuple[str, ...] = ()  # keys the flavour's engine ignores (warned about at start)
     kv_hash_seed: str | None = None  # seeds the engine's block hashes (PYTHONHASHSEED, as vLLM); None = random
+    dp_size: int = 1  # data-parallel ranks, each with its own scheduler and KV cache
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)  # prefill/decode role (pd_config.py)
     ignored_args: tuple[str, ...] = ()
     model_config: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -57,6 +60,12 @@ class EngineConfig:
         if kv is not None:
             kv.pop("flavor")
         d["kv_events_config"] = kv
+        d["disaggregation"] = d.pop("disagg")
+        d["disaggregation_mode"] = self.disagg.mode
+        d["disaggregation_bootstrap_port"] = self.disagg.bootstrap_port
+        d["disaggregation_transfer_backend"] = self.disagg.transfer_backend
+        d["kv_transfer_config"] = self.disagg.kv_transfer_config
+        d["data_parallel_size"] = self.dp_size
         d["kv_events_ignored"] = list(self.kv_events_ignored)
         d["served_model_name"] = self.served_model_name
         d["max_total_num_tokens"] = self.max_total_tokens

@@ -1,31 +1,28 @@
-"""The engine core the HTTP APIs share: validates a generation, runs it through the scheduler and
-turns token ids into text deltas (stop strings, finish reasons). No HTTP here."""
+"""The engine core the HTTP APIs share: validates a generation, runs it on one of its DP ranks'
+scheduler (through a PD session when it is one half of a disaggregated request) and turns token ids
+into text deltas (stop strings, finish reasons). No HTTP here."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from dataclasses import dataclass, field
 
 from infera_mock_engine.block_hasher import BlockHasher, random_seed
 from infera_mock_engine.config import EngineConfig
+from infera_mock_engine.engine_errors import GenerationFailed, RequestError  # noqa: F401 - re-exported
 from infera_mock_engine.kv_publisher import KvEventPublisher
+from infera_mock_engine.pd_engine import Disaggregation
+from infera_mock_engine.pd_request import Routing
+from infera_mock_engine.pd_session import PdSession
 from infera_mock_engine.prefix_cache import PrefixCache
+from infera_mock_engine.ranks import EngineRank, Totals, pick_rank, totals
 from infera_mock_engine.scheduler import Finished, Scheduler, SchedulerConfig, Sequence
 from infera_mock_engine.stops import StopMatcher
 from infera_mock_engine.textgen import TokenStream, WordVocab, stream_seed
 from infera_mock_engine.timing import TimingModel
 from infera_mock_engine.tokenizer import ModelTokenizer
-
-
-class RequestError(Exception):
-    """A request the engine refuses (HTTP 400 unless `status` says otherwise)."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
 
 
 @dataclass
@@ -39,6 +36,7 @@ class GenerationParams:
     seed: int | None = None
     ignore_eos: bool = False
     internal: bool = False
+    routing: Routing | None = None  # DP rank pin and PD half (pd_request.routing)
 
 
 @dataclass
@@ -56,10 +54,14 @@ class Output:
 class GenerationStream:
     """Async iterator of Outputs; leaving its `async with` block early aborts the sequence."""
 
-    def __init__(self, engine: Engine, seq: Sequence, params: GenerationParams) -> None:
+    def __init__(self, engine: Engine, seq: Sequence, params: GenerationParams, rank: EngineRank,
+                 session: PdSession | None = None) -> None:
         self.engine = engine
         self.seq = seq
         self.params = params
+        self.rank = rank
+        self.session = session
+        self._events = session.out if session is not None else seq.events
         self.prompt_tokens = len(params.prompt_ids)
         self.cached_tokens = 0
         self.completion_tokens = 0
@@ -76,8 +78,15 @@ class GenerationStream:
     def close(self) -> None:
         if not self.done:
             self.done = True
-            self.engine.scheduler.finish(self.seq, "abort", "client gone")
-        self.engine._forget(self.seq)
+            self.abort("client gone")
+        self.engine._forget(self)
+
+    def abort(self, message: str) -> None:
+        """End the generation now (its output ends with finish reason abort)."""
+        if self.session is not None:
+            self.session.abort(message)
+        else:
+            self.rank.scheduler.finish(self.seq, "abort", message)
 
     def __aiter__(self) -> GenerationStream:
         return self
@@ -85,26 +94,34 @@ class GenerationStream:
     async def __anext__(self) -> Output:
         if self.done:
             raise StopAsyncIteration
-        events = [await self.seq.events.get()]
-        while not self.seq.events.empty():  # coalesce tokens that piled up while the client was slow
-            events.append(self.seq.events.get_nowait())
+        events = [await self._events.get()]
+        while not self._events.empty():  # coalesce tokens that piled up while the client was slow
+            events.append(self._events.get_nowait())
         self.cached_tokens = self.seq.cached_tokens
         text: list[str] = []
         ids: list[int] = []
         for ev in events:
             if isinstance(ev, Finished):
+                if ev.reason == "error":  # the PD session failed (KV transfer / bootstrap)
+                    self.done = True
+                    self.engine._forget(self)
+                    raise GenerationFailed(ev.message, err_type="500" if self._sglang else None)
                 return self._finish(text, ids, ev.reason, self._eos_match(ev.reason), ev.message)
             ids.append(ev)
             self.completion_tokens += 1
             if ev in self._stop_ids:
-                self.engine.scheduler.finish(self.seq, "stop")
+                self.rank.scheduler.finish(self.seq, "stop")
                 return self._finish(text, ids, "stop", ev)
             safe, matched = self._stops.feed(self.engine.vocab.piece(ev))
             text.append(safe)
             if matched is not None:
-                self.engine.scheduler.finish(self.seq, "stop")
+                self.rank.scheduler.finish(self.seq, "stop")
                 return self._finish(text, ids, "stop", matched, flush=False)
         return Output("".join(text), ids, self.completion_tokens)
+
+    @property
+    def _sglang(self) -> bool:
+        return self.engine.config.engine_flavor == "sglang"
 
     def _eos_match(self, reason: str) -> int | None:
         return self.engine.eos_token_id if reason == "stop" else None
@@ -114,7 +131,7 @@ class GenerationStream:
         if flush:
             text.append(self._stops.flush())
         self.done = True
-        self.engine._forget(self.seq)
+        self.engine._forget(self)
         return Output("".join(text), ids, self.completion_tokens, reason, matched, message)
 
     async def collect(self) -> tuple[str, list[int], Output]:
@@ -137,38 +154,82 @@ class Engine:
         self.vocab = WordVocab(tokenizer.vocab, tokenizer.decode)
         eos = tokenizer.special.get("eos_token")
         self.eos_token_id = tokenizer.tokenizer.token_to_id(eos) if eos else None
-        hasher = BlockHasher(random_seed(config.kv_hash_seed), signed=config.engine_flavor == "sglang")
-        self.kv = PrefixCache(config.num_kv_blocks, config.page_size, hasher)
         self.timing = TimingModel(speedup=config.speedup)
-        self.publisher: KvEventPublisher | None = None
-        if config.kv_events is not None and config.publishes_kv_events:
-            self.publisher = KvEventPublisher(config.kv_events, config.engine_flavor, config.page_size, dp_rank=0)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_running_requests, config.max_num_batched_tokens), self.kv, self.timing,
-            on_kv_events=self.publisher.publish if self.publisher else None,
-        )
+        hasher = BlockHasher(random_seed(config.kv_hash_seed), signed=config.engine_flavor == "sglang")
+        self.ranks = [self._make_rank(r, hasher) for r in range(config.dp_size)]
+        self.pd: Disaggregation | None = Disaggregation(config) if config.disagg.enabled else None
         self.ready = asyncio.Event()
-        self._by_rid: dict[str, set[Sequence]] = {}
-        self._task: asyncio.Task | None = None
+        self._by_rid: dict[str, set[GenerationStream]] = {}
+        self._round_robin = 0
+        self.bootstrap_sock: socket.socket | None = None  # a prefill's bootstrap port, bound by main
+
+    def _make_rank(self, dp_rank: int, hasher: BlockHasher) -> EngineRank:
+        config = self.config
+        kv = PrefixCache(config.num_kv_blocks, config.page_size, hasher)
+        publisher = None
+        if config.kv_events is not None and config.publishes_kv_events:
+            publisher = KvEventPublisher(config.kv_events, config.engine_flavor, config.page_size, dp_rank=dp_rank)
+        scheduler = Scheduler(
+            SchedulerConfig(config.max_running_requests, config.max_num_batched_tokens), kv, self.timing,
+            on_kv_events=publisher.publish if publisher else None,
+        )
+        return EngineRank(dp_rank, kv, scheduler, publisher)
+
+    # DP rank 0's parts (the whole engine when dp_size is 1)
+    @property
+    def kv(self) -> PrefixCache:
+        return self.ranks[0].kv
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.ranks[0].scheduler
+
+    @property
+    def publisher(self) -> KvEventPublisher | None:
+        return self.ranks[0].publisher
+
+    @property
+    def publishers(self) -> list[KvEventPublisher]:
+        return [r.publisher for r in self.ranks if r.publisher is not None]
+
+    def totals(self) -> Totals:
+        t = totals(self.ranks)
+        if self.pd is not None:
+            q = self.pd.queues()
+            t.pd_pending = q["prefill_bootstrap"] + q["decode_prealloc"] + q["decode_transfer"]
+        return t
 
     # ---- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
-        if self.publisher is not None:
-            self.publisher.start()  # raises PublisherError: the engine does not start
-        self._task = asyncio.create_task(self.scheduler.run(), name="mock-engine-scheduler")
+        """Open the KV-event sockets (PublisherError) and the bootstrap port (BootstrapError; on
+        `bootstrap_sock` when main bound it early), then run every rank's scheduler."""
+        try:
+            for pub in self.publishers:
+                pub.start()
+            if self.pd is not None:
+                await self.pd.start(self.bootstrap_sock)
+        except BaseException:
+            for pub in self.publishers:
+                await pub.close()
+            raise
+        for rank in self.ranks:
+            rank.task = asyncio.create_task(rank.scheduler.run(), name=f"mock-engine-scheduler-{rank.dp_rank}")
         if self.config.startup_delay > 0:
             asyncio.get_running_loop().call_later(self.config.startup_delay, self.ready.set)
         else:
             self.ready.set()
 
     async def stop(self) -> None:
-        self.scheduler.abort_all()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self.publisher is not None:
-            await self.publisher.close()
+        self.abort_all("the engine is stopping")
+        if self.pd is not None:
+            await self.pd.stop()
+        for rank in self.ranks:
+            if rank.task is not None:
+                rank.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await rank.task
+        for pub in self.publishers:
+            await pub.close()
 
     # ---- requests ----------------------------------------------------------------
     def validate(self, params: GenerationParams) -> tuple[int, str]:
@@ -205,9 +266,19 @@ class Engine:
             )
         return limit, reason
 
+    def _rank_for(self, routing: Routing | None) -> EngineRank:
+        routing = routing or Routing()
+        room = routing.pd.room if routing.pd is not None else None
+        index = pick_rank(self.config.dp_size, pinned=routing.dp_rank, room=room, round_robin=self._round_robin,
+                          pinned_by=routing.dp_rank_field)
+        if routing.dp_rank is None and room is None:
+            self._round_robin += 1
+        return self.ranks[index]
+
     def submit(self, params: GenerationParams) -> GenerationStream:
         """Queue a generation (raises RequestError if invalid); use the result as `async with`."""
         limit, reason = self.validate(params)
+        rank = self._rank_for(params.routing)
         seed = stream_seed(params.prompt_ids, params.seed, params.temperature)
         seq = Sequence(
             rid=params.rid,
@@ -217,29 +288,43 @@ class Engine:
             next_token=TokenStream(self.vocab, seed),
             internal=params.internal,
         )
-        self._by_rid.setdefault(params.rid, set()).add(seq)
-        self.scheduler.add(seq)
-        return GenerationStream(self, seq, params)
+        pd = params.routing.pd if params.routing is not None else None
+        session = None
+        if pd is not None and self.pd is not None and not params.internal:
+            session = self.pd.session(seq, params.rid, rank, pd)
+        stream = GenerationStream(self, seq, params, rank, session)
+        self._by_rid.setdefault(params.rid, set()).add(stream)
+        if session is None:
+            rank.scheduler.add(seq)
+        else:
+            session.start()
+        return stream
 
     def abort(self, rid: str) -> int:
-        """Abort every in-flight sequence with this request id (also accepts `chatcmpl-`/`cmpl-` ids)."""
-        seqs = self._by_rid.get(rid)
-        if not seqs:
+        """Abort every in-flight generation with this request id (also accepts `chatcmpl-`/`cmpl-` ids)."""
+        streams = self._by_rid.get(rid)
+        if not streams:
             for prefix in ("chatcmpl-", "cmpl-"):
                 if rid.startswith(prefix) and rid[len(prefix):] in self._by_rid:
-                    seqs = self._by_rid[rid[len(prefix):]]
+                    streams = self._by_rid[rid[len(prefix):]]
                     break
-        for seq in list(seqs or ()):
-            self.scheduler.finish(seq, "abort", "aborted by /abort_request")
-        return len(seqs or ())
+        for stream in list(streams or ()):
+            stream.abort("aborted by /abort_request")
+        return len(streams or ())
 
-    def abort_all(self) -> int:
-        return self.scheduler.abort_all()
+    def abort_all(self, message: str = "aborted") -> int:
+        n = 0
+        for streams in list(self._by_rid.values()):
+            for stream in list(streams):
+                stream.abort(message)
+                n += 1
+        return n + sum(rank.scheduler.abort_all(message) for rank in self.ranks)
 
     # ---- the prefix cache ----------------------------------------------------------
     def flush_cache(self) -> bool:
         """SGLang /flush_cache: drop every cached block, only when no request is running or waiting."""
-        if self.scheduler.num_running or self.scheduler.num_waiting:
+        t = self.totals()
+        if t.running or t.waiting:
             return False
         return self._clear_cache()
 
@@ -247,17 +332,20 @@ class Engine:
         """vLLM /reset_prefix_cache: refused while blocks are in use, unless running requests are
         preempted first (they recompute afterwards)."""
         if reset_running_requests:
-            self.scheduler.preempt_all()
+            for rank in self.ranks:
+                rank.scheduler.preempt_all()
         return self._clear_cache()
 
     def _clear_cache(self) -> bool:
-        ok = self.kv.clear()
-        self.scheduler.publish_kv_events()  # AllBlocksCleared goes out at once, after any pending events
+        ok = True
+        for rank in self.ranks:
+            ok = rank.kv.clear() and ok
+            rank.scheduler.publish_kv_events()  # AllBlocksCleared goes out at once, after any pending events
         return ok
 
-    def _forget(self, seq: Sequence) -> None:
-        seqs = self._by_rid.get(seq.rid)
-        if seqs is not None:
-            seqs.discard(seq)
-            if not seqs:
-                del self._by_rid[seq.rid]
+    def _forget(self, stream: GenerationStream) -> None:
+        streams = self._by_rid.get(stream.params.rid)
+        if streams is not None:
+            streams.discard(stream)
+            if not streams:
+                del self._by_rid[stream.params.rid]

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
+from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
 from pydantic import ValidationError
 
-from infera_mock_engine.engine import RequestError
+from infera_mock_engine.engine_errors import RequestError
 from infera_mock_engine.tokenizer import TemplateError
 
 log = logging.getLogger("infera_mock_engine.errors")
@@ -22,17 +23,29 @@ _VLLM_TYPES = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavai
 _SGLANG_TYPES = {400: "BadRequest", 404: "NotFound", 503: "ServiceUnavailable"}
 
 
-def error_body(flavor: str, status: int, message: str, param: str | None = None) -> dict[str, Any]:
+def error_body(flavor: str, status: int, message: str, param: str | None = None,
+               err_type: str | None = None) -> dict[str, Any]:
     if flavor == "vllm":
-        err_type = _VLLM_TYPES.get(status, "InternalServerError")
+        err_type = err_type or _VLLM_TYPES.get(status, "InternalServerError")
         return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
-    err_type = _SGLANG_TYPES.get(status, "InternalServerError")
+    err_type = err_type or _SGLANG_TYPES.get(status, "InternalServerError")
     return {"object": "error", "message": message, "type": err_type, "param": param, "code": status}
 
 
-def error_response(flavor: str, status: int, message: str, param: str | None = None) -> web.Response:
-    body = json.dumps(error_body(flavor, status, message, param), ensure_ascii=False, separators=(",", ":"))
+def error_response(flavor: str, status: int, message: str, param: str | None = None,
+                   err_type: str | None = None) -> web.Response:
+    body = json.dumps(error_body(flavor, status, message, param, err_type), ensure_ascii=False, separators=(",", ":"))
     return web.Response(text=body, status=status, content_type="application/json")
+
+
+def stream_error_event(flavor: str, e: RequestError) -> dict[str, Any]:
+    """The `data:` payload an OpenAI stream ends with when the generation failed after the stream began:
+    vLLM `{"error": {message, type, param, code}}`; SGLang the same wrapping its ErrorResponse, typed with
+    the HTTP status name (`INTERNAL_SERVER_ERROR`), as its serving_chat does for a scheduler abort."""
+    if flavor == "vllm":
+        return error_body(flavor, e.status, e.message, e.param, e.err_type)
+    name = HTTPStatus(e.status).name if e.status in HTTPStatus._value2member_map_ else str(e.status)
+    return {"error": error_body(flavor, e.status, e.message, e.param, name)}
 
 
 def describe_validation(exc: ValidationError) -> tuple[str, str | None]:
@@ -52,7 +65,7 @@ def make_error_middleware(flavor: str):
         try:
             return await handler(request)
         except RequestError as e:
-            return error_response(flavor, e.status, e.message, e.param)
+            return error_response(flavor, e.status, e.message, e.param, e.err_type)
         except TemplateError as e:
             return error_response(flavor, 400, str(e), "messages")
         except ValidationError as e:

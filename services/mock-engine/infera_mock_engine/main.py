@@ -16,6 +16,7 @@ from pathlib import Path
 
 from infera_mock_engine.config import DEFAULT_PORTS, FLAVORS, EngineConfig, default_context_length, read_model_config
 from infera_mock_engine.kv_events_config import KvEventsConfigError, parse_kv_events_config
+from infera_mock_engine.pd_config import SGLANG_MODES, TRANSFER_BACKENDS, DisaggConfigError, build_disagg_config
 
 log = logging.getLogger("infera_mock_engine")
 
@@ -104,6 +105,25 @@ def build_parser() -> argparse.ArgumentParser:
                    "vLLM also needs \"enable_kv_cache_events\": true, SGLang ignores it. An endpoint with * "
                    "binds (tcp://*:0 = a free port, reported by /kv_event_sources and /server_info), "
                    "tcp://host:port connects")
+    p.add_argument("--dp-size", "--dp", "--data-parallel-size", "-dp", type=_positive_int, default=1, dest="dp_size",
+                   help="data-parallel ranks, each with its own scheduler and KV cache (default 1); a request is "
+                   "pinned with routed_dp_rank/data_parallel_rank (SGLang body) or X-data-parallel-rank (vLLM "
+                   "header), a disaggregated SGLang request goes to bootstrap_room %% dp_size, others round-robin")
+    p.add_argument("--disaggregation-mode", choices=SGLANG_MODES, default=None,
+                   help="SGLang prefill/decode disaggregation role (default null = aggregated); see README")
+    p.add_argument("--disaggregation-bootstrap-port", type=_port, default=None,
+                   help="SGLang: port of the prefill engine's bootstrap server, which also carries the simulated "
+                   "KV transfer (default 8998; 0 = any free port, reported by /server_info)")
+    p.add_argument("--disaggregation-transfer-backend", choices=TRANSFER_BACKENDS, default=None,
+                   help="SGLang: accepted and reported; every backend is simulated by a TCP transfer (default mooncake)")
+    p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help="vLLM: '{\"kv_connector\":\"MooncakeConnector\",\"kv_role\":\"kv_producer|kv_consumer|kv_both\"}' "
+                   "sets the disaggregation role (bootstrap port from VLLM_MOONCAKE_BOOTSTRAP_PORT, default 8998)")
+    p.add_argument("--kv-bytes-per-token", type=_positive_int, default=None,
+                   help="bytes the simulated KV transfer moves per prompt token (default from config.json: "
+                   "2 x layers x KV heads x head dim x 2 bytes; 23040 for SmolLM2-135M)")
+    p.add_argument("--kv-transfer-bandwidth", type=_positive_float, default=None, metavar="BYTES_PER_S",
+                   help="cap the simulated KV transfer at this many bytes/s (default: no cap)")
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=["debug", "info", "warning", "error", "critical"], help="log level (default info)")
     return p
@@ -144,6 +164,15 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, str]:
             kv_events, kv_ignored = parse_kv_events_config(ns.kv_events_config, ns.engine_flavor)
         except KvEventsConfigError as e:
             parser.error(f"--kv-events-config: {e}")
+    try:
+        disagg = build_disagg_config(
+            ns.engine_flavor, mode=ns.disaggregation_mode, bootstrap_port=ns.disaggregation_bootstrap_port,
+            transfer_backend=ns.disaggregation_transfer_backend, kv_transfer_config=ns.kv_transfer_config,
+            kv_bytes=ns.kv_bytes_per_token, bandwidth=ns.kv_transfer_bandwidth, model_config=model_config,
+            env=os.environ,
+        )
+    except DisaggConfigError as e:
+        parser.error(str(e))
     num_blocks = ns.num_kv_blocks
     if num_blocks is None:
         num_blocks = max(1, ns.max_total_tokens // ns.page_size) if ns.max_total_tokens else 16384
@@ -166,6 +195,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, str]:
         kv_events=kv_events,
         kv_events_ignored=tuple(kv_ignored),
         kv_hash_seed=os.environ.get("PYTHONHASHSEED"),
+        dp_size=ns.dp_size,
+        disagg=disagg,
         ignored_args=tuple(unknown),
         model_config=model_config,
     )
@@ -208,16 +239,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, socket.gaierror) as e:
         log.error("cannot listen on %s:%d: %s", config.host, config.port, e)
         return 1
+    bootstrap_sock = None
+    if config.disagg.serves_prefill:  # the prefill's bootstrap port fails as fast as the HTTP port
+        try:
+            bootstrap_sock = bind_socket(config.host, config.disagg.bootstrap_port)
+        except (OSError, socket.gaierror) as e:
+            log.error("cannot listen on the bootstrap port %s:%d: %s", config.host, config.disagg.bootstrap_port, e)
+            return 1
     from infera_mock_engine.server import run_forever
 
     from infera_mock_engine.kv_publisher import PublisherError
+    from infera_mock_engine.pd_bootstrap import BootstrapError
 
     _install_uvloop()
     try:
-        asyncio.run(run_forever(config, sock))
+        asyncio.run(run_forever(config, sock, bootstrap_sock))
     except KeyboardInterrupt:
         pass
-    except PublisherError as e:
+    except (PublisherError, BootstrapError) as e:
         log.error("%s", e)
         return 1
     return 0

@@ -8,7 +8,16 @@ vllm:   vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usag
         vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total, vllm:num_preemptions_total,
         vllm:request_success_total{finished_reason}
 Every sample is labelled model_name (vLLM also engine="0", as vLLM V1 does). Usage gauges are
-fractions 0..1 in both engines.
+fractions 0..1 in both engines. With DP ranks the samples are sums over the ranks (usage: used over
+total blocks of all ranks).
+
+A disaggregated engine adds SGLang's PD gauges and counters (sglang flavour:
+sglang:num_prefill_prealloc_queue_reqs, sglang:num_prefill_bootstrap_queue_reqs,
+sglang:num_prefill_inflight_queue_reqs, sglang:num_decode_prealloc_queue_reqs,
+sglang:num_decode_transfer_queue_reqs, sglang:num_bootstrap_failed_reqs_total,
+sglang:num_transfer_failed_reqs_total) and, in both flavours, the mock's own transfer counters:
+mock:kv_transfer_sent_bytes_total, mock:kv_transfer_received_bytes_total,
+mock:kv_transfers_total{side}, mock:kv_transfer_rooms_failed_total{side,reason}.
 """
 
 from __future__ import annotations
@@ -30,18 +39,20 @@ class EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         yield from (self._vllm() if self.flavor == "vllm" else self._sglang())
+        if self.engine.pd is not None:
+            yield from self._pd()
 
     def _sglang(self) -> Iterator[Metric]:
-        e, s = self.engine, self.engine.scheduler
+        t = self.engine.totals()
         labels, values = ["model_name"], [self.model]
         gauge, counter = _families(labels, values)
 
-        st = s.stats
-        yield gauge("sglang:num_running_reqs", "The number of running requests.", s.num_running)
-        yield gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", s.num_waiting)
-        yield gauge("sglang:token_usage", "The token usage (fraction of KV cache in use).", e.kv.usage)
-        yield gauge("sglang:num_used_tokens", "The number of used tokens.", e.kv.used_blocks * e.kv.page_size)
-        yield gauge("sglang:max_total_num_tokens", "KV cache capacity in tokens.", e.kv.capacity_tokens)
+        st = t.stats
+        yield gauge("sglang:num_running_reqs", "The number of running requests.", t.running)
+        yield gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", t.waiting)
+        yield gauge("sglang:token_usage", "The token usage (fraction of KV cache in use).", t.usage)
+        yield gauge("sglang:num_used_tokens", "The number of used tokens.", t.used_tokens)
+        yield gauge("sglang:max_total_num_tokens", "KV cache capacity in tokens.", t.capacity_tokens)
         hit = st.cached_tokens / st.prompt_tokens if st.prompt_tokens else 0.0
         yield gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", hit)
         yield counter("sglang:prompt_tokens", "Number of prefill tokens processed.", st.prompt_tokens)
@@ -50,15 +61,16 @@ class EngineCollector:
         yield counter("sglang:num_requests", "Number of requests processed.", sum(st.finished.values()))
 
     def _vllm(self) -> Iterator[Metric]:
-        e, s = self.engine, self.engine.scheduler
+        t = self.engine.totals()
         labels, values = ["model_name", "engine"], [self.model, "0"]
         gauge, counter = _families(labels, values)
 
-        st = s.stats
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running)
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", e.kv.usage)
-        yield gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", e.kv.usage)
+        st = t.stats
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", t.running)
+        # vLLM keeps requests waiting for remote KV in its waiting queue (WAITING_FOR_REMOTE_KVS)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", t.waiting + t.pd_pending)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", t.usage)
+        yield gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", t.usage)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", st.prompt_tokens)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", st.generation_tokens)
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of tokens.", st.prompt_tokens)
@@ -69,6 +81,43 @@ class EngineCollector:
         for reason in ("stop", "length", "abort"):
             done.add_metric([*values, reason], st.finished.get(reason, 0))
         yield done
+
+
+    def _pd(self) -> Iterator[Metric]:
+        pd = self.engine.pd
+        assert pd is not None
+        labels, values = (["model_name"], [self.model]) if self.flavor == "sglang" else (
+            ["model_name", "engine"], [self.model, "0"])
+        gauge, counter = _families(labels, values)
+        st = pd.stats
+        if self.flavor == "sglang":
+            q = pd.queues()
+            yield gauge("sglang:num_prefill_prealloc_queue_reqs", "The number of requests in the prefill prealloc "
+                        "queue (waiting for their decode).", q["prefill_bootstrap"])
+            yield gauge("sglang:num_prefill_bootstrap_queue_reqs", "The number of requests in the prefill bootstrap "
+                        "queue.", q["prefill_bootstrap"])
+            yield gauge("sglang:num_prefill_inflight_queue_reqs", "The number of requests in the prefill inflight "
+                        "queue (KV being sent).", q["prefill_inflight"])
+            yield gauge("sglang:num_decode_prealloc_queue_reqs", "The number of requests in the decode prealloc "
+                        "queue.", q["decode_prealloc"])
+            yield gauge("sglang:num_decode_transfer_queue_reqs", "The number of requests in the decode transfer "
+                        "queue.", q["decode_transfer"])
+            yield counter("sglang:num_bootstrap_failed_reqs", "The number of bootstrap failed requests.",
+                          st.bootstrap_failed)
+            yield counter("sglang:num_transfer_failed_reqs", "The number of transfer failed requests.",
+                          st.transfer_failed)
+        yield counter("mock:kv_transfer_sent_bytes", "KV bytes this engine sent to decode engines.", st.bytes_sent)
+        yield counter("mock:kv_transfer_received_bytes", "KV bytes this engine received from prefill engines.",
+                      st.bytes_received)
+        done = CounterMetricFamily("mock:kv_transfers", "Complete KV transfers.", labels=[*labels, "side"])
+        done.add_metric([*values, "prefill"], st.transfers_sent)
+        done.add_metric([*values, "decode"], st.transfers_received)
+        yield done
+        failed = CounterMetricFamily("mock:kv_transfer_rooms_failed", "KV transfers (rooms) that failed.",
+                                     labels=[*labels, "side", "reason"])
+        for (side, kind), n in sorted(st.failures.items()):
+            failed.add_metric([*values, side, kind], n)
+        yield failed
 
 
 def make_registry(engine: Engine) -> CollectorRegistry:

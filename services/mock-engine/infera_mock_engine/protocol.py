@@ -12,6 +12,18 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class PdFields(_Body):
+    """Disaggregation and DP-routing fields both engines read from a generation body (pd_request.py)."""
+
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = Field(None, ge=0, le=65535)
+    bootstrap_room: int | None = Field(None, ge=0, lt=2**63)
+    routed_dp_rank: int | None = Field(None, ge=0)
+    data_parallel_rank: int | None = Field(None, ge=0)  # SGLang's older name of routed_dp_rank
+    disagg_prefill_dp_rank: int | None = Field(None, ge=0)
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -22,7 +34,7 @@ class ChatMessage(_Body):
     content: str | list[dict[str, Any]] | None = None
 
 
-class _OpenAIRequest(_Body):
+class _OpenAIRequest(PdFields):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
@@ -83,7 +95,7 @@ class SamplingParams(_Body):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class GenerateRequest(_Body):
+class GenerateRequest(PdFields):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)

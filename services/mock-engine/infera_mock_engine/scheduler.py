@@ -49,6 +49,7 @@ class Sequence:
     limit_reason: str  # finish reason when max_new_tokens is reached: "length", or "stop" (simulated EOS)
     next_token: Callable[[], int]
     internal: bool = False  # health probes: not counted in the token counters
+    preloaded: int = 0  # prompt tokens whose KV arrived from a prefill engine (PD decode): not computed here
     key: int = field(default_factory=lambda: next(_ids))
     state: str = WAITING
     prefill_target: int = 0  # tokens to (re)compute before decoding: prompt (+ generated after preemption)
@@ -182,6 +183,7 @@ class Scheduler:
         seq.state = WAITING
         seq.prefill_target = seq.total_len
         seq.prefilled = 0
+        seq.preloaded = 0  # its transferred KV is gone with its blocks: recompute
         self.waiting.appendleft(seq)
         self.stats.preemptions += 1
         log.debug("preempted %s at %d tokens", seq.rid, seq.total_len)
@@ -220,7 +222,8 @@ class Scheduler:
                 break  # FIFO: the head waits for blocks, nobody overtakes it
             self.waiting.popleft()
             seq.state = RUNNING
-            seq.prefilled = hit  # < prefill_target: the last token is always computed
+            # a cache hit leaves the last prompt token to compute; KV transferred from a prefill may cover all
+            seq.prefilled = max(hit, min(seq.preloaded, seq.prefill_target))
             if not seq.admitted:
                 seq.admitted = True
                 seq.cached_tokens = hit

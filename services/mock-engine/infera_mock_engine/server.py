@@ -62,15 +62,17 @@ class RunningServer:
         await self.runner.cleanup()
 
 
-async def start_server(config: EngineConfig, sock: socket.socket | None = None) -> RunningServer:
+async def start_server(config: EngineConfig, sock: socket.socket | None = None,
+                       bootstrap_sock: socket.socket | None = None) -> RunningServer:
     """Load the tokenizer, serve on `sock` (or bind config.host:config.port, 0 = a free port), start the
-    scheduler."""
+    scheduler (and a prefill's bootstrap server, on `bootstrap_sock` or its configured port)."""
     tokenizer = ModelTokenizer(Path(config.tokenizer_path).expanduser())
     engine = Engine(config, tokenizer)
+    engine.bootstrap_sock = bootstrap_sock
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its sequence
     runner = web.AppRunner(create_app(engine), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     try:
-        await runner.setup()  # starts the engine: the KV-event sockets open here (PublisherError)
+        await runner.setup()  # starts the engine: KV-event sockets (PublisherError), bootstrap port (BootstrapError)
     except BaseException:
         await runner.cleanup()
         raise
@@ -84,9 +86,10 @@ async def start_server(config: EngineConfig, sock: socket.socket | None = None) 
     return RunningServer(engine, runner, config.host, sock.getsockname()[1])
 
 
-async def run_forever(config: EngineConfig, sock: socket.socket | None = None) -> None:
+async def run_forever(config: EngineConfig, sock: socket.socket | None = None,
+                      bootstrap_sock: socket.socket | None = None) -> None:
     t0 = time.monotonic()
-    server = await start_server(config, sock)
+    server = await start_server(config, sock, bootstrap_sock)
     log.info(
         "mock %s engine serving %s on %s (up in %.2fs; page_size=%d kv_blocks=%d max_running=%d "
         "max_batched_tokens=%d context=%d speedup=%g%s)",
@@ -95,6 +98,11 @@ async def run_forever(config: EngineConfig, sock: socket.socket | None = None) -
         config.speedup,
         f" kv_events={server.engine.publisher.bound_endpoint}" if server.engine.publisher else "",
     )
+    if config.dp_size > 1 or server.engine.pd is not None:
+        pd = server.engine.pd
+        log.info("dp_size=%d disaggregation=%s%s", config.dp_size, config.disagg.mode,
+                 f" bootstrap_port={pd.bootstrap_port} kv_bytes_per_token={config.disagg.kv_bytes_per_token}"
+                 if pd is not None else "")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
