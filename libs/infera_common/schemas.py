@@ -104,6 +104,9 @@ class RouteRequest(_Msg):
     session_id: str | None = None
     deadline: float  # unix time after which nobody waits for the answer
     exclude: list[str] = Field(default_factory=list)  # worker ids not to pick (retries)
+    #: every value of the client's X-Dynamo-Session-ID header, in order, unmodified (empty: no header);
+    #: the router validates them (duplicates, empty, too long -> 400) when its affinity mode is on
+    session_ids: list[str] = Field(default_factory=list)
 
 
 class RouteReply(_Msg):

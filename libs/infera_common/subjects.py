@@ -53,6 +53,16 @@ def router_release_subject(router_id: str) -> str:
     return f"{PREFIX}.router.release.{_token(router_id)}"
 
 
+def router_pd_subject(router_id: str, lease_id: str) -> str:
+    """Where the prefill leg of a disaggregated request streams its answer, for its router to drain."""
+    return f"{PREFIX}.router.pd.{_token(router_id)}.{_token(lease_id)}"
+
+
+def router_pd_subjects(router_id: str) -> str:
+    """Every prefill leg answer of one router instance (wildcard of ``router_pd_subject``)."""
+    return f"{PREFIX}.router.pd.{_token(router_id)}.*"
+
+
 def router_prefilled_subject(router_id: str) -> str:
     """Subject on which the router that issued a lease hears that its request's prefill is done."""
     return f"{PREFIX}.router.prefilled.{_token(router_id)}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from infera_common.fleet import Change
-from infera_common.schemas import LoadReport, OverlapQuery, RouteRequest
+from infera_common.schemas import LoadReport, OverlapQuery, Role, RouteRequest
 
 from infera_router.inflight_blocks import InflightBlocks
 from infera_router.kv_view import KvView, kv_query
@@ -28,6 +28,11 @@ class Plan:
     message: str = ""
     order: list[WorkerState] = field(default_factory=list)
     costs: list[WorkerCost] | None = None  # the policy's cost breakdown, same order (kv-aware only)
+    decode: list[WorkerState] = field(default_factory=list)  # disaggregated: decode workers; order = prefill
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.decode)
 
 
 class RouterCore:
@@ -52,13 +57,24 @@ class RouterCore:
                 f"no active worker for model {model!r} "
                 f"({counts['starting']} starting, {counts['draining']} draining)",
             )
-        candidates = active
         if request.exclude:
             excluded = set(request.exclude)
-            candidates = [w for w in active if w.worker_id not in excluded]
-            if not candidates:
+            remaining = [w for w in active if w.worker_id not in excluded]
+            if not remaining:
                 return Plan(503, f"all {len(active)} active workers of model {model!r} are excluded by the request")
-        return Plan(200, order=candidates)
+            active = remaining
+        pools: dict[Role, list[WorkerState]] = {role: [] for role in Role}
+        for w in active:
+            pools[w.record.role].append(w)
+        prefill, decode = pools[Role.PREFILL], pools[Role.DECODE]
+        if prefill and decode:  # a complete pair exists: disaggregated serving
+            return Plan(200, order=prefill, decode=decode)
+        if pools[Role.AGGREGATED]:
+            return Plan(200, order=pools[Role.AGGREGATED])
+        have, missing = ("prefill", "decode") if prefill else ("decode", "prefill")
+        return Plan(503, f"model {model!r} has {len(prefill or decode)} active {have} worker(s) but no active "
+                         f"{missing} worker and no aggregated worker: start a {missing} worker (or an "
+                         f"aggregated one) for it")
 
     def kv_query(self, request: RouteRequest) -> OverlapQuery | None:
         """The indexer query the policy wants for ``request`` (None: not kv-aware, or nothing to ask)."""
@@ -76,11 +92,19 @@ class RouterCore:
             kv = self._with_inflight(candidates, kv)
         by_id = {w.worker_id: w for w in candidates}
         explain = getattr(self.policy, "explain", None)
+        decode = self._rank_decode(plan.decode, request)
         if explain is not None:
             costs = explain(candidates, request, kv)
-            return Plan(200, order=[by_id[c.worker_id] for c in costs], costs=costs)
+            return Plan(200, order=[by_id[c.worker_id] for c in costs], costs=costs, decode=decode)
         ranked = self.policy.rank(candidates, request, kv)
-        return Plan(200, order=[by_id[wid] for wid in ranked])
+        return Plan(200, order=[by_id[wid] for wid in ranked], decode=decode)
+
+    def _rank_decode(self, workers: list[WorkerState], request: RouteRequest) -> list[WorkerState]:
+        """Decode workers by the policy with no cache view (their KV arrives from the prefill)."""
+        if not workers:
+            return []
+        by_id = {w.worker_id: w for w in workers}
+        return [by_id[wid] for wid in self.policy.rank(workers, request, KvView.failed("pd_decode"))]
 
     def _with_inflight(self, candidates: list[WorkerState], kv: KvView) -> KvView:
         """The indexer's depths, deepened where this router's in-flight prompts are about to be cached."""

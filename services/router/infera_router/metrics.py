@@ -58,6 +58,17 @@ class RouterMetrics:
             "Streamed requests whose first token went out (their prompt stops counting as pending prefill).",
             registry=r,
         )
+        self.pd_pairs = Counter(
+            "infera_router_pd_pairs", "Requests handed to a prefill and a decode worker.", registry=r,
+        )
+        self.pd_leg_failures = Counter(
+            "infera_router_pd_leg_failures", "Disaggregated legs that failed, by leg.", ["leg"], registry=r,
+        )
+        self.pd_legs_cancelled = Counter(
+            "infera_router_pd_legs_cancelled",
+            "Legs the router stopped because the other leg failed, the client left or a worker vanished.",
+            registry=r,
+        )
         self.bad_messages = Counter(
             "infera_router_bad_messages", "Messages that could not be decoded, by kind (route, release, prefilled, load).",
             ["kind"], registry=r,

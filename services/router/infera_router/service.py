@@ -39,6 +39,8 @@ from infera_router.kv_client import KvClient
 from infera_router.kv_view import KvView
 from infera_router.leases import Lease
 from infera_router.metrics import RouterMetrics
+from infera_router.pd_flow import PdFlow
+from infera_router.pd_pairs import PdPairs
 from infera_router.policies import create_policy
 from infera_router.policy_kv_aware import WorkerCost
 from infera_router.settings import RouterSettings
@@ -77,8 +79,10 @@ class RouterService:
         self.metrics = metrics or RouterMetrics()
         policy = create_policy(settings.router_policy, settings.kv_overlap_weight, settings.kv_decode_weight)
         self.core = RouterCore(policy, self.router_id, settings.lease_max_age)
+        self.pairs = PdPairs(settings.pd_prefill_guard_release)
+        self._pd: PdFlow | None = None
         self._kv: KvClient | None = None
-        self._kv_tasks: set[asyncio.Task] = set()
+        self._route_tasks: set[asyncio.Task] = set()
         self.nc: NATS | None = None
         self._js = None
         self._watcher: Watcher | None = None
@@ -100,6 +104,9 @@ class RouterService:
         self._publisher = AckedPublisher(self.nc)
         await self._publisher.start()
         self._kv = KvClient(self.nc, self.settings.kv_query_timeout, self.metrics)
+        self._pd = PdFlow(self.nc, self.router_id, self.core, self.pairs, self._publisher, self.metrics,
+                          self.settings.publish_timeout, self._lease_gauge)
+        await self._pd.start()
         self._subs.append(await self.nc.subscribe(self.release_subject, cb=self._on_release))
         self._subs.append(await self.nc.subscribe(router_prefilled_subject(self.router_id), cb=self._on_prefilled))
         self._subs.append(await self.nc.subscribe(LOAD_SUBJECTS, cb=self._on_load))
@@ -119,8 +126,10 @@ class RouterService:
             except Exception as exc:  # connection already gone
                 log.info("route_drain_skipped", error=str(exc))
             self._route_sub = None
-        if self._kv_tasks:  # requests waiting for the kv-indexer: let them reach their publish
-            await asyncio.gather(*list(self._kv_tasks), return_exceptions=True)
+        if self._route_tasks:  # requests waiting for the kv-indexer or a PD leg: let them reach their reply
+            await asyncio.gather(*list(self._route_tasks), return_exceptions=True)
+        if self._pd is not None:
+            await self._pd.stop()
         if self._publisher is not None:  # answer the requests whose envelope awaits its ack
             await self._publisher.wait_idle(self.settings.publish_timeout + 1.0)
             await self._publisher.stop()
@@ -153,6 +162,9 @@ class RouterService:
             self.metrics.forget_worker(record.worker_id)
             if dropped:
                 self.metrics.leases_dropped.labels("worker_left").inc(len(dropped))
+                actions = self.pairs.worker_left(record.worker_id, [lease.lease_id for lease in dropped])
+                if actions and self._pd is not None:
+                    self._spawn(self._pd.execute(actions))
             log.info("worker_left", worker_id=record.worker_id, model=record.model, leases_dropped=len(dropped))
         elif before == (record.model, record.status):
             return  # a heartbeat
@@ -179,6 +191,11 @@ class RouterService:
         except ValueError as exc:
             self.metrics.bad_messages.labels("release").inc()
             log.warning("bad_release", error=str(exc))
+            return
+        if self.pairs.is_leg(release.lease_id):
+            self.metrics.release_outcomes[release.outcome].inc()
+            if self._pd is not None:
+                await self._pd.execute(self.pairs.released(release.lease_id, release.outcome))
             return
         lease = self.core.release(release.lease_id)
         if lease is None:
@@ -208,6 +225,8 @@ class RouterService:
             self.metrics.leases_dropped.labels("max_age").inc(len(dropped))
             for lease in dropped:
                 self._lease_gauge(lease)
+                if self.pairs.is_leg(lease.lease_id) and self._pd is not None:  # stop and free its partner
+                    await self._pd.execute(self.pairs.released(lease.lease_id, "expired"))
             log.warning(
                 "leases_expired", count=len(dropped), max_age=self.settings.lease_max_age,
                 workers=sorted({lease.worker_id for lease in dropped}),
@@ -233,9 +252,7 @@ class RouterService:
             query = self.core.kv_query(request)
             if query is not None and self._kv is not None:
                 # the indexer round trip must not hold up the next route request: continue in a task
-                task = asyncio.create_task(self._route_with_kv(request, msg.reply, t0, query))
-                self._kv_tasks.add(task)
-                task.add_done_callback(self._kv_tasks.discard)
+                self._spawn(self._route_with_kv(request, msg.reply, t0, query))
                 return
             kv = None
             if getattr(self.core.policy, "needs_kv", False):
@@ -268,7 +285,19 @@ class RouterService:
             routing.costs = plan.costs
             routing.hashes = kv.hashes if kv is not None else {}
             self._account_pick(request, plan.costs)
+        if plan.disaggregated and self._pd is not None:
+            async def reply(status: int, message: str, worker_id: str | None, lease_id: str | None) -> None:
+                await self._reply(routing, status, message, worker_id, lease_id)
+
+            # two legs, each waiting for its broker ack: in a task, not in the subscription's callback
+            self._spawn(self._pd.route(request, plan, reply, routing.hashes))
+            return
         await self._try_next(routing)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._route_tasks.add(task)
+        task.add_done_callback(self._route_tasks.discard)
 
     def _account_pick(self, request: RouteRequest, costs: list[WorkerCost]) -> None:
         """Metrics and the debug line of one kv-aware decision (``costs`` cheapest first)."""

@@ -41,6 +41,13 @@ class RouterSettings(PlaneSettings, LogSettings):
         description="kv-aware: seconds to wait for the kv-indexer's overlap answer; on timeout or no "
         "indexer the request is routed by load only and counted in infera_router_kv_query_failures_total.",
     )
+    pd_prefill_guard_release: Literal["hold", "completion"] = Field(
+        "hold",
+        description="Disaggregated serving: when the prefill leg stops counting as load on its worker. "
+        "hold: when the decode leg finishes (the prefill engine keeps the KV until the decode took it); "
+        "completion: as soon as the prefill's complete answer has been drained. A failed or cancelled "
+        "prefill is released at once either way.",
+    )
     lease_max_age: float = Field(
         900.0, gt=0,
         description="Seconds after which a lease whose release never arrived is dropped (and counted).",

@@ -1,0 +1,214 @@
+"""The NATS side of disaggregated serving: hand a request to a prefill and a decode worker.
+
+``PdFlow`` is called by the router service for a plan with both pools. It takes a lease per leg,
+publishes the prefill leg (its answer comes back to this router on ``router_pd_subject`` and is
+drained here) and the decode leg (its answer goes to the requester), and replies with the decode
+worker. The lifetime rules of the pair (who is cancelled, which lease is released when) are
+``PdPairs``'; this module executes its actions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from infera_common.logs import get_logger
+from infera_common.schemas import Cancel, Frame, RouteRequest, WorkEnvelope, decode, encode
+from infera_common.subjects import cancel_subject, router_pd_subject, router_pd_subjects, work_subject
+
+from infera_router.core import Plan, RouterCore
+from infera_router.jetstream import AckedPublisher, PubResult
+from infera_router.leases import Lease
+from infera_router.metrics import RouterMetrics
+from infera_router.pd_pairs import Action, PdPairs
+from infera_router.pd_protocol import PdContext
+from infera_router.pd_protocols import PROTOCOLS
+from infera_router.state import WorkerState
+
+log = get_logger("router.pd")
+
+Reply = Callable[[int, str, str | None, str | None], Awaitable[None]]  # status, message, worker, lease
+
+
+@dataclass(slots=True)
+class Drained:
+    ok: bool
+    status: int
+    message: str = ""
+
+
+class PdFlow:
+    def __init__(self, nc: NATS, router_id: str, core: RouterCore, pairs: PdPairs, publisher: AckedPublisher,
+                 metrics: RouterMetrics, publish_timeout: float, on_release: Callable[[Lease], None]) -> None:
+        self._nc, self._router_id, self._core, self.pairs = nc, router_id, core, pairs
+        self._publisher, self._metrics, self._publish_timeout = publisher, metrics, publish_timeout
+        self._on_release = on_release  # the service's bookkeeping after a lease is dropped
+        self._waiters: dict[str, asyncio.Future[Drained]] = {}
+        self._sub: Subscription | None = None
+
+    async def start(self) -> None:
+        self._sub = await self._nc.subscribe(router_pd_subjects(self._router_id), cb=self._on_frame)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # connection already closed
+                pass
+            self._sub = None
+
+    # --- one request -------------------------------------------------------------------------
+    async def route(self, request: RouteRequest, plan: Plan, reply: Reply, hashes: dict[int, list[int]]) -> None:
+        try:
+            body = json.loads(request.body)
+            if not isinstance(body, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            await reply(400, f"request body is not a JSON object: {exc}", None, None)
+            return
+        full = 0
+        for i, prefill in enumerate(plan.order):
+            pd = prefill.record.pd
+            protocol = PROTOCOLS.get(pd.protocol) if pd is not None else None
+            if protocol is None:
+                log.warning("pd_worker_without_protocol", worker_id=prefill.worker_id)
+                continue
+            ctx = PdContext()
+            cached = 0
+            if plan.costs is not None:
+                cached = plan.costs[i].matched_blocks * plan.costs[i].block_size
+            lease = self._core.acquire(prefill, request, time.monotonic(), cached,
+                                       hashes.get(prefill.record.kv_block_size or 0))
+            self._on_release(lease)  # the gauge follows the lease count
+            self.pairs.start(request.request_id, lease.lease_id, prefill.worker_id)
+            waiter = asyncio.get_running_loop().create_future() if protocol.sequential else None
+            if waiter is not None:
+                self._waiters[lease.lease_id] = waiter
+            env = WorkEnvelope(
+                request_id=request.request_id, endpoint=request.endpoint, stream=False,
+                body=json.dumps(protocol.prefill_body(body, prefill.record, ctx)).encode(),
+                reply_subject=router_pd_subject(self._router_id, lease.lease_id), deadline=request.deadline,
+                lease_id=lease.lease_id, router_id=self._router_id,
+            )
+            result = await self._publish(prefill, env)
+            if result.kind != "stored":
+                self._waiters.pop(lease.lease_id, None)
+                self._drop_pair(lease)
+                full += result.kind == "full"
+                continue
+            if waiter is not None:
+                drained = await self._await_prefill(lease, waiter, request.deadline)
+                if not drained.ok:
+                    await reply(drained.status, f"prefill worker {prefill.worker_id} failed: {drained.message}",
+                                None, None)
+                    return
+            decode_body = json.dumps(protocol.decode_body(body, prefill.record, ctx)).encode()
+            await self._send_decode(request, plan.decode, lease, decode_body, reply)
+            return
+        if full:
+            await reply(429, f"all prefill workers of model {request.model!r} are at their pending limit", None, None)
+        else:
+            await reply(503, f"no prefill worker of model {request.model!r} could take the request", None, None)
+
+    async def _send_decode(self, request: RouteRequest, decoders: list[WorkerState], prefill_lease: Lease,
+                           body: bytes, reply: Reply) -> None:
+        full = 0
+        for worker in decoders:
+            # the decode leg computes no prompt (its KV arrives from the prefill) but holds it
+            lease = self._core.acquire(worker, request, time.monotonic(), cached_tokens=request.prompt_tokens)
+            self._on_release(lease)
+            env = WorkEnvelope(
+                request_id=request.request_id, endpoint=request.endpoint, body=body, stream=request.stream,
+                reply_subject=request.reply_subject, deadline=request.deadline, lease_id=lease.lease_id,
+                router_id=self._router_id,
+            )
+            result = await self._publish(worker, env)
+            if result.kind == "stored":
+                await self.execute(self.pairs.add_decode(prefill_lease.lease_id, lease.lease_id, worker.worker_id,
+                                                          request.request_id))
+                self._metrics.pd_pairs.inc()
+                await reply(200, "", worker.worker_id, lease.lease_id)
+                return
+            if self._core.release(lease.lease_id) is not None:
+                self._on_release(lease)
+            full += result.kind == "full"
+        await self.execute(self.pairs.abandon(prefill_lease.lease_id))
+        if full:
+            await reply(429, f"all decode workers of model {request.model!r} are at their pending limit", None, None)
+        else:
+            await reply(503, f"no decode worker of model {request.model!r} could take the request", None, None)
+
+    async def _publish(self, worker: WorkerState, env: WorkEnvelope) -> PubResult:
+        done: asyncio.Future[PubResult] = asyncio.get_running_loop().create_future()
+
+        async def settle(result: PubResult) -> None:
+            if not done.done():
+                done.set_result(result)
+
+        try:
+            await self._publisher.publish(work_subject(worker.worker_id), encode(env), self._publish_timeout, settle)
+        except Exception as exc:  # connection closed or draining
+            return PubResult("error", description=type(exc).__name__)
+        result = await done
+        if result.kind != "stored":
+            self._metrics.publish_refused.labels(worker.worker_id, result.kind if result.kind in ("full", "gone") else "error").inc()
+        return result
+
+    async def _await_prefill(self, lease: Lease, waiter: asyncio.Future[Drained], deadline: float) -> Drained:
+        try:
+            return await asyncio.wait_for(waiter, max(0.0, deadline - time.time()))
+        except TimeoutError:
+            await self.execute(self.pairs.abandon(lease.lease_id))
+            return Drained(False, 504, "no prefill answer before the request's deadline")
+        finally:
+            self._waiters.pop(lease.lease_id, None)
+
+    def _drop_pair(self, lease: Lease) -> None:
+        self.pairs.abandon(lease.lease_id)  # nothing was published: nothing to cancel
+        if self._core.release(lease.lease_id) is not None:
+            self._on_release(lease)
+
+    # --- the drained prefill answers ---------------------------------------------------------
+    async def _on_frame(self, msg: Msg) -> None:
+        lease_id = msg.subject.rsplit(".", 1)[-1]
+        try:
+            frame = decode(Frame, msg.data)
+        except ValueError as exc:
+            self._metrics.bad_messages.labels("pd_frame").inc()
+            log.warning("bad_pd_frame", error=str(exc)[:300])
+            return
+        if frame.kind == "error" or (frame.kind == "head" and frame.status >= 400):
+            outcome = Drained(False, frame.status or 502, frame.message or frame.body.decode(errors="replace")[:500])
+        elif frame.kind == "end" or (frame.kind == "head" and frame.final):
+            outcome = Drained(True, frame.status)
+        else:
+            return  # headers or a chunk: not the end of the answer
+        if not outcome.ok:
+            self._metrics.pd_leg_failures.labels("prefill").inc()
+            log.info("pd_prefill_failed", lease_id=lease_id, status=outcome.status, message=outcome.message)
+        waiter = self._waiters.pop(lease_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(outcome)
+        await self.execute(self.pairs.prefill_drained(lease_id, outcome.ok))
+
+    # --- actions -----------------------------------------------------------------------------
+    async def execute(self, actions: list[Action]) -> None:
+        for action in actions:
+            if action.kind == "release":
+                lease = self._core.release(action.lease_id)
+                if lease is not None:
+                    self._on_release(lease)
+            else:
+                self._metrics.pd_legs_cancelled.inc()
+                try:
+                    await self._nc.publish(cancel_subject(action.worker_id),
+                                           encode(Cancel(request_id=action.request_id)))
+                except Exception as exc:  # connection gone: the leg ends by its deadline
+                    log.warning("pd_cancel_failed", worker_id=action.worker_id, error=str(exc))
