@@ -137,3 +137,41 @@ async def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
 
 def url(fe: Frontend, path: str) -> str:
     return f"http://127.0.0.1:{fe.port}{path}"
+
+
+@dataclass
+class MultiFleet:
+    """A fake router over several fake workers: it honours ``RouteRequest.exclude`` (first worker of
+    ``workers`` not excluded; 503 when none is left) and each worker answers with its own script."""
+
+    nc: object
+    workers: list[str]
+    scripts: dict[str, Script] = field(default_factory=dict)  # worker id -> script (default: script_ok)
+    routed: list[RouteRequest] = field(default_factory=list)
+    placed: list[str] = field(default_factory=list)  # the worker of each placed attempt, in order
+    cancels: list[tuple[str, str]] = field(default_factory=list)  # (worker id, request id)
+    tasks: set = field(default_factory=set)
+
+    async def frame(self, req: RouteRequest, frame: Frame) -> None:
+        await self.nc.publish(req.reply_subject, encode(frame))
+
+    async def on_route(self, msg) -> None:
+        req = decode(RouteRequest, msg.data)
+        self.routed.append(req)
+        left = [w for w in self.workers if w not in req.exclude]
+        if not left:
+            await msg.respond(encode(RouteReply(status=503, message="every worker of the model is excluded")))
+            return
+        worker = left[0]
+        self.placed.append(worker)
+        await msg.respond(encode(RouteReply(status=200, worker_id=worker, lease_id=f"lease-{len(self.placed)}",
+                                            router_id="r1")))
+        script = self.scripts.get(worker, script_ok)
+        task = asyncio.get_running_loop().create_task(script(self, req))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def cancel_handler(self, worker_id: str):
+        async def on_cancel(msg) -> None:
+            self.cancels.append((worker_id, decode(Cancel, msg.data).request_id))
+        return on_cancel

@@ -350,7 +350,7 @@ async def test_head_with_a_body_but_not_final_is_still_complete(frontend, fleet)
 
 
 async def test_x_session_id_header_is_not_interpreted(frontend, fleet):
-    """Session affinity is not offered yet: the header neither fails a request nor reaches the router."""
+    """Only X-Dynamo-Session-ID opts in to session affinity: another header neither fails nor reaches the router."""
     status, _, _ = await post(frontend, "/v1/chat/completions", chat_body(), headers={"X-Session-Id": "bad id!"})
     assert status == 200
-    assert fleet.routed[-1].session_id is None
+    assert fleet.routed[-1].session_id is None and fleet.routed[-1].session_ids == []

@@ -26,8 +26,8 @@ def leave(wid: str, model: str = "m") -> Change:
 
 
 def route_request(model: str = "m", request_id: str = "r", prompt_tokens: int = 0,
-                  exclude: list[str] | None = None, **kw) -> RouteRequest:
-    return RouteRequest(request_id=request_id, model=model, endpoint=Endpoint.CHAT, body=b'{"x":1}',
+                  exclude: list[str] | None = None, body: bytes = b'{"x":1}', **kw) -> RouteRequest:
+    return RouteRequest(request_id=request_id, model=model, endpoint=Endpoint.CHAT, body=body,
                         reply_subject="_INBOX.test.1", deadline=time.time() + 60,
                         prompt_tokens=prompt_tokens, exclude=exclude or [], **kw)
 

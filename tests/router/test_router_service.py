@@ -41,10 +41,10 @@ class Bench:
         self.registrars: dict[str, Registrar] = {}
 
     async def worker(self, wid: str, model: str = "m", max_pending: int = 10, stream: bool = True,
-                     status: WorkerStatus = WorkerStatus.ACTIVE) -> Registrar:
+                     status: WorkerStatus = WorkerStatus.ACTIVE, **record_fields) -> Registrar:
         if stream:
             await ensure_request_stream(self.js, wid, max_pending, max_age=60)
-        reg = Registrar(self.js, record(wid, model, status, max_pending=max_pending))
+        reg = Registrar(self.js, record(wid, model, status, max_pending=max_pending, **record_fields))
         await reg.start()
         self.registrars[wid] = reg
         await eventually(lambda: (w := self.router.core.fleet.get(wid)) is not None and w.record.status == status)

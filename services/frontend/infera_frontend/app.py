@@ -1,6 +1,7 @@
 """The OpenAI HTTP API (aiohttp): completions relayed through the fleet, plus models, workers, health.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/workers,
+Routes: POST /v1/chat/completions, POST /v1/completions (optional header ``X-Dynamo-Session-ID``,
+every value passed to the router for session affinity), GET /v1/models, GET /v1/workers,
 GET /health (process up), GET /ready (NATS connected and discovery synced, else 503),
 GET /metrics (Prometheus). Every error is an OpenAI error body; every completion response carries
 ``X-Request-Id``.
@@ -25,7 +26,8 @@ from infera_frontend import sse
 from infera_frontend.listing import models_list, workers_list
 from infera_frontend.metrics import FrontendMetrics
 from infera_frontend.pipeline import Pipeline, new_request_id
-from infera_frontend.relay import Exchange
+from infera_frontend.exchange import Exchange
+from infera_frontend.session import SESSION_HEADER
 from infera_frontend.validation import ApiError, Parsed
 
 log = get_logger("frontend.http")
@@ -90,8 +92,9 @@ class HttpApi:
             request_id = self.pipeline.request_id(request.headers.get("X-Request-Id"))
             body = await self._read_body(request)
             parsed = self.pipeline.parse(endpoint, body)
-            ex = await self.pipeline.open(parsed, body, request_id)
-            status, payload = await ex.head()
+            ex = await self.pipeline.open(parsed, body, request_id,
+                                          session_ids=request.headers.getall(SESSION_HEADER, []))
+            status, payload = ex.status, ex.body
             m.first_byte("http", ep, time.perf_counter() - t0)
             if payload is not None:
                 return web.Response(body=payload, status=status, content_type=_JSON,
@@ -128,10 +131,8 @@ class HttpApi:
     @staticmethod
     async def _stream(resp: web.StreamResponse, ex: Exchange) -> None:
         try:
-            while not ex.done:
-                payloads = await ex.read()
-                if payloads:
-                    await resp.write(sse.events(payloads))
+            while payloads := await ex.read():
+                await resp.write(sse.events(payloads))
         except ApiError as err:  # mid-stream: the status line is gone, so a final error event
             await resp.write(sse.error_event(
                 error_body(err.status, err.message, type=err.type, param=err.param, code=err.code)

@@ -22,7 +22,8 @@ class FrontendMetrics:
         )
         self.ttfb = Histogram(
             "infera_frontend_time_to_first_byte_seconds",
-            "Request arrival to the response head (status line / first NATS reply).",
+            "Request arrival to the response head (status line / first NATS reply); a stream's head "
+            "waits for its first token.",
             ["transport", "endpoint"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.duration = Histogram(
@@ -64,6 +65,12 @@ class FrontendMetrics:
         )
         self.cancels = Counter(
             "infera_frontend_cancels_sent", "Cancel messages published to worker-agents, by reason.", ["reason"], registry=r,
+        )
+        self.retries = Counter(
+            "infera_frontend_retries",
+            "Requests tried again on another worker after failing before their first byte, by reason "
+            "(worker_<status>, engine_<status>, upstream_timeout, no_router).",
+            ["reason"], registry=r,
         )
         self.bad_frames = Counter(
             "infera_frontend_bad_frames", "Response frames that could not be decoded or came out of order.", registry=r,

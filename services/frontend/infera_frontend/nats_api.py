@@ -5,7 +5,8 @@ and ``infera.api.v1.workers``, queue group ``infera-frontend``. A completion req
 OpenAI JSON body. Not streaming: one reply, the JSON body with header ``Infera-Status``. Streaming
 (``"stream": true``): one message per SSE event payload (``Infera-Kind: data``), then an empty
 ``Infera-Kind: end``; any failure is a final ``Infera-Kind: error`` message with ``Infera-Status``
-and an OpenAI error body. The request runs through the same pipeline as HTTP requests.
+and an OpenAI error body. The request runs through the same pipeline as HTTP requests (retries
+included); the NATS header ``X-Dynamo-Session-ID`` plays the HTTP header's part.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from infera_common.subjects import (
 from infera_frontend.listing import models_list, workers_list
 from infera_frontend.metrics import FrontendMetrics
 from infera_frontend.pipeline import Pipeline, new_request_id
-from infera_frontend.relay import Exchange
+from infera_frontend.exchange import Exchange
+from infera_frontend.session import nats_session_ids
 from infera_frontend.validation import ApiError, Parsed
 
 log = get_logger("frontend.nats_api")
@@ -122,8 +124,9 @@ class NatsApi:
         try:
             request_id = self.pipeline.request_id(headers.get(HEADER_REQUEST_ID))
             parsed = self.pipeline.parse(endpoint, msg.data)
-            ex = await self.pipeline.open(parsed, msg.data, request_id)
-            status, payload = await ex.head()
+            ex = await self.pipeline.open(parsed, msg.data, request_id, session_ids=nats_session_ids(headers),
+                                          cancel_reason="shutdown")
+            status, payload = ex.status, ex.body
             m.first_byte("nats", ep, time.perf_counter() - t0)
             if payload is not None:
                 hdrs = {HEADER_STATUS: str(status), HEADER_REQUEST_ID: request_id}
@@ -133,8 +136,8 @@ class NatsApi:
                 return
             publish = self._nc.publish
             try:
-                while not ex.done:
-                    for p in await ex.read():
+                while payloads := await ex.read():
+                    for p in payloads:
                         await publish(reply, p, headers=_DATA)
             except ApiError as err:
                 status = err.status

@@ -1,4 +1,5 @@
-"""One completion request from raw body to a placed ``Exchange``: validate, check model, tokenize, route.
+"""One completion request from raw body to a started ``Exchange``: validate, check model, tokenize,
+route, and try another worker when an attempt fails before its first byte (``failover.py``).
 
 Shared by the HTTP API (``app.py``) and the NATS API (``nats_api.py``); each drives the returned
 ``Exchange`` into its own transport.
@@ -10,13 +11,18 @@ import asyncio
 import time
 import uuid
 
+from infera_common.logs import get_logger
 from infera_common.schemas import Endpoint
 from infera_common.tokenizer import ChatTokenizer
 
+from infera_frontend.exchange import Exchange
+from infera_frontend.failover import Attempts, engine_status_reason, retry_reason
 from infera_frontend.metrics import UNKNOWN_MODEL, FrontendMetrics
 from infera_frontend.prepare import OFFLOAD_CHARS, ModelTable, Tokens, prompt_chars, tokenize
-from infera_frontend.relay import Exchange, Relay
+from infera_frontend.relay import Relay
 from infera_frontend.validation import ApiError, Parsed, check_request_id, parse_body
+
+log = get_logger("frontend.pipeline")
 
 
 def new_request_id() -> str:
@@ -26,13 +32,14 @@ def new_request_id() -> str:
 class Pipeline:
     def __init__(
         self, tokenizer: ChatTokenizer, models: ModelTable, relay: Relay, metrics: FrontendMetrics,
-        max_body_bytes: int,
+        max_body_bytes: int, max_retries: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.models = models
         self.relay = relay
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.max_retries = max_retries
 
     @staticmethod
     def request_id(header: str | None) -> str:
@@ -65,11 +72,72 @@ class Pipeline:
             self.metrics.token_invariant_failures.inc()
         return tokens
 
-    async def open(self, parsed: Parsed, body: bytes, request_id: str) -> Exchange:
-        """Check the model, tokenize and place the request; ``ApiError`` when it cannot be served."""
+    async def open(
+        self, parsed: Parsed, body: bytes, request_id: str, *, session_ids: list[str] | None = None,
+        cancel_reason: str = "client_disconnect",
+    ) -> Exchange:
+        """Check the model, tokenize, place the request and start it; ``ApiError`` when it cannot be served.
+
+        The returned exchange has its ``status`` and ``body`` (``None`` for a stream, whose first
+        payloads are buffered); nothing has reached the client yet. An attempt that fails retryably
+        is tried again on a worker not tried yet, up to ``max_retries`` times. When the router cannot
+        place a retry (no other worker, all full, router gone), the failed attempt's answer stands.
+        If the caller is cancelled meanwhile, the running attempt gets a ``Cancel`` (``cancel_reason``).
+        """
         self.models.check(parsed.model)
         tokens = await self.tokens(parsed)
-        return await self.relay.open(
-            request_id=request_id, endpoint=parsed.endpoint, model=parsed.model, body=body,
-            stream=parsed.stream, token_ids=tokens.token_ids, prompt_tokens=tokens.prompt_tokens,
-        )
+        attempts = Attempts(self.max_retries)
+        failed: ApiError | Exchange | None = None  # the previous attempt's answer, while retrying
+        while True:
+            try:
+                ex = await self.relay.open(
+                    request_id=request_id, endpoint=parsed.endpoint, model=parsed.model, body=body,
+                    stream=parsed.stream, token_ids=tokens.token_ids, prompt_tokens=tokens.prompt_tokens,
+                    exclude=attempts.tried, session_ids=session_ids,
+                )
+            except ApiError as err:
+                if failed is not None:
+                    log.info("retry_not_placed", request_id=request_id, status=err.status, error=err.message)
+                    return _stand(failed)
+                if attempts.retry(retry_reason(err)):
+                    self._retrying(request_id, None, err.status, retry_reason(err))
+                    continue
+                raise
+            attempts.tried_on(ex.worker_id)
+            try:
+                status, answer = await ex.start()
+            except ApiError as err:
+                ex.close()
+                reason = retry_reason(err)
+                if attempts.retry(reason):
+                    ex.cancel("retry")  # nothing when the worker already ended the attempt
+                    self._retrying(request_id, ex.worker_id, err.status, reason)
+                    failed = err
+                    continue
+                raise
+            except asyncio.CancelledError:  # the client left (or the frontend stops) while the attempt runs
+                ex.cancel(cancel_reason)
+                ex.close()
+                raise
+            except Exception:
+                ex.cancel("error")
+                ex.close()
+                raise
+            reason = engine_status_reason(status) if answer is not None else None
+            if attempts.retry(reason):
+                ex.close()
+                self._retrying(request_id, ex.worker_id, status, reason)
+                failed = ex
+                continue
+            return ex
+
+    def _retrying(self, request_id: str, worker_id: str | None, status: int, reason: str | None) -> None:
+        self.metrics.retries.labels(reason).inc()
+        log.info("request_retried", request_id=request_id, failed_worker=worker_id, status=status, reason=reason)
+
+
+def _stand(failed: ApiError | Exchange) -> Exchange:
+    """The answer of a failed attempt when no retry could be placed: raise its error or return it."""
+    if isinstance(failed, ApiError):
+        raise failed
+    return failed

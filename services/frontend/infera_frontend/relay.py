@@ -1,11 +1,10 @@
-"""Routing a request and relaying its response frames; the same for HTTP and NATS clients.
+"""Routing one attempt of a request; the same for HTTP and NATS clients.
 
-``Relay.open`` publishes a ``RouteRequest`` on ``ROUTER_ROUTE`` with the request's own inbox
+``Relay.open`` publishes a ``RouteRequest`` on ``ROUTER_ROUTE`` with the attempt's own inbox
 subject (``inbox.py``) both as the NATS reply subject (for the router's ``RouteReply``) and as
 ``reply_subject`` (for the worker's ``Frame``s). Frames that overtake the router's reply are kept.
-It returns an ``Exchange``: ``head()`` waits for the engine's status (and whole body unless
-streaming), ``read()`` returns the next SSE payloads of a stream. Timeouts, error frames and router
-refusals surface as ``ApiError``; ``cancel()`` publishes ``Cancel`` to the worker's cancel subject.
+It returns an ``Exchange`` (``exchange.py``) that reads the worker's frames. Router refusals and
+an unreachable router surface as ``ApiError``; ``publish_cancel`` sends ``Cancel`` to a worker.
 """
 
 from __future__ import annotations
@@ -18,18 +17,17 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from infera_common.logs import get_logger
-from infera_common.openai_errors import normalize_error
-from infera_common.schemas import Cancel, Endpoint, Frame, RouteReply, RouteRequest, decode, encode
+from infera_common.schemas import Cancel, Endpoint, RouteReply, RouteRequest, encode
 from infera_common.subjects import ROUTER_ROUTE, cancel_subject
 
+from infera_frontend.exchange import Exchange
+from infera_frontend.failover import NO_ROUTER, RetryableError
 from infera_frontend.inbox import Inbox, Mailbox
 from infera_frontend.metrics import FrontendMetrics
 from infera_frontend.token_check import TokenChecker, reported_prompt_tokens
 from infera_frontend.validation import ApiError
 
 log = get_logger("frontend.relay")
-
-DONE_PAYLOAD = b"[DONE]"
 
 _ROUTER_ERROR_TYPES = {
     400: ("invalid_request_error", None),
@@ -50,11 +48,6 @@ def router_error(reply: RouteReply) -> ApiError:
     }.get(status, f"the router could not place the request (status {reply.status})")
     param = "model" if status == 404 else None
     return ApiError(status, message, type=etype, param=param, code=code)
-
-
-def frame_error(frame: Frame) -> ApiError:
-    status = frame.status if 400 <= frame.status < 600 else 502
-    return ApiError(status, frame.message or f"upstream error (status {frame.status})")
 
 
 def router_unavailable() -> ApiError:
@@ -133,13 +126,20 @@ class Relay:
         stream: bool,
         token_ids: list[int] | None,
         prompt_tokens: int,
+        exclude: list[str] | None = None,
+        session_ids: list[str] | None = None,
     ) -> Exchange:
-        """Ask the router to place the request; raises ``ApiError`` when it is not placed."""
+        """Ask the router to place the request (on none of ``exclude``); ``ApiError`` when it is not placed.
+
+        ``session_ids``: every value of the client's session header, in order, unmodified (the
+        router validates them). Each attempt gets its own inbox subject and a fresh deadline.
+        """
         subject, box = self.inbox.open()
         data = encode(RouteRequest(
             request_id=request_id, model=model, endpoint=endpoint, body=body, stream=stream,
             reply_subject=subject, prompt_tokens=prompt_tokens, token_ids=token_ids,
-            deadline=time.time() + self.deadline_in(stream),
+            deadline=time.time() + self.deadline_in(stream), exclude=list(exclude or ()),
+            session_ids=list(session_ids or ()),
         ))
         if len(data) > self._nc.max_payload:
             self.inbox.release(subject)
@@ -155,7 +155,13 @@ class Relay:
         except asyncio.CancelledError:  # the client left while the router decides: cancel once placed
             self.spawn(self._cancel_when_routed(subject, box, request_id))
             raise
-        except (_NoRouter, TimeoutError, OSError) as exc:
+        except _NoRouter:  # nobody received the request: trying again cannot run it twice
+            self.inbox.release(subject)
+            self.metrics.route_errors.labels("503").inc()
+            log.warning("router_unavailable", request_id=request_id, error="no responders")
+            raise RetryableError(503, "router unavailable", type="service_unavailable_error",
+                                 reason=NO_ROUTER) from None
+        except (TimeoutError, OSError) as exc:
             self.inbox.release(subject)
             self.metrics.route_errors.labels("503").inc()
             log.warning("router_unavailable", request_id=request_id, error=repr(exc))
@@ -216,140 +222,3 @@ class Relay:
             self.inbox.release(subject)
         if reply.status == 200 and reply.worker_id:
             self.publish_cancel(reply.worker_id, request_id, "client_disconnect")
-
-
-class Exchange:
-    """One placed request: its frames, in order, until ``end``, ``error`` or a final ``head``."""
-
-    __slots__ = ("_relay", "request_id", "worker_id", "_subject", "_box", "stream", "endpoint", "done",
-                 "_closed", "_cancelled", "_error", "_expected_tokens")
-
-    def __init__(
-        self, relay: Relay, request_id: str, worker_id: str, subject: str, box: Mailbox, stream: bool,
-        endpoint: Endpoint, expected_tokens: int | None = None,
-    ) -> None:
-        self._relay = relay
-        self._expected_tokens = expected_tokens  # the frontend's prompt count; None once checked or unknown
-        self.request_id = request_id
-        self.worker_id = worker_id
-        self._subject = subject
-        self._box = box
-        self.stream = stream
-        self.endpoint = endpoint
-        self.done = False
-        self._closed = False
-        self._cancelled = False
-        self._error: ApiError | None = None  # an error frame met after payloads not yet returned
-
-    def close(self) -> None:
-        """Stop receiving frames (always call, e.g. in ``finally``)."""
-        if not self._closed:
-            self._closed = True
-            self._relay.inbox.release(self._subject)
-
-    def cancel(self, reason: str) -> None:
-        """Tell the worker to abort this request (at most once; nothing once the response ended)."""
-        if not self._cancelled and not self.done:
-            self._cancelled = True
-            self._relay.publish_cancel(self.worker_id, self.request_id, reason)
-
-    async def _next(self) -> Frame:
-        box = self._box
-        if box.empty():
-            try:
-                msg = await box.get(self._relay.upstream_timeout)
-            except TimeoutError:
-                self._relay.metrics.upstream_timeouts.labels(self.endpoint.value).inc()
-                self.cancel("upstream_timeout")
-                raise ApiError(
-                    504, f"the engine sent nothing for {self._relay.upstream_timeout:g}s; request cancelled",
-                    type="timeout_error",
-                ) from None
-        else:
-            msg = box.get_nowait()
-        try:
-            return decode(Frame, msg.data)
-        except ValueError as exc:
-            self._relay.metrics.bad_frames.inc()
-            self.cancel("bad_frame")
-            log.error("bad_frame", request_id=self.request_id, worker_id=self.worker_id, error=str(exc))
-            raise ApiError(502, "the worker sent an unreadable response frame") from None
-
-    def _check(self, payload: bytes) -> None:
-        expected = self._expected_tokens
-        if expected is not None and self._relay.check_usage(self.worker_id, self.request_id, expected, payload):
-            self._expected_tokens = None  # one check per request
-
-    async def head(self) -> tuple[int, bytes | None]:
-        """The engine's status and, unless a stream follows, the whole body (``None`` for a stream).
-
-        Error statuses (>= 400) come with the body in the OpenAI error shape.
-        """
-        frame = await self._next()
-        if frame.kind == "error":
-            self.done = True
-            raise frame_error(frame)
-        if frame.kind != "head":
-            self._relay.metrics.bad_frames.inc()
-            self.cancel("bad_frame")
-            raise ApiError(502, f"the worker sent a '{frame.kind}' frame before the response head")
-        status = frame.status
-        if frame.final:  # the whole answer (possibly an empty body): nothing follows
-            body = frame.body
-        elif self.stream and status < 400 and not frame.body:
-            return status, None  # a stream follows (a head with a body: the engine answered without SSE)
-        else:
-            body = frame.body or await self._collect()
-        self.done = True
-        if status >= 400:
-            body = normalize_error(status, body)
-        elif body:
-            self._check(body)
-        return status, body
-
-    async def _collect(self) -> bytes:
-        """A body sent as data frames after an empty head."""
-        parts: list[bytes] = []
-        while True:
-            frame = await self._next()
-            if frame.kind == "data":
-                if frame.body != DONE_PAYLOAD:
-                    parts.append(frame.body)
-            elif frame.kind == "end":
-                return b"".join(parts)
-            elif frame.kind == "error":
-                self.done = True
-                raise frame_error(frame)
-
-    async def read(self) -> list[bytes]:
-        """The next SSE payloads of a stream (at least one, or none once ``done``).
-
-        Raises ``ApiError`` for an error frame or a timeout mid-stream.
-        """
-        if self._error is not None:
-            err, self._error = self._error, None
-            self.done = True
-            raise err
-        out: list[bytes] = []
-        box = self._box
-        while not self.done:
-            frame = await self._next()
-            kind = frame.kind
-            if kind == "data":
-                if frame.body != DONE_PAYLOAD:
-                    out.append(frame.body)
-                    if self._expected_tokens is not None:
-                        self._check(frame.body)
-            elif kind == "end":
-                self.done = True
-            elif kind == "error":
-                if not out:
-                    self.done = True
-                    raise frame_error(frame)
-                self._error = frame_error(frame)  # raised by the next call, after these payloads
-                break
-            else:
-                self._relay.metrics.bad_frames.inc()
-            if out and box.empty():
-                break
-        return out

@@ -70,7 +70,8 @@ class Frontend:
         await self.inbox.start()
         self.relay = Relay(self.nc, self.inbox, self.metrics, route_timeout=s.route_timeout,
                            upstream_timeout=s.upstream_timeout, request_timeout=s.request_timeout)
-        pipeline = Pipeline(tokenizer, self.models, self.relay, self.metrics, s.max_body_bytes)
+        pipeline = Pipeline(tokenizer, self.models, self.relay, self.metrics, s.max_body_bytes,
+                            max_retries=s.request_max_retries)
         http = HttpApi(pipeline, self.watcher.view, self.metrics, self.not_ready)
         self._runner = web.AppRunner(
             http.build(s.max_body_bytes),

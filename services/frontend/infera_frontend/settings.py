@@ -42,6 +42,12 @@ class FrontendSettings(PlaneSettings, LogSettings):
     route_timeout: float = Field(
         5.0, gt=0, description="Seconds to wait for the router's answer; then the client gets 503 'router unavailable'."
     )
+    request_max_retries: int = Field(
+        1, ge=0, le=10,
+        description="How many more workers a request is tried on when it fails before its first byte reached "
+        "the client (worker-agent 502/503/504, engine 429/502/503/504, no frame within --upstream-timeout, "
+        "no router subscribed); never once a token was sent, never for other 4xx or cancellations. 0: no retry.",
+    )
     frontend_id: str | None = Field(
         None, pattern=TOKEN_RE.pattern,
         description="This frontend's id (letters, digits, '_', '-'); names its reply inbox. Default: generated.",

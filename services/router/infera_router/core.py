@@ -15,6 +15,8 @@ from infera_common.schemas import LoadReport, OverlapQuery, Role, RouteRequest
 from infera_router.inflight_blocks import InflightBlocks
 from infera_router.kv_view import KvView, kv_query
 from infera_router.leases import Lease, LeaseTable
+from infera_router.session_pins import Held, SessionPins
+from infera_router.sessions import SessionTable
 from infera_router.policy import Policy
 from infera_router.policy_kv_aware import WorkerCost
 from infera_router.state import FleetState, WorkerState
@@ -29,6 +31,8 @@ class Plan:
     order: list[WorkerState] = field(default_factory=list)
     costs: list[WorkerCost] | None = None  # the policy's cost breakdown, same order (kv-aware only)
     decode: list[WorkerState] = field(default_factory=list)  # disaggregated: decode workers; order = prefill
+    session: str | None = None  # the request's session id (affinity on and the header given)
+    held: Held = field(default_factory=dict)  # session bindings found for this request, per role
 
     @property
     def disaggregated(self) -> bool:
@@ -36,8 +40,11 @@ class Plan:
 
 
 class RouterCore:
-    def __init__(self, policy: Policy, lease_prefix: str, lease_max_age: float) -> None:
+    def __init__(self, policy: Policy, lease_prefix: str, lease_max_age: float,
+                 sessions: SessionTable | None = None) -> None:
         self.policy = policy
+        self.sessions = SessionPins(sessions)
+        self.clock = 0.0  # the latest monotonic time seen (session idle times start from it)
         self.fleet = FleetState()
         self.leases = LeaseTable(lease_prefix)
         self.inflight = InflightBlocks()
@@ -83,7 +90,28 @@ class RouterCore:
         cands = self.candidates(request)
         return kv_query(cands.order, request) if cands.status == 200 else None
 
-    def plan(self, request: RouteRequest, kv: KvView | None = None) -> Plan:
+    def plan(self, request: RouteRequest, kv: KvView | None = None, now: float | None = None) -> Plan:
+        """Rank the candidates; with session affinity, the session's bound targets go first.
+        Raises ``SessionIdError`` for a session header the affinity mode refuses."""
+        session = self.sessions.session_id(request)
+        plan = self._rank(request, kv)
+        if plan.status != 200 or session is None:
+            return plan
+        self.clock = now if now is not None else self.clock
+        plan.session = session
+        pin = self.sessions.pin
+        first_role = Role.PREFILL if plan.disaggregated else Role.AGGREGATED
+        order = pin(request.model, session, first_role, plan.order, plan.held, self.clock)
+        if order is not plan.order:
+            if plan.costs is not None:  # keep the breakdown in the same order
+                by_id = {c.worker_id: c for c in plan.costs}
+                plan.costs = [by_id[w.worker_id] for w in order]
+            plan.order = order
+        if plan.disaggregated:
+            plan.decode = pin(request.model, session, Role.DECODE, plan.decode, plan.held, self.clock)
+        return plan
+
+    def _rank(self, request: RouteRequest, kv: KvView | None) -> Plan:
         plan = self.candidates(request)
         if plan.status != 200:
             return plan
@@ -119,12 +147,17 @@ class RouterCore:
 
     # --- leases --------------------------------------------------------------------------
     def acquire(self, worker: WorkerState, request: RouteRequest, now: float, cached_tokens: int = 0,
-                hashes: list[int] | None = None) -> Lease:
+                hashes: list[int] | None = None, plan: Plan | None = None) -> Lease:
         """Take a lease on ``worker`` for ``request`` (before publishing the work). ``now`` is monotonic;
         ``cached_tokens`` of the prompt are already cached there (the policy's view): not prefill work;
-        ``hashes`` are the prompt's block hashes at the worker's block size (in flight until released)."""
+        ``hashes`` are the prompt's block hashes at the worker's block size (in flight until released);
+        ``plan`` (when it carries a session) binds the session's leg to this worker."""
+        self.clock = now
         prefill = max(0, request.prompt_tokens - cached_tokens)
         lease = self.leases.acquire(worker.worker_id, request.request_id, request.prompt_tokens, now, prefill)
+        if plan is not None and plan.session is not None:
+            role = worker.record.role
+            self.sessions.attach(lease, worker, request, plan.session, role, plan.held, now)
         if hashes:
             lease.hashes = hashes
             self.inflight.add(worker.worker_id, hashes)
@@ -147,21 +180,29 @@ class RouterCore:
             worker.decode_tokens += lease.prompt_tokens
         return lease
 
-    def release(self, lease_id: str) -> Lease | None:
-        """Drop one lease (released by the agent, or its publish was refused); None if unknown."""
+    def release(self, lease_id: str, outcome: str | None = None) -> Lease | None:
+        """Drop one lease (released by the agent with ``outcome``, or its publish was refused); None if
+        unknown. An ``error`` outcome also invalidates the session binding the lease carried."""
         lease = self.leases.release(lease_id)
         if lease is not None:
-            self._unaccount(lease)
+            self._unaccount(lease, outcome)
         return lease
+
+    def discard(self, plan: Plan) -> None:
+        """The request is answered: session bindings it found but did not use are released."""
+        if plan.held:
+            self.sessions.discard(plan.held, self.clock)
 
     def expire(self, now: float) -> list[Lease]:
         """The safety net: drop leases older than the max lease age (their release was lost)."""
+        self.clock = now
         dropped = self.leases.expire(now, self.lease_max_age)
         for lease in dropped:
             self._unaccount(lease)
         return dropped
 
-    def _unaccount(self, lease: Lease) -> None:
+    def _unaccount(self, lease: Lease, outcome: str | None = None) -> None:
+        self.sessions.end(lease, outcome, self.clock)
         self.inflight.remove(lease.worker_id, lease.hashes)
         worker = self.fleet.get(lease.worker_id)
         if worker is not None:
@@ -178,7 +219,10 @@ class RouterCore:
         self.fleet.apply(change)
         if change.kind == "leave":
             self.inflight.drop_worker(change.record.worker_id)
-            return self.leases.drop_worker(change.record.worker_id)
+            dropped = self.leases.drop_worker(change.record.worker_id)
+            for lease in dropped:  # the session keeps its binding: the next lookup falls back
+                self.sessions.end(lease, None, self.clock)
+            return dropped
         return []
 
     def apply_load(self, report: LoadReport) -> bool:

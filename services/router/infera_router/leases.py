@@ -20,6 +20,7 @@ class Lease:
     prefill_tokens: int = 0  # of those, the ones not cached on the worker when it was picked
     prefilled: bool = False  # the worker said its first token went out: it only decodes now
     hashes: list[int] = field(default_factory=list)  # the prompt's block hashes at the worker's block size
+    binding: object | None = None  # the session binding this leg holds (sessions.Binding), if any
 
 
 class LeaseTable:

@@ -85,7 +85,7 @@ class PdFlow:
             if plan.costs is not None:
                 cached = plan.costs[i].matched_blocks * plan.costs[i].block_size
             lease = self._core.acquire(prefill, request, time.monotonic(), cached,
-                                       hashes.get(prefill.record.kv_block_size or 0))
+                                       hashes.get(prefill.record.kv_block_size or 0), plan)
             self._on_release(lease)  # the gauge follows the lease count
             self.pairs.start(request.request_id, lease.lease_id, prefill.worker_id)
             waiter = asyncio.get_running_loop().create_future() if protocol.sequential else None
@@ -110,19 +110,20 @@ class PdFlow:
                                 None, None)
                     return
             decode_body = json.dumps(protocol.decode_body(body, prefill.record, ctx)).encode()
-            await self._send_decode(request, plan.decode, lease, decode_body, reply)
+            await self._send_decode(request, plan, lease, decode_body, reply)
             return
         if full:
             await reply(429, f"all prefill workers of model {request.model!r} are at their pending limit", None, None)
         else:
             await reply(503, f"no prefill worker of model {request.model!r} could take the request", None, None)
 
-    async def _send_decode(self, request: RouteRequest, decoders: list[WorkerState], prefill_lease: Lease,
+    async def _send_decode(self, request: RouteRequest, plan: Plan, prefill_lease: Lease,
                            body: bytes, reply: Reply) -> None:
         full = 0
-        for worker in decoders:
+        for worker in plan.decode:
             # the decode leg computes no prompt (its KV arrives from the prefill) but holds it
-            lease = self._core.acquire(worker, request, time.monotonic(), cached_tokens=request.prompt_tokens)
+            lease = self._core.acquire(worker, request, time.monotonic(), cached_tokens=request.prompt_tokens,
+                                       plan=plan)
             self._on_release(lease)
             env = WorkEnvelope(
                 request_id=request.request_id, endpoint=request.endpoint, body=body, stream=request.stream,
@@ -202,7 +203,7 @@ class PdFlow:
     async def execute(self, actions: list[Action]) -> None:
         for action in actions:
             if action.kind == "release":
-                lease = self._core.release(action.lease_id)
+                lease = self._core.release(action.lease_id, action.outcome)
                 if lease is not None:
                     self._on_release(lease)
             else:

@@ -29,6 +29,7 @@ class Action:
     lease_id: str  # the leg's lease (release: drop it; cancel: the leg to stop)
     worker_id: str
     request_id: str
+    outcome: str | None = None  # release: how the leg ended, when known ("error" invalidates its session pin)
 
 
 @dataclass(slots=True)
@@ -87,7 +88,7 @@ class PdPairs:
             return []
         pair.prefill.ended = True
         if not ok:
-            return self._fail(pair, failed=pair.prefill)
+            return self._fail(pair, failed=pair.prefill, outcome="error")
         if self.guard == "completion":
             return self._release(pair, pair.prefill)
         return []
@@ -102,14 +103,14 @@ class PdPairs:
             already = leg.ended
             leg.ended = True
             if outcome != "ok":
-                return self._fail(pair, failed=leg)
+                return self._fail(pair, failed=leg, outcome=outcome)
             if self.guard == "completion" or already and pair.decode is not None and pair.decode.ended:
                 return self._release(pair, leg)
             return []
         # the decode leg ended, whatever its outcome: the pair is over
         assert pair.decode is not None
         pair.decode.ended = True
-        actions = self._release(pair, pair.decode)
+        actions = self._release(pair, pair.decode, outcome)
         if not pair.prefill.ended:
             actions += self._stop(pair, pair.prefill)
         else:
@@ -141,7 +142,7 @@ class PdPairs:
         return len({id(p) for p in self._by_lease.values()})
 
     # --- internals ---------------------------------------------------------------------------
-    def _fail(self, pair: Pair, failed: Leg | None) -> list[Action]:
+    def _fail(self, pair: Pair, failed: Leg | None, outcome: str | None = None) -> list[Action]:
         """One leg failed (or its worker left): stop every other leg still running, release all."""
         actions: list[Action] = []
         for leg in (pair.prefill, pair.decode):
@@ -150,7 +151,7 @@ class PdPairs:
             if leg is not failed and not leg.ended:
                 actions += self._stop(pair, leg)
             else:
-                actions += self._release(pair, leg)
+                actions += self._release(pair, leg, outcome if leg is failed else None)
         self._forget(pair)
         return actions
 
@@ -159,11 +160,11 @@ class PdPairs:
         return [Action("cancel", leg.lease_id, leg.worker_id, pair.request_id), *self._release(pair, leg)]
 
     @staticmethod
-    def _release(pair: Pair, leg: Leg) -> list[Action]:
+    def _release(pair: Pair, leg: Leg, outcome: str | None = None) -> list[Action]:
         if leg.released:
             return []
         leg.released = True
-        return [Action("release", leg.lease_id, leg.worker_id, pair.request_id)]
+        return [Action("release", leg.lease_id, leg.worker_id, pair.request_id, outcome)]
 
     def _forget(self, pair: Pair) -> None:
         for leg in (pair.prefill, pair.decode):

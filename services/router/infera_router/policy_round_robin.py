@@ -9,7 +9,7 @@ from infera_router.state import WorkerState
 
 
 class RoundRobin:
-    """Rotation per model over the candidates in worker-id order.
+    """Rotation per model and pool (aggregated, prefill, decode) over the candidates in worker-id order.
 
     Request k of a model starts at candidate ``k mod n`` and falls back to the following ones
     in order (wrapping around), so refusals by full workers do not disturb the rotation.
@@ -19,11 +19,11 @@ class RoundRobin:
     needs_kv = False
 
     def __init__(self) -> None:
-        self._turn: dict[str, int] = {}
+        self._turn: dict[tuple[str, str], int] = {}
 
     def rank(self, candidates: list[WorkerState], request: RouteRequest, kv: KvView | None = None) -> list[str]:
         n = len(candidates)
-        turn = self._turn.get(request.model, 0)
-        start = turn % n
-        self._turn[request.model] = start + 1
+        key = (request.model, candidates[0].record.role.value)  # a pool's candidates share one role
+        start = self._turn.get(key, 0) % n
+        self._turn[key] = start + 1
         return [w.worker_id for w in candidates[start:]] + [w.worker_id for w in candidates[:start]]

@@ -33,7 +33,7 @@ from infera_common.subjects import (
     work_subject,
 )
 
-from infera_router.core import RouterCore
+from infera_router.core import Plan, RouterCore
 from infera_router.jetstream import AckedPublisher, PubResult
 from infera_router.kv_client import KvClient
 from infera_router.kv_view import KvView
@@ -43,6 +43,7 @@ from infera_router.pd_flow import PdFlow
 from infera_router.pd_pairs import PdPairs
 from infera_router.policies import create_policy
 from infera_router.policy_kv_aware import WorkerCost
+from infera_router.sessions import SessionIdError, SessionTable
 from infera_router.settings import RouterSettings
 from infera_router.state import WorkerState
 
@@ -63,6 +64,7 @@ class Routing:
     order: list[WorkerState]  # candidates, most preferred first
     t0: float  # perf_counter at arrival
     tried: int = 0
+    plan: Plan | None = None
     costs: list[WorkerCost] | None = None  # the kv-aware breakdown, in ``order``'s order
     hashes: dict[int, list[int]] = field(default_factory=dict)  # the prompt's block hashes per block size
     lease: Lease | None = None
@@ -78,7 +80,8 @@ class RouterService:
         self.release_subject = router_release_subject(self.router_id)
         self.metrics = metrics or RouterMetrics()
         policy = create_policy(settings.router_policy, settings.kv_overlap_weight, settings.kv_decode_weight)
-        self.core = RouterCore(policy, self.router_id, settings.lease_max_age)
+        self.core = RouterCore(policy, self.router_id, settings.lease_max_age,
+                               SessionTable(settings.session_affinity, settings.session_affinity_ttl_seconds))
         self.pairs = PdPairs(settings.pd_prefill_guard_release)
         self._pd: PdFlow | None = None
         self._kv: KvClient | None = None
@@ -197,7 +200,7 @@ class RouterService:
             if self._pd is not None:
                 await self._pd.execute(self.pairs.released(release.lease_id, release.outcome))
             return
-        lease = self.core.release(release.lease_id)
+        lease = self.core.release(release.lease_id, release.outcome)
         if lease is None:
             self.metrics.unknown_releases.inc()
             log.debug("release_unknown_lease", lease_id=release.lease_id, worker_id=release.worker_id)
@@ -219,7 +222,10 @@ class RouterService:
         interval = max(0.05, min(5.0, self.settings.lease_max_age / 10))
         while True:
             await asyncio.sleep(interval)
-            dropped = self.core.expire(time.monotonic())
+            now = time.monotonic()
+            self.core.sessions.table.expire(now)
+            self.metrics.set_session_stats(self.core.sessions.table.stats())
+            dropped = self.core.expire(now)
             if not dropped:
                 continue
             self.metrics.leases_dropped.labels("max_age").inc(len(dropped))
@@ -276,8 +282,12 @@ class RouterService:
                                                   router_id=self.router_id), t0)
 
     async def _route(self, request: RouteRequest, reply_to: str, t0: float, kv: KvView | None) -> None:
-        plan = self.core.plan(request, kv)
-        routing = Routing(request, reply_to, plan.order, t0)
+        try:
+            plan = self.core.plan(request, kv, time.monotonic())
+        except SessionIdError as exc:
+            await self._send(reply_to, RouteReply(status=400, message=str(exc), router_id=self.router_id), t0)
+            return
+        routing = Routing(request, reply_to, plan.order, t0, plan=plan)
         if plan.status != 200:
             await self._reply(routing, plan.status, plan.message)
             return
@@ -331,7 +341,7 @@ class RouterService:
             cost = r.costs[r.tried - 1]
             cached = cost.matched_blocks * cost.block_size
         hashes = r.hashes.get(worker.record.kv_block_size or 0)
-        lease = r.lease = self.core.acquire(worker, request, time.monotonic(), cached, hashes)
+        lease = r.lease = self.core.acquire(worker, request, time.monotonic(), cached, hashes, r.plan)
         self.metrics.set_leases(worker.worker_id, worker.in_flight)
         try:
             data = encode(WorkEnvelope(
@@ -403,6 +413,8 @@ class RouterService:
     async def _reply(self, r: Routing, status: int, message: str = "",
                      worker_id: str | None = None, lease_id: str | None = None) -> None:
         request = r.request
+        if r.plan is not None:
+            self.core.discard(r.plan)
         self.metrics.routed_inc(request.model, worker_id or "", status)
         if status != 200:
             (log.debug if status == 429 else log.info)(

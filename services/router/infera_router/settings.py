@@ -48,6 +48,16 @@ class RouterSettings(PlaneSettings, LogSettings):
         "completion: as soon as the prefill's complete answer has been drained. A failed or cancelled "
         "prefill is released at once either way.",
     )
+    session_affinity: Literal["off", "prefill", "both"] = Field(
+        "off",
+        description="Keep a client session (header X-Dynamo-Session-ID) on its worker: off; prefill (the "
+        "prefill or aggregated worker is kept, decode chosen per request); both (prefill, decode and "
+        "aggregated targets kept, each on its own). Requests without the header route normally.",
+    )
+    session_affinity_ttl_seconds: float = Field(
+        3600.0, ge=1, le=86400,
+        description="Seconds a session binding survives without a request in flight (1 to 86400).",
+    )
     lease_max_age: float = Field(
         900.0, gt=0,
         description="Seconds after which a lease whose release never arrived is dropped (and counted).",

@@ -1,0 +1,191 @@
+"""One placed request attempt: the worker's frames, in order, turned into a status, a body or SSE payloads.
+
+``start()`` waits for the engine's status and, unless streaming, the whole body; for a stream it
+also waits for the first payloads, so that nothing reaches the client before the first token (a
+failure until then may still be retried on another worker: ``failover.py``). ``read()`` returns
+the next payloads of a stream. Timeouts and error frames surface as ``ApiError`` (``RetryableError``
+when another worker may do better); ``cancel()`` publishes ``Cancel`` to the worker.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from infera_common.logs import get_logger
+from infera_common.openai_errors import normalize_error
+from infera_common.schemas import Endpoint, Frame, decode
+
+from infera_frontend.failover import UPSTREAM_TIMEOUT, RetryableError, worker_error_reason
+from infera_frontend.inbox import Mailbox
+from infera_frontend.validation import ApiError
+
+if TYPE_CHECKING:
+    from infera_frontend.relay import Relay
+
+log = get_logger("frontend.relay")
+
+DONE_PAYLOAD = b"[DONE]"
+
+
+def frame_error(frame: Frame) -> ApiError:
+    """The client's error for a worker-agent ``error`` frame (retryable for 502/503/504)."""
+    status = frame.status if 400 <= frame.status < 600 else 502
+    message = frame.message or f"upstream error (status {frame.status})"
+    reason = worker_error_reason(status)
+    if reason is not None:
+        return RetryableError(status, message, reason=reason)
+    return ApiError(status, message)
+
+
+class Exchange:
+    """One placed request: its frames, in order, until ``end``, ``error`` or a final ``head``."""
+
+    __slots__ = ("_relay", "request_id", "worker_id", "_subject", "_box", "stream", "endpoint", "done",
+                 "_closed", "_cancelled", "_error", "_expected_tokens", "status", "body", "_first")
+
+    def __init__(
+        self, relay: Relay, request_id: str, worker_id: str, subject: str, box: Mailbox, stream: bool,
+        endpoint: Endpoint, expected_tokens: int | None = None,
+    ) -> None:
+        self._relay = relay
+        self._expected_tokens = expected_tokens  # the frontend's prompt count; None once checked or unknown
+        self.request_id = request_id
+        self.worker_id = worker_id
+        self._subject = subject
+        self._box = box
+        self.stream = stream
+        self.endpoint = endpoint
+        self.done = False
+        self._closed = False
+        self._cancelled = False
+        self._error: ApiError | None = None  # an error frame met after payloads not yet returned
+        self.status = 0  # the engine's status, once started
+        self.body: bytes | None = None  # the whole answer once started, None for a stream
+        self._first: list[bytes] = []  # a stream's first payloads, read by start()
+
+    def close(self) -> None:
+        """Stop receiving frames (always call, e.g. in ``finally``)."""
+        if not self._closed:
+            self._closed = True
+            self._relay.inbox.release(self._subject)
+
+    def cancel(self, reason: str) -> None:
+        """Tell the worker to abort this request (at most once; nothing once the response ended)."""
+        if not self._cancelled and not self.done:
+            self._cancelled = True
+            self._relay.publish_cancel(self.worker_id, self.request_id, reason)
+
+    async def _next(self) -> Frame:
+        box = self._box
+        if box.empty():
+            try:
+                msg = await box.get(self._relay.upstream_timeout)
+            except TimeoutError:
+                self._relay.metrics.upstream_timeouts.labels(self.endpoint.value).inc()
+                self.cancel("upstream_timeout")
+                raise RetryableError(
+                    504, f"the engine sent nothing for {self._relay.upstream_timeout:g}s; request cancelled",
+                    type="timeout_error", reason=UPSTREAM_TIMEOUT,
+                ) from None
+        else:
+            msg = box.get_nowait()
+        try:
+            return decode(Frame, msg.data)
+        except ValueError as exc:
+            self._relay.metrics.bad_frames.inc()
+            self.cancel("bad_frame")
+            log.error("bad_frame", request_id=self.request_id, worker_id=self.worker_id, error=str(exc))
+            raise ApiError(502, "the worker sent an unreadable response frame") from None
+
+    def _check(self, payload: bytes) -> None:
+        expected = self._expected_tokens
+        if expected is not None and self._relay.check_usage(self.worker_id, self.request_id, expected, payload):
+            self._expected_tokens = None  # one check per request
+
+    async def start(self) -> tuple[int, bytes | None]:
+        """The engine's status and whole body (``None`` for a stream, whose first payloads are then read).
+
+        Nothing has reached the client when this returns or raises: a stream's status line waits for
+        its first token, so a failure before it may still be retried elsewhere.
+        """
+        self.status, self.body = await self.head()
+        if self.body is None:
+            self._first = await self.read()
+        return self.status, self.body
+
+    async def head(self) -> tuple[int, bytes | None]:
+        """The engine's status and, unless a stream follows, the whole body (``None`` for a stream).
+
+        Error statuses (>= 400) come with the body in the OpenAI error shape.
+        """
+        frame = await self._next()
+        if frame.kind == "error":
+            self.done = True
+            raise frame_error(frame)
+        if frame.kind != "head":
+            self._relay.metrics.bad_frames.inc()
+            self.cancel("bad_frame")
+            raise ApiError(502, f"the worker sent a '{frame.kind}' frame before the response head")
+        status = frame.status
+        if frame.final:  # the whole answer (possibly an empty body): nothing follows
+            body = frame.body
+        elif self.stream and status < 400 and not frame.body:
+            return status, None  # a stream follows (a head with a body: the engine answered without SSE)
+        else:
+            body = frame.body or await self._collect()
+        self.done = True
+        if status >= 400:
+            body = normalize_error(status, body)
+        elif body:
+            self._check(body)
+        return status, body
+
+    async def _collect(self) -> bytes:
+        """A body sent as data frames after an empty head."""
+        parts: list[bytes] = []
+        while True:
+            frame = await self._next()
+            if frame.kind == "data":
+                if frame.body != DONE_PAYLOAD:
+                    parts.append(frame.body)
+            elif frame.kind == "end":
+                return b"".join(parts)
+            elif frame.kind == "error":
+                self.done = True
+                raise frame_error(frame)
+
+    async def read(self) -> list[bytes]:
+        """The next SSE payloads of a stream (at least one, or none once ``done``).
+
+        Raises ``ApiError`` for an error frame or a timeout mid-stream.
+        """
+        if self._first:
+            out, self._first = self._first, []
+            return out
+        if self._error is not None:
+            err, self._error = self._error, None
+            self.done = True
+            raise err
+        out: list[bytes] = []
+        box = self._box
+        while not self.done:
+            frame = await self._next()
+            kind = frame.kind
+            if kind == "data":
+                if frame.body != DONE_PAYLOAD:
+                    out.append(frame.body)
+                    if self._expected_tokens is not None:
+                        self._check(frame.body)
+            elif kind == "end":
+                self.done = True
+            elif kind == "error":
+                if not out:
+                    self.done = True
+                    raise frame_error(frame)
+                self._error = frame_error(frame)  # raised by the next call, after these payloads
+                break
+            else:
+                self._relay.metrics.bad_frames.inc()
+            if out and box.empty():
+                break
+        return out

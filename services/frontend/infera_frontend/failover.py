@@ -1,0 +1,75 @@
+"""Which failed attempts of a request are tried again on another worker. Pure, no I/O.
+
+A request is retried only while the client has received nothing from it (no status line, no byte,
+no NATS reply), and only for failures another worker may not have:
+
+- an ``error`` frame from the worker-agent with status 502 (engine unreachable, connection lost or
+  timed out, engine exited), 503 (worker draining, stopping, or its engine gone) or 504 (deadline
+  passed before or while the engine answered): reason ``worker_<status>``;
+- an engine answer (a ``head``) with status 429 (engine overloaded), 502, 503 or 504: reason
+  ``engine_<status>``;
+- no frame within ``--upstream-timeout`` before the first token: reason ``upstream_timeout`` (the
+  worker has been sent a ``Cancel``);
+- NATS "no responders" for the route request (no router subscribed): reason ``no_router``; nobody
+  received the request, so it cannot run twice.
+
+Never retried: any other 4xx (the client's request is at fault; 499 is the requester's own cancel,
+409 a duplicate request id), 500 (agent or engine bug), unreadable frames, a router refusal (the
+router already chose among every worker of the model), a route request that timed out (the router
+may have placed it: a retry could run it twice), and anything after the first data frame.
+"""
+
+from __future__ import annotations
+
+from infera_frontend.validation import ApiError
+
+#: Statuses that say "this worker cannot answer now", not "this request is wrong".
+RETRYABLE_WORKER_STATUSES = frozenset({502, 503, 504})
+RETRYABLE_ENGINE_STATUSES = frozenset({429, 502, 503, 504})
+
+UPSTREAM_TIMEOUT = "upstream_timeout"
+NO_ROUTER = "no_router"
+
+
+class RetryableError(ApiError):
+    """A failure that another attempt on another worker may not meet; ``reason`` labels it."""
+
+    def __init__(self, status: int, message: str, *, reason: str, **kw) -> None:
+        super().__init__(status, message, **kw)
+        self.reason = reason
+
+
+def worker_error_reason(status: int) -> str | None:
+    """The retry reason of a worker-agent ``error`` frame, or None when it is final."""
+    return f"worker_{status}" if status in RETRYABLE_WORKER_STATUSES else None
+
+
+def engine_status_reason(status: int) -> str | None:
+    """The retry reason of an engine's answer with ``status``, or None when it is final."""
+    return f"engine_{status}" if status in RETRYABLE_ENGINE_STATUSES else None
+
+
+def retry_reason(err: ApiError) -> str | None:
+    return err.reason if isinstance(err, RetryableError) else None
+
+
+class Attempts:
+    """The attempts of one request: the workers tried, and whether one more attempt may follow."""
+
+    __slots__ = ("max_retries", "retries", "tried")
+
+    def __init__(self, max_retries: int) -> None:
+        self.max_retries = max_retries
+        self.retries = 0
+        self.tried: list[str] = []
+
+    def tried_on(self, worker_id: str) -> None:
+        if worker_id not in self.tried:
+            self.tried.append(worker_id)
+
+    def retry(self, reason: str | None) -> bool:
+        """True (and one retry spent) when a failure with ``reason`` gets another attempt."""
+        if reason is None or self.retries >= self.max_retries:
+            return False
+        self.retries += 1
+        return True

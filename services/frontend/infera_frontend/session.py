@@ -1,0 +1,24 @@
+"""The client's session header (opt-in session affinity): read every value, change none. Pure, no I/O.
+
+The frontend never interprets the id and never adds it to the model input: it hands all the values
+it received, in order, to the router (``RouteRequest.session_ids``), which validates them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+#: The header clients send (HTTP header, or NATS message header on the NATS API).
+SESSION_HEADER = "X-Dynamo-Session-ID"
+_LOWER = SESSION_HEADER.lower()
+
+
+def nats_session_ids(headers: Mapping[str, str] | None) -> list[str]:
+    """The session header's values in NATS message headers (names compared without case).
+
+    The Python NATS client keeps one value per header name, so a name repeated with the same
+    spelling arrives as its last value; spellings that differ in case arrive as several values.
+    """
+    if not headers:
+        return []
+    return [value for name, value in headers.items() if name.lower() == _LOWER]

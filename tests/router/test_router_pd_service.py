@@ -1,0 +1,209 @@
+"""Disaggregated serving and session affinity through the router service: real nats-server, fake
+workers (their work queues and discovery records), the router's own envelopes, releases and cancels."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from infera_common.schemas import Cancel, Frame, PdParams, Release, Role, decode, encode
+from infera_common.subjects import cancel_subject, router_release_subject
+
+from test_router_service import bench, eventually  # noqa: F401  (the fixture)
+
+SGLANG = PdParams(protocol="sglang-bootstrap", bootstrap_port=8998)
+
+
+async def pd_fleet(bench, protocol: PdParams = SGLANG) -> None:
+    await bench.worker("p1", role=Role.PREFILL, pd=protocol)
+    await bench.worker("d1", role=Role.DECODE, pd=protocol)
+
+
+async def cancels(bench, wid: str) -> list:
+    got: list[str] = []
+
+    async def on(msg):
+        got.append(decode(Cancel, msg.data).request_id)
+
+    await bench.nc.subscribe(cancel_subject(wid), cb=on)
+    await bench.nc.flush()
+    return got
+
+
+async def release(bench, lease_id: str, wid: str, outcome: str) -> None:
+    await bench.nc.publish(router_release_subject("rt1"), encode(Release(lease_id=lease_id, worker_id=wid, outcome=outcome)))
+
+
+def body(env) -> dict:
+    return json.loads(env.body)
+
+
+async def test_a_pair_gets_both_legs_with_the_same_room_and_the_client_reads_the_decode(bench):
+    await pd_fleet(bench)
+    reply = await bench.route(request_id="q1", prompt_tokens=10, body=b'{"prompt": "hi", "stream": true}', stream=True)
+    assert reply.status == 200 and reply.worker_id == "d1"
+    [pre], [dec] = await bench.pull("p1"), await bench.pull("d1")
+    assert body(pre)["bootstrap_room"] == body(dec)["bootstrap_room"]
+    assert (body(pre)["bootstrap_host"], body(pre)["bootstrap_port"]) == ("127.0.0.1", 8998)
+    assert pre.reply_subject.startswith("infera.router.pd.rt1.") and not pre.stream and body(pre)["stream"] is False
+    assert dec.reply_subject == "_INBOX.test.1" and dec.stream and dec.lease_id == reply.lease_id
+    assert bench.leases("p1") == bench.leases("d1") == 1
+    assert bench.metric("infera_router_pd_pairs_total") == 1
+
+
+async def test_hold_keeps_prefill_load_until_decode_finishes(bench):
+    await pd_fleet(bench)
+    reply = await bench.route(request_id="q1", prompt_tokens=10)
+    [pre] = await bench.pull("p1")
+    await bench.nc.publish(pre.reply_subject, encode(Frame(kind="head", seq=0, status=200, body=b"{}", final=True)))
+    await release(bench, pre.lease_id, "p1", "ok")
+    await eventually(lambda: bench.metric("infera_router_lease_releases_total", outcome="ok") >= 1)
+    assert bench.leases("p1") == 1  # held: the decode has not finished
+    await release(bench, reply.lease_id, "d1", "ok")
+    await eventually(lambda: bench.leases("p1") == 0 and bench.leases("d1") == 0)
+
+
+@pytest.mark.parametrize("bench", [{"pd_prefill_guard_release": "completion"}], indirect=True)
+async def test_completion_releases_prefill_load_when_its_answer_is_drained_not_on_headers(bench):
+    await pd_fleet(bench)
+    await bench.route(request_id="q1", prompt_tokens=10, stream=True)
+    [pre] = await bench.pull("p1")
+    await bench.nc.publish(pre.reply_subject, encode(Frame(kind="head", seq=0, status=200)))  # headers only
+    await bench.nc.flush()
+    await asyncio.sleep(0.2)  # the router has read the head frame
+    assert bench.leases("p1") == 1
+    await bench.nc.publish(pre.reply_subject, encode(Frame(kind="end", seq=1)))
+    await eventually(lambda: bench.leases("p1") == 0)
+    assert bench.leases("d1") == 1  # decode keeps its own
+
+
+async def test_a_failed_decode_cancels_the_prefill_leg_and_leaves_no_lease(bench):
+    await pd_fleet(bench)
+    stopped = await cancels(bench, "p1")
+    reply = await bench.route(request_id="q1", prompt_tokens=10)
+    await release(bench, reply.lease_id, "d1", "error")
+    await eventually(lambda: stopped == ["q1"])
+    assert bench.leases("p1") == bench.leases("d1") == 0
+    assert len(bench.router.pairs) == 0
+
+
+async def test_a_failed_prefill_drain_cancels_the_decode_leg(bench):
+    await pd_fleet(bench)
+    stopped = await cancels(bench, "d1")
+    await bench.route(request_id="q1", prompt_tokens=10)
+    [pre] = await bench.pull("p1")
+    await bench.nc.publish(pre.reply_subject, encode(Frame(kind="error", seq=0, status=500, message="boom")))
+    await eventually(lambda: stopped == ["q1"])
+    assert bench.leases("p1") == 0  # the failed prefill is released at once
+    assert bench.metric("infera_router_pd_leg_failures_total", leg="prefill") == 1
+
+
+async def test_a_vanished_decode_worker_stops_the_prefill_leg(bench):
+    await pd_fleet(bench)
+    stopped = await cancels(bench, "p1")
+    await bench.route(request_id="q1", prompt_tokens=10)
+    await bench.registrars.pop("d1").stop()
+    await eventually(lambda: stopped == ["q1"], timeout=15)
+    assert bench.leases("p1") == 0
+
+
+async def test_only_one_pool_is_503_naming_the_missing_one(bench):
+    await bench.worker("p1", role=Role.PREFILL, pd=SGLANG)
+    reply = await bench.route(request_id="q1")
+    assert reply.status == 503 and "no active decode worker" in reply.message
+
+
+async def test_vllm_pairs_send_the_decode_only_after_the_prefill_answered(bench):
+    vllm = PdParams(protocol="vllm-mooncake", bootstrap_host="10.1.1.1", bootstrap_port=8998, engine_id="e-p1")
+    await pd_fleet(bench, vllm)
+    route = bench.route(request_id="q1", prompt_tokens=10, body=b'{"prompt": "hi", "max_tokens": 9}')
+
+    pending = asyncio.create_task(route)
+    await eventually(lambda: bench.leases("p1") == 1)
+    assert bench.leases("d1") == 0 and not pending.done()
+    [pre] = await bench.pull("p1")
+    assert body(pre)["max_tokens"] == 1 and body(pre)["kv_transfer_params"]["do_remote_decode"] is True
+    await bench.nc.publish(pre.reply_subject, encode(Frame(kind="head", seq=0, status=200, body=b"{}", final=True)))
+    reply = await pending
+    assert reply.status == 200 and reply.worker_id == "d1"
+    [dec] = await bench.pull("d1")
+    params = body(dec)["kv_transfer_params"]
+    assert params["remote_engine_id"] == "e-p1" and params["remote_bootstrap_addr"] == "http://10.1.1.1:8998"
+    assert params["transfer_id"] == body(pre)["kv_transfer_params"]["transfer_id"] and body(dec)["max_tokens"] == 9
+
+
+# --- session affinity ----------------------------------------------------------------------------
+BOTH = {"session_affinity": "both"}
+
+
+@pytest.mark.parametrize("bench", [BOTH], indirect=True)
+async def test_a_session_stays_on_its_worker_and_requests_without_it_route_normally(bench):
+    await bench.worker("a")
+    await bench.worker("b")
+    first = await bench.route(request_id="s1-1", session_ids=["s1"])
+    again = [await bench.route(request_id=f"s1-{i}", session_ids=["s1"]) for i in range(2, 5)]
+    assert {r.worker_id for r in again} == {first.worker_id}
+    plain = [await bench.route(request_id=f"x{i}") for i in range(2)]
+    assert {r.worker_id for r in plain} == {"a", "b"}  # round-robin goes on for the rest
+    assert bench.metric("infera_router_session_hits_total", role="aggregated") == 0  # exported by the sweeper
+
+
+@pytest.mark.parametrize("bench", [BOTH], indirect=True)
+@pytest.mark.parametrize("ids,why", [(["s", "s"], "sent 2 times"), ([""], "empty"), (["x" * 1025], "1024")])
+async def test_bad_session_ids_are_400(bench, ids, why):
+    await bench.worker("a")
+    reply = await bench.route(request_id="q", session_ids=ids)
+    assert reply.status == 400 and why in reply.message
+    assert bench.leases("a") == 0
+
+
+async def test_affinity_off_ignores_the_header(bench):
+    await bench.worker("a")
+    await bench.worker("b")
+    replies = [await bench.route(request_id=f"q{i}", session_ids=["s", "s"]) for i in range(2)]
+    assert [r.status for r in replies] == [200, 200] and {r.worker_id for r in replies} == {"a", "b"}
+
+
+@pytest.mark.parametrize("bench", [BOTH], indirect=True)
+async def test_a_failed_request_unbinds_its_session_and_a_gone_worker_is_reselected(bench):
+    await bench.worker("a")
+    await bench.worker("b")
+    first = await bench.route(request_id="1", session_ids=["s"])
+    home = first.worker_id
+    await release(bench, first.lease_id, home, "error")
+    await eventually(lambda: bench.leases(home) == 0)
+    assert bench.router.core.sessions.table.get("m", "s", Role.AGGREGATED) is None
+    second = await bench.route(request_id="2", session_ids=["s"])  # the policy picks anew, then binds
+    third = await bench.route(request_id="3", session_ids=["s"])
+    assert third.worker_id == second.worker_id
+    await bench.registrars.pop(second.worker_id).stop()
+    await eventually(lambda: bench.router.core.fleet.get(second.worker_id) is None, timeout=15)
+    fourth = await bench.route(request_id="4", session_ids=["s"])
+    assert fourth.status == 200 and fourth.worker_id != second.worker_id
+    fifth = await bench.route(request_id="5", session_ids=["s"])
+    assert fifth.worker_id == fourth.worker_id
+
+
+@pytest.mark.parametrize("bench", [{"session_affinity": "prefill"}], indirect=True)
+async def test_prefill_mode_pins_the_prefill_leg_only(bench):
+    for wid in ("p1", "p2"):
+        await bench.worker(wid, role=Role.PREFILL, pd=SGLANG)
+    for wid in ("d1", "d2"):
+        await bench.worker(wid, role=Role.DECODE, pd=SGLANG)
+    replies = [await bench.route(request_id=f"q{i}", session_ids=["s"]) for i in range(4)]
+    prefills = [bench.router.pairs.pair_of(r.lease_id).prefill.worker_id for r in replies]
+    assert len(set(prefills)) == 1
+    assert {r.worker_id for r in replies} == {"d1", "d2"}  # decode chosen per request
+
+
+@pytest.mark.parametrize("bench", [BOTH], indirect=True)
+async def test_both_mode_pins_prefill_and_decode_independently(bench):
+    for wid in ("p1", "p2"):
+        await bench.worker(wid, role=Role.PREFILL, pd=SGLANG)
+    for wid in ("d1", "d2"):
+        await bench.worker(wid, role=Role.DECODE, pd=SGLANG)
+    replies = [await bench.route(request_id=f"q{i}", session_ids=["s"]) for i in range(4)]
+    assert len({r.worker_id for r in replies}) == 1
+    assert len({bench.router.pairs.pair_of(r.lease_id).prefill.worker_id for r in replies}) == 1
