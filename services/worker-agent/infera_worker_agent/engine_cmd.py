@@ -5,16 +5,19 @@ The agent reads (never consumes) the engine arguments it needs: ``--port``, ``--
 ``--port P`` when no port is given, the bundled model for the mock engine when no model is
 given, and ``--enable-metrics`` for SGLang (its /metrics, which the load report reads, is off by
 default), and ``--kv-events-config`` for KV events unless turned off or given (``kv_config``).
+The serving role (aggregated, prefill, decode) is read from the same arguments (``pd_role``).
+vLLM's flags are read the way vLLM reads them (``--a_b`` is ``--a-b``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from infera_worker_agent.kv_config import KvEventsPlan
+    from infera_worker_agent.pd_role import PdPlan
 
 ENGINE_MODULES = {
     "mock": "infera_mock_engine",
@@ -45,6 +48,7 @@ class EnginePlan:
     abort_path: str | None
     engine_args: tuple[str, ...] = ()  # the user's engine arguments (before the agent's additions)
     kv_events: "KvEventsPlan | None" = None
+    pd: "PdPlan | None" = None  # role and PD parameters read from the engine's flags (pd_role)
 
 
 def flag_value(args: Sequence[str], *names: str) -> str | None:
@@ -61,6 +65,23 @@ def flag_value(args: Sequence[str], *names: str) -> str | None:
 
 def has_flag(args: Sequence[str], *names: str) -> bool:
     return any(arg in names or any(arg.startswith(n + "=") for n in names) for arg in args)
+
+
+def vllm_flag_view(args: Sequence[str]) -> list[str]:
+    """The arguments as vLLM's parser reads their names: ``--a_b`` is ``--a-b``.
+
+    vLLM's FlexibleArgumentParser turns underscores into dashes in a flag's name, up to its first
+    ``.`` (``--kv_transfer_config.kv_role`` is ``--kv-transfer-config.kv_role``) and before any
+    ``=``. Values are untouched. Used only to read flags; the engine gets the arguments verbatim.
+    """
+    out = []
+    for arg in args:
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            head, dot, tail = name[2:].partition(".")
+            arg = "--" + head.replace("_", "-") + dot + tail + eq + value
+        out.append(arg)
+    return out
 
 
 def url_host(host: str) -> str:
@@ -90,15 +111,20 @@ def plan_engine(
     advertise_host: str | None = None,
     enable_kv_events: bool = False,
     find_ports: Callable[[int], int] | None = None,
+    role: str | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> EnginePlan:
     """Build the engine command line and the URLs the agent uses and registers.
 
     ``free_port`` is used only when the arguments name no ``--port``; ``find_ports(n)`` (first of n
-    contiguous free ports) only when KV events are turned on by the agent (``kv_config``).
+    contiguous free ports) only when KV events are turned on by the agent (``kv_config``). ``role``
+    is the agent's ``--role`` (None: read from the engine's flags) and ``env`` the environment the
+    engine will get (vLLM reads its Mooncake bootstrap port from it); see ``pd_role``.
     """
     if engine not in ENGINE_MODULES:
         raise EngineArgsError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINE_MODULES)}")
-    args = list(engine_args)
+    verbatim = list(engine_args)
+    args = vllm_flag_view(verbatim) if engine == "vllm" else verbatim  # what the engine's parser reads
     extra: list[str] = []
 
     port_arg = flag_value(args, "--port")
@@ -118,8 +144,10 @@ def plan_engine(
         extra += ["--model-path", model]
     if engine == "sglang" and not has_flag(args, "--enable-metrics"):
         extra.append("--enable-metrics")
-    from infera_worker_agent.kv_config import plan_kv_events  # kv_config builds on this module's helpers
+    from infera_worker_agent.kv_config import plan_kv_events  # kv_config and pd_role build on this module
+    from infera_worker_agent.pd_role import plan_pd
 
+    pd = plan_pd(engine, args, env={} if env is None else env, role=role)
     kv = plan_kv_events(engine, args, enabled=enable_kv_events and find_ports is not None,
                         find_ports=find_ports or _no_ports)
     extra += kv.extra_args
@@ -130,7 +158,7 @@ def plan_engine(
         advertise_host = reach
     served = flag_value(args, "--served-model-name")
     return EnginePlan(
-        argv=(python, "-m", ENGINE_MODULES[engine], *args, *extra),
+        argv=(python, "-m", ENGINE_MODULES[engine], *verbatim, *extra),
         port=port,
         bind_host=bind_host,
         local_url=f"http://{url_host(reach)}:{port}",
@@ -138,8 +166,9 @@ def plan_engine(
         url=f"http://{url_host(advertise_host)}:{port}",
         model_hint=served or model,
         abort_path=ABORT_PATHS[engine],
-        engine_args=tuple(args),
+        engine_args=tuple(verbatim),
         kv_events=kv,
+        pd=pd,
     )
 
 

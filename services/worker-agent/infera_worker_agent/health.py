@@ -111,3 +111,18 @@ async def engine_json(session: aiohttp.ClientSession, url: str) -> object | None
     except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
         log.info("engine_info_failed", url=url, error=str(exc) or type(exc).__name__)
         return None
+
+
+async def bootstrap_ranks(session: aiohttp.ClientSession, url: str, attempts: int = 10,
+                          interval: float = 0.5) -> dict | None:
+    """vLLM's Mooncake bootstrap ``GET /query``: ``{dp_rank: {engine_id, worker_addr}}``.
+
+    The prefill's workers register with it while the engine starts; an empty answer is asked again.
+    """
+    for _ in range(attempts):
+        data = await engine_json(session, url)
+        if isinstance(data, dict) and data:
+            return data
+        await asyncio.sleep(interval)
+    log.warning("bootstrap_query_empty", url=url, attempts=attempts)
+    return None

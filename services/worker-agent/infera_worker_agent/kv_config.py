@@ -25,10 +25,12 @@ from typing import Any
 from infera_worker_agent.engine_cmd import EngineArgsError, flag_value, has_flag, url_host
 
 KV_EVENTS_FLAG = "--kv-events-config"
+#: The engines' data-parallel size flags: SGLang ``--dp-size`` (alias ``--data-parallel-size``;
+#: runbooks write ``--dp``, which argparse expands), vLLM ``--data-parallel-size`` / ``-dp``.
 DP_FLAGS = {
-    "sglang": ("--dp-size", "--dp"),
+    "sglang": ("--dp-size", "--data-parallel-size", "--dp"),
     "vllm": ("--data-parallel-size", "--dp-size", "-dp"),
-    "mock": ("--dp-size", "--data-parallel-size", "--dp"),
+    "mock": ("--dp-size", "--data-parallel-size", "--dp", "-dp"),
 }
 #: vLLM's default KV block size when neither /server_info nor ``--block-size`` says otherwise.
 VLLM_DEFAULT_BLOCK_SIZE = 16

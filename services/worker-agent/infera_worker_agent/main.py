@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from infera_common.logs import configure_logging
@@ -26,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
             advertise_host=settings.advertise_host,
             enable_kv_events=settings.enable_kv_events,
             find_ports=free_port_block,
+            role=settings.role,
+            env=os.environ,
         )
     except EngineArgsError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

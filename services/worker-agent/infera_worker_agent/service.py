@@ -12,6 +12,7 @@ import importlib.metadata
 import signal
 import sys
 import time
+from urllib.parse import urlsplit
 
 import aiohttp
 from nats.aio.client import Client as NATS
@@ -24,11 +25,17 @@ from infera_common.schemas import KvRelay, LoadReport, WorkerRecord, WorkerStatu
 from infera_common.subjects import kv_event_subject, load_subject
 from infera_worker_agent.engine_cmd import EnginePlan
 from infera_worker_agent.engine_proc import EngineProcess, exit_status
-from infera_worker_agent.health import EngineAborter, Startup, engine_json, served_model, wait_healthy
+from infera_worker_agent.health import (
+    EngineAborter, Startup, bootstrap_ranks, engine_json, served_model, wait_healthy,
+)
 from infera_worker_agent.kv_config import KvSource, advertised_endpoint, block_size, resolve_sources
 from infera_worker_agent.kv_relay import KvRelayer
 from infera_worker_agent.load import EngineLoad, LoadReporter
 from infera_worker_agent.metrics import AgentMetrics
+from infera_worker_agent.pd_report import (
+    PdState, bootstrap_query_url, needs_bootstrap_query, planned_state, reported_state,
+)
+from infera_worker_agent.pd_role import PdPlan
 from infera_worker_agent.relay import Relay
 from infera_worker_agent.settings import AgentSettings
 from infera_worker_agent.worker import RequestWorker, StopReason
@@ -69,6 +76,9 @@ class Agent:
         self._kv_block_size: int | None = None
         self._kv_sources: tuple[KvSource, ...] = ()
         self._kv_relayer: KvRelayer | None = None
+        assert plan.pd is not None, "plan_engine reads the role from the engine's flags"
+        self._pd_plan: PdPlan = plan.pd
+        self._pd: PdState = planned_state(self._pd_plan, plan.advertise_host)
 
     # --- entry point ---------------------------------------------------------------------------
     async def run(self) -> int:
@@ -104,7 +114,9 @@ class Agent:
                       hint="pass --metrics-port 0 for a free port, or another port")
             return 2
         log.info("agent_starting", worker_id=self.worker_id, engine=self.s.engine, engine_url=self.plan.url,
-                 metrics_port=port, argv=list(self.plan.argv))
+                 metrics_port=port, argv=list(self.plan.argv), role=self._pd.role.value)
+        for note in self._pd_plan.notes:
+            log.warning("pd_flags", note=note)
         try:
             self._nc = await connect(self.s.nats_url, name=f"worker-agent-{self.worker_id}")
         except ConnectionError as exc:
@@ -126,7 +138,10 @@ class Agent:
             return await self._startup_failed(startup)
 
         model = await served_model(self._session, self.plan.local_url) or self.plan.model_hint or "unknown"
-        await self._learn_kv()
+        info = await engine_json(self._session, f"{self.plan.local_url}/server_info")
+        info = info if isinstance(info, dict) else None
+        await self._learn_kv(info)
+        await self._learn_pd(info)
         await self._start_kv_relay(js)
         self._stream = await ensure_request_stream(js, self.worker_id, self.s.max_pending, self.s.request_max_age)
         self._worker = RequestWorker(
@@ -158,7 +173,8 @@ class Agent:
 
     def _record(self, model: str, status: WorkerStatus) -> WorkerRecord:
         return WorkerRecord(
-            worker_id=self.worker_id, model=model, engine=self.s.engine, role=self.s.role,
+            worker_id=self.worker_id, model=model, engine=self.s.engine, role=self._pd.role, pd=self._pd.pd,
+            dp_size=self._pd.dp_size,
             url=self.plan.url, advertise_host=self.plan.advertise_host,
             discovery_backend=self.s.discovery_backend, request_transport=self.s.request_transport,
             kv_event_transport=self.s.kv_event_transport, status=status, max_pending=self.s.max_pending,
@@ -168,12 +184,10 @@ class Agent:
         )
 
     # --- KV events -----------------------------------------------------------------------------
-    async def _learn_kv(self) -> None:
+    async def _learn_kv(self, info: dict | None) -> None:
         """The engine's resolved block size and the KV-event publishers it actually bound."""
         assert self._session is not None
         base = self.plan.local_url
-        info = await engine_json(self._session, f"{base}/server_info")
-        info = info if isinstance(info, dict) else None
         self._kv_block_size = block_size(self.s.engine, info, self.plan.engine_args)
         kv = self.plan.kv_events
         if kv is None or not kv.enabled:
@@ -184,6 +198,22 @@ class Agent:
         self._kv_sources = resolve_sources(kv.sources, event_sources, info)
         log.info("kv_events_found", block_size=self._kv_block_size,
                  sources=[(s.dp_rank, s.endpoint, s.replay_endpoint) for s in self._kv_sources])
+
+    # --- prefill/decode role --------------------------------------------------------------------
+    async def _learn_pd(self, info: dict | None) -> None:
+        """The role and PD parameters as the running engine reports them (its report wins)."""
+        assert self._session is not None
+        query = None
+        if needs_bootstrap_query(self._pd_plan, info):
+            local_host = urlsplit(self.plan.local_url).hostname or "127.0.0.1"
+            query = await bootstrap_ranks(self._session, bootstrap_query_url(self._pd_plan, local_host))
+        self._pd, notes = reported_state(self._pd_plan, self.plan.advertise_host, info, query)
+        for note in notes:
+            log.warning("pd_report", note=note)
+        pd = self._pd.pd
+        log.info("role_found", role=self._pd.role.value, dp_size=self._pd.dp_size,
+                 protocol=pd.protocol if pd else None, bootstrap_port=pd.bootstrap_port if pd else None,
+                 engine_id=pd.engine_id if pd else None)
 
     async def _start_kv_relay(self, js) -> None:
         if not self._kv_sources or self.s.kv_event_transport != "nats":

@@ -39,8 +39,11 @@ class AgentSettings(PlaneSettings, LogSettings):
         description="Host the fleet uses to reach the engine (registered URL http://HOST:PORT); "
         "default: the engine's --host when it names one address, else 127.0.0.1.",
     )
-    role: Literal["aggregated", "prefill", "decode"] = Field(
-        "aggregated", description="Serving role recorded in discovery (prefill/decode for disaggregated serving)."
+    role: Literal["aggregated", "prefill", "decode"] | None = Field(
+        None,
+        description="Serving role recorded in discovery. Default: read from the engine's flags (SGLang "
+        "--disaggregation-mode, vLLM --kv-transfer-config kv_role). When given it must agree with them; it "
+        "picks the role of a vLLM kv_both engine (registered aggregated otherwise).",
     )
     max_pending: int = Field(
         512, ge=1, le=1_000_000,
