@@ -37,15 +37,21 @@ def plan_fleet(
     engine_args: list[str],
     metrics_ports: list[int],
     log_format: str = "json",
+    prefill_workers: int = 0,
+    decode_workers: int = 0,
 ) -> list[ProcSpec]:
-    """kv-indexer, router, frontend and ``workers`` mock worker-agents, all on the NATS plane.
+    """kv-indexer, router, frontend, ``workers`` aggregated mock worker-agents and
+    ``prefill_workers`` + ``decode_workers`` disaggregated ones (SGLang bootstrap protocol), all on
+    the NATS plane.
 
     ``metrics_ports`` holds one free port per kv-indexer, router and worker-agent, in that order
     (the frontend serves /metrics on its own HTTP port).
     """
-    if workers < 1:
-        raise ValueError("--workers must be at least 1")
-    if len(metrics_ports) < workers + 2:
+    if workers + prefill_workers + decode_workers < 1:
+        raise ValueError("the fleet needs at least one worker: --workers, or --prefill-workers and --decode-workers")
+    if bool(prefill_workers) != bool(decode_workers):
+        raise ValueError("disaggregated serving needs both pools: give --prefill-workers and --decode-workers together")
+    if len(metrics_ports) < workers + prefill_workers + decode_workers + 2:
         raise ValueError("need one metrics port for the kv-indexer, the router and each worker")
     common = ["--nats-url", nats_url, "--log-format", log_format]
     indexer_args = [*common, "--metrics-port", str(metrics_ports[0])]
@@ -57,14 +63,21 @@ def plan_fleet(
         ProcSpec("router", "router", "infera_router", router_args),
         ProcSpec("frontend", "frontend", "infera_frontend", [*common, "--host", host, "--port", str(port)]),
     ]
-    for i in range(1, workers + 1):
+    kinds = ([("worker", "mock", [])] * workers
+             # bootstrap port 0: the mock binds a free one and reports it; its agent registers that
+             + [("prefill", "prefill", ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "0"])]
+             * prefill_workers
+             + [("decode", "decode", ["--disaggregation-mode", "decode"])] * decode_workers)
+    counts: dict[str, int] = {}
+    for n, (name, wid, pd_args) in enumerate(kinds):
+        i = counts[name] = counts.get(name, 0) + 1
         procs.append(
             ProcSpec(
-                f"worker-{i}",
+                f"{name}-{i}",
                 "worker",
                 "infera_worker_agent",
-                [*common, "--engine", "mock", "--worker-id", f"mock-{i}",
-                 "--metrics-port", str(metrics_ports[i + 1]), *default_engine_args(), *engine_args],
+                [*common, "--engine", "mock", "--worker-id", f"{wid}-{i}",
+                 "--metrics-port", str(metrics_ports[n + 2]), *default_engine_args(), *pd_args, *engine_args],
             )
         )
     return procs

@@ -27,7 +27,14 @@ from infera_router.settings import PolicyName
 class UpSettings(InferaSettings):
     host: str = Field("127.0.0.1", description="Address the frontend listens on.")
     port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI HTTP endpoint.")
-    workers: int = Field(2, ge=1, le=64, description="Number of mock engines (each behind a worker-agent).")
+    workers: int = Field(2, ge=0, le=64, description="Number of aggregated mock engines (each behind a worker-agent).")
+    prefill_workers: int = Field(
+        0, ge=0, le=64,
+        description="Number of prefill mock engines (SGLang bootstrap protocol); needs --decode-workers too.",
+    )
+    decode_workers: int = Field(
+        0, ge=0, le=64, description="Number of decode mock engines; needs --prefill-workers too.",
+    )
     router_policy: PolicyName | None = Field(  # type: ignore[valid-type]  # the router's own choices
         None, description="Routing policy passed to the router (default: the router's own default)."
     )
@@ -42,21 +49,29 @@ class UpSettings(InferaSettings):
 
 def main(argv: list[str]) -> int:
     settings, _ = parse_cli(UpSettings, argv, prog="infera up", description=__doc__)
-    state = Path(settings.state_dir or tempfile.mkdtemp(prefix="infera-up-"))
-    logs = state / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
     nats_port = settings.nats_port or free_port()
     nats_url = f"nats://127.0.0.1:{nats_port}"
     engine_args = [a for raw in settings.engine_arg for a in shlex.split(raw)]
-    plan = plan_fleet(
-        nats_url=nats_url,
-        host=settings.host,
-        port=settings.port,
-        workers=settings.workers,
-        router_policy=settings.router_policy,
-        engine_args=engine_args,
-        metrics_ports=[free_port() for _ in range(settings.workers + 2)],
-    )
+    total = settings.workers + settings.prefill_workers + settings.decode_workers
+    try:
+        plan = plan_fleet(
+            nats_url=nats_url,
+            host=settings.host,
+            port=settings.port,
+            workers=settings.workers,
+            router_policy=settings.router_policy,
+            engine_args=engine_args,
+            metrics_ports=[free_port() for _ in range(total + 2)],
+            prefill_workers=settings.prefill_workers,
+            decode_workers=settings.decode_workers,
+        )
+    except ValueError as exc:
+        print(f"infera up: error: {exc}", file=sys.stderr)
+        return 2
+    state = Path(settings.state_dir or tempfile.mkdtemp(prefix="infera-up-"))
+    logs = state / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    worker_names = {spec.name for spec in plan if spec.role == "worker"}
     running: list[tuple[str, subprocess.Popen]] = []
     stopping = False
 
@@ -72,7 +87,7 @@ def main(argv: list[str]) -> int:
         for spec in plan:
             running.append((spec.name, _spawn(spec, logs)))
         url = f"http://{_client_host(settings.host)}:{settings.port}"
-        if not _wait_ready(url, settings.workers, settings.ready_timeout, running, lambda: stopping):
+        if not _wait_ready(url, total, settings.ready_timeout, running, lambda: stopping):
             return 1
         _print_banner(url, nats_url, logs)
         reported: set[str] = set()
@@ -84,7 +99,7 @@ def main(argv: list[str]) -> int:
                 print(f"infera up: {name} exited with {proc.returncode}; see {logs / (name + '.log')}",
                       file=sys.stderr)
                 _tail(logs / f"{name}.log")
-                if not name.startswith("worker"):
+                if name not in worker_names:
                     return 1  # the control plane is gone: stop the fleet
                 # a worker leaving is what the fleet is built to survive: the rest keep serving
             time.sleep(0.2)
@@ -94,7 +109,7 @@ def main(argv: list[str]) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         # workers first (they drain and stop their engines), then the control plane, then NATS
         for name, proc in reversed(running):
-            stop_process(proc, timeout=40.0 if name.startswith("worker") else 10.0)
+            stop_process(proc, timeout=40.0 if name in worker_names else 10.0)
         print("infera up: stopped", file=sys.stderr)
 
 

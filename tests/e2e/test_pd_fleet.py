@@ -1,0 +1,114 @@
+"""Disaggregated serving on real processes: `infera up --prefill-workers 1 --decode-workers 1`.
+
+One prefill and one decode mock engine (SGLang bootstrap protocol), each behind its worker-agent;
+the KV of every prompt really crosses a TCP connection between the two engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from infera_common.models import BUNDLED_MODEL_NAME
+from tests.e2e.fleet import Fleet, engine_pid, env_with, router_metrics_url, scrape
+
+CHAT = {"model": BUNDLED_MODEL_NAME, "messages": [{"role": "user", "content": "Tell me about prefill."}],
+        "max_tokens": 16}
+#: KV bytes per second between the engines: slow enough that a long prompt is still crossing when
+#: the test kills the decode engine (the bundled model's KV is 23,040 bytes per token)
+BANDWIDTH = 4_000_000
+
+
+@pytest.fixture(scope="module", params=[1, 8], ids=["dp1", "dp8"])
+def pd_fleet(tmp_path_factory, request):
+    """1P1D; then the same with 8 DP-attention ranks on each side."""
+    f = Fleet(tmp_path_factory.mktemp("pd-fleet"), workers=0,
+              extra=["--prefill-workers", "1", "--decode-workers", "1", f"--engine-arg=--dp-size {request.param}",
+                     "--engine-arg=--speedup 20", f"--engine-arg=--kv-transfer-bandwidth {BANDWIDTH}"],
+              env=env_with(INFERA_DISCOVERY_TTL="2", SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="20",
+                           SGLANG_DISAGGREGATION_WAITING_TIMEOUT="20")).start()
+    f.dp_size = request.param
+    yield f
+    f.stop()
+
+
+def engines(fleet) -> dict[str, str]:
+    return {w["role"]: w["url"] for w in fleet.workers_list()}
+
+
+def router_leases(fleet) -> float:
+    return scrape(router_metrics_url(fleet)).get("infera_router_active_leases", 0.0)
+
+
+async def eventually(check, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.1)
+
+
+def test_workers_list_the_two_roles_with_their_protocol(pd_fleet):
+    workers = {w["role"]: w for w in pd_fleet.workers_list()}
+    assert set(workers) == {"prefill", "decode"}
+    assert workers["prefill"]["pd"]["protocol"] == "sglang-bootstrap"
+    assert workers["prefill"]["pd"]["bootstrap_port"] > 0  # the port the engine bound, as it reported
+    assert workers["prefill"]["dp_size"] == workers["decode"]["dp_size"] == pd_fleet.dp_size
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_chat_completion_goes_through_the_pair_and_its_kv_crosses(pd_fleet, stream):
+    urls = engines(pd_fleet)
+    sent0 = scrape(urls["prefill"]).get("mock:kv_transfer_sent_bytes_total", 0.0)
+    got0 = scrape(urls["decode"]).get("mock:kv_transfer_received_bytes_total", 0.0)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(pd_fleet.url + "/v1/chat/completions", json={**CHAT, "stream": stream}) as r:
+            raw = await r.read()
+            assert r.status == 200, raw
+    if stream:
+        events = [b[len("data: "):] for b in raw.decode().split("\n\n") if b]
+        assert events[-1] == "[DONE]"
+        text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or ""
+                       for e in events[:-1] if json.loads(e)["choices"])
+        prompt_tokens = None
+    else:
+        data = json.loads(raw)
+        text = data["choices"][0]["message"]["content"]
+        prompt_tokens = data["usage"]["prompt_tokens"]
+        assert data["usage"]["completion_tokens"] == 16
+    assert text
+    sent = scrape(urls["prefill"])["mock:kv_transfer_sent_bytes_total"] - sent0
+    got = scrape(urls["decode"])["mock:kv_transfer_received_bytes_total"] - got0
+    assert sent == got > 0
+    if prompt_tokens is not None:
+        assert sent == prompt_tokens * 23040  # prompt tokens x the model's KV bytes per token
+    await eventually(lambda: router_leases(pd_fleet) == 0)
+
+
+async def test_killing_the_decode_engine_mid_request_aborts_the_prefill_leg(pd_fleet):
+    urls = engines(pd_fleet)
+    long_chat = {**CHAT, "messages": [{"role": "user", "content": "word " * 600}], "max_tokens": 64}
+    cancelled0 = scrape(router_metrics_url(pd_fleet)).get("infera_router_pd_legs_cancelled_total", 0.0)
+
+    async def ask():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(pd_fleet.url + "/v1/chat/completions", json=long_chat) as r:
+                return r.status, await r.read()
+
+    got0 = scrape(urls["decode"]).get("mock:kv_transfer_received_bytes_total", 0.0)
+    request = asyncio.create_task(ask())
+    # the prompt's KV (about 14 MB at 4 MB/s) is crossing: kill the decode engine now
+    await eventually(lambda: scrape(urls["decode"]).get("mock:kv_transfer_received_bytes_total", 0.0) > got0)
+    assert scrape(urls["prefill"]).get("sglang:num_prefill_inflight_queue_reqs", 0.0) == 1  # still sending KV
+    os.kill(engine_pid(urls["decode"]), signal.SIGKILL)
+    status, body = await asyncio.wait_for(request, 30)
+    assert status >= 500, body
+    await eventually(lambda: not any(v for k, v in scrape(urls["prefill"]).items()
+                                     if k.startswith("sglang:num_") and k.endswith("_reqs")), timeout=20)
+    await eventually(lambda: router_leases(pd_fleet) == 0, timeout=20)
+    metrics = scrape(router_metrics_url(pd_fleet))
+    assert metrics.get("infera_router_pd_legs_cancelled_total", 0.0) > cancelled0
