@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from infera_common.fleet import Change
 from infera_common.schemas import LoadReport, OverlapQuery, Role, RouteRequest
 
+from infera_router.breaker import CircuitBreaker, Outcome as BreakerOutcome, Transition
 from infera_router.inflight_blocks import InflightBlocks
 from infera_router.kv_view import KvView, kv_query
 from infera_router.leases import Lease, LeaseTable
@@ -20,6 +21,11 @@ from infera_router.sessions import SessionTable
 from infera_router.policy import Policy
 from infera_router.policy_kv_aware import WorkerCost
 from infera_router.state import FleetState, WorkerState
+
+
+#: How a Release outcome counts for the worker's circuit breaker: only worker/engine failures are
+#: faults (the agent reports 4xx and 429 answers as ``ok``); cancelled, expired or refused is neutral.
+BREAKER_OUTCOMES = {"ok": BreakerOutcome.SUCCESS, "error": BreakerOutcome.FAULT}
 
 
 @dataclass(slots=True)
@@ -33,6 +39,7 @@ class Plan:
     decode: list[WorkerState] = field(default_factory=list)  # disaggregated: decode workers; order = prefill
     session: str | None = None  # the request's session id (affinity on and the header given)
     held: Held = field(default_factory=dict)  # session bindings found for this request, per role
+    all_open: bool = False  # every worker of a pool had its breaker open: routed to them anyway
 
     @property
     def disaggregated(self) -> bool:
@@ -41,8 +48,10 @@ class Plan:
 
 class RouterCore:
     def __init__(self, policy: Policy, lease_prefix: str, lease_max_age: float,
-                 sessions: SessionTable | None = None) -> None:
+                 sessions: SessionTable | None = None, breaker: CircuitBreaker | None = None) -> None:
         self.policy = policy
+        self.breaker: CircuitBreaker[str] = breaker if breaker is not None else CircuitBreaker()
+        self.transitions: list[tuple[str, Transition]] = []  # breaker changes, drained by the adapter
         self.sessions = SessionPins(sessions)
         self.clock = 0.0  # the latest monotonic time seen (session idle times start from it)
         self.fleet = FleetState()
@@ -73,11 +82,17 @@ class RouterCore:
         pools: dict[Role, list[WorkerState]] = {role: [] for role in Role}
         for w in active:
             pools[w.record.role].append(w)
+        all_open = False
+        for role, pool in pools.items():  # workers whose breaker is open sit out, unless all of a pool's are
+            if pool:
+                allowed = self.breaker.filter(pool, self.clock, key=lambda w: w.worker_id)
+                pools[role] = allowed.candidates
+                all_open |= allowed.all_open
         prefill, decode = pools[Role.PREFILL], pools[Role.DECODE]
         if prefill and decode:  # a complete pair exists: disaggregated serving
-            return Plan(200, order=prefill, decode=decode)
+            return Plan(200, order=prefill, decode=decode, all_open=all_open)
         if pools[Role.AGGREGATED]:
-            return Plan(200, order=pools[Role.AGGREGATED])
+            return Plan(200, order=pools[Role.AGGREGATED], all_open=all_open)
         have, missing = ("prefill", "decode") if prefill else ("decode", "prefill")
         return Plan(503, f"model {model!r} has {len(prefill or decode)} active {have} worker(s) but no active "
                          f"{missing} worker and no aggregated worker: start a {missing} worker (or an "
@@ -94,10 +109,10 @@ class RouterCore:
         """Rank the candidates; with session affinity, the session's bound targets go first.
         Raises ``SessionIdError`` for a session header the affinity mode refuses."""
         session = self.sessions.session_id(request)
+        self.clock = now if now is not None else self.clock
         plan = self._rank(request, kv)
         if plan.status != 200 or session is None:
             return plan
-        self.clock = now if now is not None else self.clock
         plan.session = session
         pin = self.sessions.pin
         first_role = Role.PREFILL if plan.disaggregated else Role.AGGREGATED
@@ -123,9 +138,10 @@ class RouterCore:
         decode = self._rank_decode(plan.decode, request)
         if explain is not None:
             costs = explain(candidates, request, kv)
-            return Plan(200, order=[by_id[c.worker_id] for c in costs], costs=costs, decode=decode)
+            return Plan(200, order=[by_id[c.worker_id] for c in costs], costs=costs, decode=decode,
+                        all_open=plan.all_open)
         ranked = self.policy.rank(candidates, request, kv)
-        return Plan(200, order=[by_id[wid] for wid in ranked], decode=decode)
+        return Plan(200, order=[by_id[wid] for wid in ranked], decode=decode, all_open=plan.all_open)
 
     def _rank_decode(self, workers: list[WorkerState], request: RouteRequest) -> list[WorkerState]:
         """Decode workers by the policy with no cache view (their KV arrives from the prefill)."""
@@ -155,6 +171,7 @@ class RouterCore:
         self.clock = now
         prefill = max(0, request.prompt_tokens - cached_tokens)
         lease = self.leases.acquire(worker.worker_id, request.request_id, request.prompt_tokens, now, prefill)
+        lease.ticket = self.breaker.begin(worker.worker_id, now)
         if plan is not None and plan.session is not None:
             role = worker.record.role
             self.sessions.attach(lease, worker, request, plan.session, role, plan.held, now)
@@ -203,6 +220,11 @@ class RouterCore:
 
     def _unaccount(self, lease: Lease, outcome: str | None = None) -> None:
         self.sessions.end(lease, outcome, self.clock)
+        if lease.ticket is not None:
+            change = self.breaker.record(lease.ticket, BREAKER_OUTCOMES.get(outcome, BreakerOutcome.NEUTRAL), self.clock)
+            lease.ticket = None
+            if change is not None:
+                self.transitions.append((lease.worker_id, change))
         self.inflight.remove(lease.worker_id, lease.hashes)
         worker = self.fleet.get(lease.worker_id)
         if worker is not None:
@@ -219,6 +241,7 @@ class RouterCore:
         self.fleet.apply(change)
         if change.kind == "leave":
             self.inflight.drop_worker(change.record.worker_id)
+            self.breaker.forget(change.record.worker_id)
             dropped = self.leases.drop_worker(change.record.worker_id)
             for lease in dropped:  # the session keeps its binding: the next lookup falls back
                 self.sessions.end(lease, None, self.clock)

@@ -21,6 +21,7 @@ class Lease:
     prefilled: bool = False  # the worker said its first token went out: it only decodes now
     hashes: list[int] = field(default_factory=list)  # the prompt's block hashes at the worker's block size
     binding: object | None = None  # the session binding this leg holds (sessions.Binding), if any
+    ticket: object | None = None  # the worker's circuit-breaker ticket (breaker.Ticket) until the lease ends
 
 
 class LeaseTable:

@@ -204,6 +204,7 @@ class RouterMetrics:
             self.kv_workers_without_events.remove(worker_id, reason)
         if self._lease_gauges.pop(worker_id, None) is not None:
             self.active_leases.remove(worker_id)
+        self.set_breaker_state(worker_id, None)
 
     def set_live(self, model: str, counts: dict[str, int]) -> None:
         for status in WorkerStatus:

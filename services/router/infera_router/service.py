@@ -33,6 +33,7 @@ from infera_common.subjects import (
     work_subject,
 )
 
+from infera_router.breaker import CircuitBreaker, Transition
 from infera_router.core import Plan, RouterCore
 from infera_router.jetstream import AckedPublisher, PubResult
 from infera_router.kv_client import KvClient
@@ -81,7 +82,9 @@ class RouterService:
         self.metrics = metrics or RouterMetrics()
         policy = create_policy(settings.router_policy, settings.kv_overlap_weight, settings.kv_decode_weight)
         self.core = RouterCore(policy, self.router_id, settings.lease_max_age,
-                               SessionTable(settings.session_affinity, settings.session_affinity_ttl_seconds))
+                               SessionTable(settings.session_affinity, settings.session_affinity_ttl_seconds),
+                               CircuitBreaker(settings.breaker_failure_threshold, settings.breaker_cooldown_s,
+                                              settings.breaker_max_cooldown_s))
         self.pairs = PdPairs(settings.pd_prefill_guard_release)
         self._pd: PdFlow | None = None
         self._kv: KvClient | None = None
@@ -225,6 +228,9 @@ class RouterService:
             now = time.monotonic()
             self.core.sessions.table.expire(now)
             self.metrics.set_session_stats(self.core.sessions.table.stats())
+            self._breaker_metrics()
+            for worker_id, state in self.core.breaker.snapshot(now).items():  # open -> half_open with time
+                self.metrics.set_breaker_state(worker_id, state.state.value)
             dropped = self.core.expire(now)
             if not dropped:
                 continue
@@ -242,6 +248,20 @@ class RouterService:
         worker = self.core.fleet.get(lease.worker_id)
         if worker is not None:
             self.metrics.set_leases(worker.worker_id, worker.in_flight)
+        self._breaker_metrics()
+
+    def _breaker_metrics(self) -> None:
+        """Export what the breakers did since the last call (trips, state changes, routing anyway)."""
+        core = self.core
+        for worker_id, change in core.transitions:
+            if change != Transition.CLOSED:
+                self.metrics.breaker_trips.labels(worker_id).inc()
+                log.warning("breaker_opened", worker_id=worker_id, transition=change.value)
+            else:
+                log.info("breaker_closed", worker_id=worker_id)
+            self.metrics.set_breaker_state(worker_id, core.breaker.state(worker_id, time.monotonic()).value)
+        core.transitions.clear()
+
 
     # --- routing ---------------------------------------------------------------------------
     async def _on_route(self, msg: Msg) -> None:
@@ -288,6 +308,8 @@ class RouterService:
             await self._send(reply_to, RouteReply(status=400, message=str(exc), router_id=self.router_id), t0)
             return
         routing = Routing(request, reply_to, plan.order, t0, plan=plan)
+        if plan.all_open:
+            self.metrics.breaker_all_open.labels(request.model).inc()
         if plan.status != 200:
             await self._reply(routing, plan.status, plan.message)
             return

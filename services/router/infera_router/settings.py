@@ -58,6 +58,16 @@ class RouterSettings(PlaneSettings, LogSettings):
         3600.0, ge=1, le=86400,
         description="Seconds a session binding survives without a request in flight (1 to 86400).",
     )
+    breaker_failure_threshold: int = Field(
+        3, ge=1, description="Consecutive worker faults (5xx, unreachable engine) that open a worker's circuit "
+        "breaker; 4xx and 429 answers never count.",
+    )
+    breaker_cooldown_s: float = Field(
+        5.0, gt=0, description="Seconds an opened breaker keeps the worker out before one probe request may go.",
+    )
+    breaker_max_cooldown_s: float = Field(
+        60.0, gt=0, description="Ceiling of the cooldown, which doubles after each failed probe.",
+    )
     lease_max_age: float = Field(
         900.0, gt=0,
         description="Seconds after which a lease whose release never arrived is dropped (and counted).",
