@@ -134,6 +134,7 @@ class WorkEnvelope(_Msg):
     deadline: float
     lease_id: str
     router_id: str
+    headers: dict[str, str] = Field(default_factory=dict)  # extra HTTP headers for the engine (e.g. a DP rank)
 
 
 FrameKind = Literal["head", "data", "end", "error"]

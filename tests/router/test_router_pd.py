@@ -10,9 +10,10 @@ from infera_common.schemas import PdParams, Role
 from infera_router.core import RouterCore
 from infera_router.pd_pairs import Action, PdPairs
 from infera_router.pd_protocol import PdContext
-from infera_router.pd_sglang import SglangBootstrap
+from infera_router.pd_sglang import SglangBootstrap, aligned_room
 from infera_router.pd_vllm import VllmMooncake
 from infera_router.policy_round_robin import RoundRobin
+from infera_router.state import WorkerState
 
 from router_helpers import join, record, route_request
 
@@ -52,25 +53,45 @@ def test_excluded_workers_leave_their_pool():
 
 
 # --- protocol bodies ---------------------------------------------------------------------------
+def target(rec, rank=None) -> WorkerState:
+    w = WorkerState(rec)
+    w.set_record(rec)
+    return w if rank is None else w.ranks[rank]
+
+
 def test_sglang_legs_carry_the_same_room_and_the_prefill_bootstrap_address():
-    prefill = record("p1", role=Role.PREFILL, pd=PdParams(protocol="sglang-bootstrap", bootstrap_port=9001))
+    prefill = target(record("p1", role=Role.PREFILL, pd=PdParams(protocol="sglang-bootstrap", bootstrap_port=9001)))
+    decode = target(record("d1", role=Role.DECODE))
     ctx = PdContext(room=12345)
     body = {"messages": [], "stream": True, "stream_options": {"include_usage": True}}
-    p, d = SglangBootstrap().prefill_body(body, prefill, ctx), SglangBootstrap().decode_body(body, prefill, ctx)
+    p, d = SglangBootstrap().prefill_body(body, prefill, ctx), SglangBootstrap().decode_body(body, prefill, decode, ctx)
     for leg in (p, d):
         assert (leg["bootstrap_host"], leg["bootstrap_port"], leg["bootstrap_room"]) == ("127.0.0.1", 9001, 12345)
+        assert "routed_dp_rank" not in leg and "disagg_prefill_dp_rank" not in leg
     assert p["stream"] is False and "stream_options" not in p  # drained by the router
     assert d["stream"] is True and d["stream_options"] == {"include_usage": True}
     assert body == {"messages": [], "stream": True, "stream_options": {"include_usage": True}}  # untouched
-    assert 0 <= PdContext().room < 2**63
+    assert 0 <= SglangBootstrap().context(prefill).room < 2**63
+
+
+def test_sglang_dp_ranks_are_pinned_on_both_legs_and_the_room_points_at_the_prefill_rank():
+    prefill = target(record("p1", role=Role.PREFILL, dp_size=8, pd=PdParams(protocol="sglang-bootstrap")), rank=5)
+    decode = target(record("d1", role=Role.DECODE, dp_size=8), rank=2)
+    ctx = SglangBootstrap().context(prefill)
+    assert ctx.room % 8 == 5 and 0 <= ctx.room < 2**63
+    p, d = SglangBootstrap().prefill_body({}, prefill, ctx), SglangBootstrap().decode_body({}, prefill, decode, ctx)
+    assert p["routed_dp_rank"] == 5
+    assert (d["routed_dp_rank"], d["disagg_prefill_dp_rank"]) == (2, 5)
+    assert all(aligned_room(r, 8) % 8 == r for r in range(8))
 
 
 def test_vllm_prefill_asks_for_a_remote_decode_and_the_decode_pulls_by_transfer_id():
-    prefill = record("p1", role=Role.PREFILL,
-                     pd=PdParams(protocol="vllm-mooncake", bootstrap_host="10.0.0.5", bootstrap_port=8998, engine_id="e1"))
+    rec = record("p1", role=Role.PREFILL,
+                 pd=PdParams(protocol="vllm-mooncake", bootstrap_host="10.0.0.5", bootstrap_port=8998, engine_id="e1"))
+    prefill, decode = target(rec), target(record("d1", role=Role.DECODE))
     ctx = PdContext(transfer_id="t-1")
     body = {"prompt": "hi", "max_tokens": 64, "stream": True}
-    p, d = VllmMooncake().prefill_body(body, prefill, ctx), VllmMooncake().decode_body(body, prefill, ctx)
+    p, d = VllmMooncake().prefill_body(body, prefill, ctx), VllmMooncake().decode_body(body, prefill, decode, ctx)
     assert p["max_tokens"] == 1 and p["stream"] is False
     assert p["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "t-1"}
     assert d["max_tokens"] == 64 and d["stream"] is True
@@ -78,6 +99,8 @@ def test_vllm_prefill_asks_for_a_remote_decode_and_the_decode_pulls_by_transfer_
                                        "remote_bootstrap_addr": "http://10.0.0.5:8998", "remote_engine_id": "e1",
                                        "transfer_id": "t-1"}
     assert VllmMooncake.sequential and not SglangBootstrap.sequential
+    ranked = target(rec.model_copy(update={"dp_size": 4}), rank=3)
+    assert VllmMooncake().decode_body(body, ranked, decode, ctx)["kv_transfer_params"]["remote_engine_id"] == "e1_dp3"
 
 
 # --- the pair rules ----------------------------------------------------------------------------

@@ -75,7 +75,7 @@ class RouterCore:
             )
         if request.exclude:
             excluded = set(request.exclude)
-            remaining = [w for w in active if w.worker_id not in excluded]
+            remaining = [w for w in active if w.base_id not in excluded]
             if not remaining:
                 return Plan(503, f"all {len(active)} active workers of model {model!r} are excluded by the request")
             active = remaining
@@ -85,8 +85,8 @@ class RouterCore:
         all_open = False
         for role, pool in pools.items():  # workers whose breaker is open sit out, unless all of a pool's are
             if pool:
-                allowed = self.breaker.filter(pool, self.clock, key=lambda w: w.worker_id)
-                pools[role] = allowed.candidates
+                allowed = self.breaker.filter(pool, self.clock, key=lambda w: w.base_id)
+                pools[role] = [t for w in allowed.candidates for t in w.targets]  # DP workers: one per rank
                 all_open |= allowed.all_open
         prefill, decode = pools[Role.PREFILL], pools[Role.DECODE]
         if prefill and decode:  # a complete pair exists: disaggregated serving
@@ -155,7 +155,7 @@ class RouterCore:
         depth = dict(kv.depth)
         for w in candidates:
             chain = kv.hashes.get(w.record.kv_block_size or 0)
-            if chain and w.worker_id not in kv.unseen:
+            if chain and w.base_id not in kv.unseen:
                 pending = self.inflight.depth(w.worker_id, chain)
                 if pending > depth.get(w.worker_id, 0):
                     depth[w.worker_id] = pending
@@ -170,18 +170,28 @@ class RouterCore:
         ``plan`` (when it carries a session) binds the session's leg to this worker."""
         self.clock = now
         prefill = max(0, request.prompt_tokens - cached_tokens)
-        lease = self.leases.acquire(worker.worker_id, request.request_id, request.prompt_tokens, now, prefill)
-        lease.ticket = self.breaker.begin(worker.worker_id, now)
+        lease = self.leases.acquire(worker.base_id, request.request_id, request.prompt_tokens, now, prefill)
+        lease.dp_rank = worker.rank
+        lease.ticket = self.breaker.begin(worker.base_id, now)
         if plan is not None and plan.session is not None:
             role = worker.record.role
             self.sessions.attach(lease, worker, request, plan.session, role, plan.held, now)
         if hashes:
             lease.hashes = hashes
-            self.inflight.add(worker.worker_id, hashes)
-        worker.in_flight += 1
-        worker.in_flight_tokens += lease.prompt_tokens
-        worker.prefill_tokens += lease.prefill_tokens
+            self.inflight.add(worker.worker_id, hashes)  # per target: a DP rank has its own
+        for counted in self._counted(lease):
+            counted.in_flight += 1
+            counted.in_flight_tokens += lease.prompt_tokens
+            counted.prefill_tokens += lease.prefill_tokens
         return lease
+
+    def _counted(self, lease: Lease) -> list[WorkerState]:
+        """The states whose counters a lease moves: its worker and, for a DP rank, that rank's target."""
+        worker = self.fleet.get(lease.worker_id)
+        if worker is None:
+            return []
+        target = worker.target(lease.dp_rank)
+        return [worker] if target is worker else [worker, target]
 
     def prefilled(self, lease_id: str) -> Lease | None:
         """The lease's request produced its first token: its prompt no longer waits for prefill.
@@ -191,10 +201,9 @@ class RouterCore:
         if lease is None or lease.prefilled:
             return None
         lease.prefilled = True
-        worker = self.fleet.get(lease.worker_id)
-        if worker is not None:
-            worker.prefill_tokens -= lease.prefill_tokens
-            worker.decode_tokens += lease.prompt_tokens
+        for counted in self._counted(lease):
+            counted.prefill_tokens -= lease.prefill_tokens
+            counted.decode_tokens += lease.prompt_tokens
         return lease
 
     def release(self, lease_id: str, outcome: str | None = None) -> Lease | None:
@@ -225,9 +234,8 @@ class RouterCore:
             lease.ticket = None
             if change is not None:
                 self.transitions.append((lease.worker_id, change))
-        self.inflight.remove(lease.worker_id, lease.hashes)
-        worker = self.fleet.get(lease.worker_id)
-        if worker is not None:
+        self.inflight.remove(lease.target_id, lease.hashes)
+        for worker in self._counted(lease):
             worker.in_flight -= 1
             worker.in_flight_tokens -= lease.prompt_tokens
             if lease.prefilled:
@@ -238,9 +246,11 @@ class RouterCore:
     # --- fleet ---------------------------------------------------------------------------
     def apply_change(self, change: Change) -> list[Lease]:
         """Apply a discovery change; a leaving worker takes all its leases with it (returned)."""
+        old = self.fleet.get(change.record.worker_id)
         self.fleet.apply(change)
         if change.kind == "leave":
-            self.inflight.drop_worker(change.record.worker_id)
+            for target in old.targets if old is not None else []:
+                self.inflight.drop_worker(target.worker_id)
             self.breaker.forget(change.record.worker_id)
             dropped = self.leases.drop_worker(change.record.worker_id)
             for lease in dropped:  # the session keeps its binding: the next lookup falls back

@@ -46,24 +46,25 @@ def kv_query(candidates: list[WorkerState], request: RouteRequest) -> OverlapQue
     return OverlapQuery(
         model=request.model,
         hashes={bs: block_hashes(request.token_ids, bs) for bs in sizes},
-        workers=[w.worker_id for w in candidates],
+        workers=list(dict.fromkeys(w.base_id for w in candidates)),
     )
 
 
 def kv_view(candidates: list[WorkerState], reply: OverlapReply) -> KvView:
-    """Read the reply as depth per worker.
+    """Read the reply as depth per routing target.
 
-    A worker that pins one DP rank (``record.dp_rank`` set) takes that rank's depth; a worker that
-    runs every rank behind one endpoint takes the deepest rank's (its engine can place the request
-    there; per-rank targets are issue 5).
+    A per-rank target of a DP worker (``rank`` set) takes its own rank's depth; a worker that pins
+    one rank in its record (``record.dp_rank``) takes that rank's; any other worker the deepest
+    rank's (its engine places the request itself).
     """
-    pinned = {w.worker_id: w.record.dp_rank for w in candidates}
+    targets: dict[str, list[WorkerState]] = {}
+    for w in candidates:
+        targets.setdefault(w.base_id, []).append(w)
     depth: dict[str, int] = {}
     for ov in reply.overlaps:
-        if ov.worker_id not in pinned:
-            continue
-        rank = pinned[ov.worker_id]
-        if rank is not None and ov.dp_rank is not None and ov.dp_rank != rank:
-            continue
-        depth[ov.worker_id] = max(depth.get(ov.worker_id, 0), ov.blocks)
+        for w in targets.get(ov.worker_id, ()):
+            rank = w.rank if w.rank is not None else w.record.dp_rank
+            if rank is not None and ov.dp_rank is not None and ov.dp_rank != rank:
+                continue
+            depth[w.worker_id] = max(depth.get(w.worker_id, 0), ov.blocks)
     return KvView(ok=True, depth=depth, unseen=frozenset(reply.unseen))

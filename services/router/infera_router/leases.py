@@ -22,6 +22,12 @@ class Lease:
     hashes: list[int] = field(default_factory=list)  # the prompt's block hashes at the worker's block size
     binding: object | None = None  # the session binding this leg holds (sessions.Binding), if any
     ticket: object | None = None  # the worker's circuit-breaker ticket (breaker.Ticket) until the lease ends
+    dp_rank: int | None = None  # the DP rank the request is pinned to (a per-rank target), if any
+
+    @property
+    def target_id(self) -> str:
+        """The routing target's id: the worker's, or ``<worker>#<rank>`` for a pinned DP rank."""
+        return self.worker_id if self.dp_rank is None else f"{self.worker_id}#{self.dp_rank}"
 
 
 class LeaseTable:

@@ -28,7 +28,7 @@ from infera_router.jetstream import AckedPublisher, PubResult
 from infera_router.leases import Lease
 from infera_router.metrics import RouterMetrics
 from infera_router.pd_pairs import Action, PdPairs
-from infera_router.pd_protocol import PdContext
+from infera_router.dp_pin import rank_headers
 from infera_router.pd_protocols import PROTOCOLS
 from infera_router.state import WorkerState
 
@@ -78,24 +78,24 @@ class PdFlow:
             pd = prefill.record.pd
             protocol = PROTOCOLS.get(pd.protocol) if pd is not None else None
             if protocol is None:
-                log.warning("pd_worker_without_protocol", worker_id=prefill.worker_id)
+                log.warning("pd_worker_without_protocol", worker_id=prefill.base_id)
                 continue
-            ctx = PdContext()
+            ctx = protocol.context(prefill)
             cached = 0
             if plan.costs is not None:
                 cached = plan.costs[i].matched_blocks * plan.costs[i].block_size
             lease = self._core.acquire(prefill, request, time.monotonic(), cached,
                                        hashes.get(prefill.record.kv_block_size or 0), plan)
             self._on_release(lease)  # the gauge follows the lease count
-            self.pairs.start(request.request_id, lease.lease_id, prefill.worker_id)
+            self.pairs.start(request.request_id, lease.lease_id, prefill.base_id)
             waiter = asyncio.get_running_loop().create_future() if protocol.sequential else None
             if waiter is not None:
                 self._waiters[lease.lease_id] = waiter
             env = WorkEnvelope(
                 request_id=request.request_id, endpoint=request.endpoint, stream=False,
-                body=json.dumps(protocol.prefill_body(body, prefill.record, ctx)).encode(),
+                body=json.dumps(protocol.prefill_body(body, prefill, ctx)).encode(),
                 reply_subject=router_pd_subject(self._router_id, lease.lease_id), deadline=request.deadline,
-                lease_id=lease.lease_id, router_id=self._router_id,
+                lease_id=lease.lease_id, router_id=self._router_id, headers=rank_headers(prefill.rank),
             )
             result = await self._publish(prefill, env)
             if result.kind != "stored":
@@ -106,10 +106,12 @@ class PdFlow:
             if waiter is not None:
                 drained = await self._await_prefill(lease, waiter, request.deadline)
                 if not drained.ok:
-                    await reply(drained.status, f"prefill worker {prefill.worker_id} failed: {drained.message}",
+                    await reply(drained.status, f"prefill worker {prefill.base_id} failed: {drained.message}",
                                 None, None)
                     return
-            decode_body = json.dumps(protocol.decode_body(body, prefill.record, ctx)).encode()
+            def decode_body(decode: WorkerState) -> bytes:
+                return json.dumps(protocol.decode_body(body, prefill, decode, ctx)).encode()
+
             await self._send_decode(request, plan, lease, decode_body, reply)
             return
         if full:
@@ -118,7 +120,7 @@ class PdFlow:
             await reply(503, f"no prefill worker of model {request.model!r} could take the request", None, None)
 
     async def _send_decode(self, request: RouteRequest, plan: Plan, prefill_lease: Lease,
-                           body: bytes, reply: Reply) -> None:
+                           body: Callable[[WorkerState], bytes], reply: Reply) -> None:
         full = 0
         for worker in plan.decode:
             # the decode leg computes no prompt (its KV arrives from the prefill) but holds it
@@ -126,16 +128,16 @@ class PdFlow:
                                        plan=plan)
             self._on_release(lease)
             env = WorkEnvelope(
-                request_id=request.request_id, endpoint=request.endpoint, body=body, stream=request.stream,
+                request_id=request.request_id, endpoint=request.endpoint, body=body(worker), stream=request.stream,
                 reply_subject=request.reply_subject, deadline=request.deadline, lease_id=lease.lease_id,
-                router_id=self._router_id,
+                router_id=self._router_id, headers=rank_headers(worker.rank),
             )
             result = await self._publish(worker, env)
             if result.kind == "stored":
-                await self.execute(self.pairs.add_decode(prefill_lease.lease_id, lease.lease_id, worker.worker_id,
+                await self.execute(self.pairs.add_decode(prefill_lease.lease_id, lease.lease_id, worker.base_id,
                                                           request.request_id))
                 self._metrics.pd_pairs.inc()
-                await reply(200, "", worker.worker_id, lease.lease_id)
+                await reply(200, "", worker.base_id, lease.lease_id)
                 return
             if self._core.release(lease.lease_id) is not None:
                 self._on_release(lease)
@@ -154,12 +156,12 @@ class PdFlow:
                 done.set_result(result)
 
         try:
-            await self._publisher.publish(work_subject(worker.worker_id), encode(env), self._publish_timeout, settle)
+            await self._publisher.publish(work_subject(worker.base_id), encode(env), self._publish_timeout, settle)
         except Exception as exc:  # connection closed or draining
             return PubResult("error", description=type(exc).__name__)
         result = await done
         if result.kind != "stored":
-            self._metrics.publish_refused.labels(worker.worker_id, result.kind if result.kind in ("full", "gone") else "error").inc()
+            self._metrics.publish_refused.labels(worker.base_id, result.kind if result.kind in ("full", "gone") else "error").inc()
         return result
 
     async def _await_prefill(self, lease: Lease, waiter: asyncio.Future[Drained], deadline: float) -> Drained:

@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 from infera_common.schemas import WorkerRecord
 
+from infera_router.state import WorkerState
+
 
 @dataclass(slots=True, frozen=True)
 class PdContext:
@@ -25,12 +27,17 @@ class PdContext:
 
 
 class DisaggProtocol(Protocol):
+    """``prefill``/``decode`` are the chosen routing targets: a worker, or one DP rank of it (``rank``)."""
+
     name: str
     sequential: bool
 
-    def prefill_body(self, body: dict[str, Any], prefill: WorkerRecord, ctx: PdContext) -> dict[str, Any]: ...
+    def context(self, prefill: WorkerState) -> PdContext: ...
 
-    def decode_body(self, body: dict[str, Any], prefill: WorkerRecord, ctx: PdContext) -> dict[str, Any]: ...
+    def prefill_body(self, body: dict[str, Any], prefill: WorkerState, ctx: PdContext) -> dict[str, Any]: ...
+
+    def decode_body(self, body: dict[str, Any], prefill: WorkerState, decode: WorkerState,
+                    ctx: PdContext) -> dict[str, Any]: ...
 
 
 def bootstrap_endpoint(prefill: WorkerRecord) -> tuple[str, int | None]:

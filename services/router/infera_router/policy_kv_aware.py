@@ -102,7 +102,7 @@ def worker_cost(worker: WorkerState, tokens: int, kv: KvView, weight: float,
         return WorkerCost(worker.worker_id, load, 0, 0, req_blocks, load, bs, kv.failure or "none")
     if rec.kv_block_size is None:
         info = "unknown_block_size"
-    elif worker.worker_id in kv.unseen:
+    elif worker.base_id in kv.unseen:
         info = "unseen"
     else:
         info = "ok"

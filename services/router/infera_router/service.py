@@ -35,6 +35,7 @@ from infera_common.subjects import (
 
 from infera_router.breaker import CircuitBreaker, Transition
 from infera_router.core import Plan, RouterCore
+from infera_router.dp_pin import pin_bytes, rank_headers
 from infera_router.jetstream import AckedPublisher, PubResult
 from infera_router.kv_client import KvClient
 from infera_router.kv_view import KvView
@@ -364,12 +365,12 @@ class RouterService:
             cached = cost.matched_blocks * cost.block_size
         hashes = r.hashes.get(worker.record.kv_block_size or 0)
         lease = r.lease = self.core.acquire(worker, request, time.monotonic(), cached, hashes, r.plan)
-        self.metrics.set_leases(worker.worker_id, worker.in_flight)
+        self._lease_gauge(lease)
         try:
             data = encode(WorkEnvelope(
-                request_id=request.request_id, endpoint=request.endpoint, body=request.body,
+                request_id=request.request_id, endpoint=request.endpoint, body=pin_bytes(request.body, worker.rank),
                 stream=request.stream, reply_subject=request.reply_subject, deadline=request.deadline,
-                lease_id=lease.lease_id, router_id=self.router_id,
+                lease_id=lease.lease_id, router_id=self.router_id, headers=rank_headers(worker.rank),
             ))
             assert self._publisher is not None, "router stopped"
         except BaseException:
@@ -377,17 +378,17 @@ class RouterService:
             raise
         try:
             await self._publisher.publish(
-                work_subject(worker.worker_id), data, self.settings.publish_timeout,
+                work_subject(worker.base_id), data, self.settings.publish_timeout,
                 lambda result: self._on_published(r, result),
             )
         except Exception as exc:  # connection closed or draining: NATS did not take it
             self._drop(lease)
-            await self._reply(r, 503, f"JetStream did not take the request for worker {worker.worker_id}: "
+            await self._reply(r, 503, f"JetStream did not take the request for worker {worker.base_id}: "
                                       f"{type(exc).__name__}")
 
     async def _on_published(self, r: Routing, result: PubResult) -> None:
         try:
-            wid = r.order[r.tried - 1].worker_id
+            wid = r.order[r.tried - 1].base_id
             lease = r.lease
             assert lease is not None
             if result.kind == "stored":

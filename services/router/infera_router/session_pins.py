@@ -38,7 +38,7 @@ class SessionPins:
         """``order`` with the session's bound worker first (when available); the HIT goes in ``held``."""
         if session is None or not self.table.pins(role) or not order:
             return order
-        by_target = {Target(w.worker_id): w for w in order}
+        by_target = {Target(w.base_id, w.rank): w for w in order}
         found = self.table.lookup(model, session, role, by_target.keys(), now)
         if found.outcome != Outcome.HIT or found.binding is None:
             return order
@@ -51,11 +51,11 @@ class SessionPins:
         if session is None or not self.table.pins(role):
             return
         binding = held.pop(role, None)
-        if binding is not None and binding.target.worker_id != worker.worker_id:
+        if binding is not None and binding.target != Target(worker.base_id, worker.rank):
             self.table.release(binding, now)  # the bound worker refused: the one that takes it is bound
             binding = None
         if binding is None:
-            binding = self.table.bind(request.model, session, role, Target(worker.worker_id), now)
+            binding = self.table.bind(request.model, session, role, Target(worker.base_id, worker.rank), now)
         lease.binding = binding
 
     def end(self, lease: Lease, outcome: str | None, now: float) -> None:

@@ -15,18 +15,51 @@ from infera_common.schemas import LoadReport, WorkerRecord, WorkerStatus
 
 @dataclass(slots=True, eq=False)
 class WorkerState:
-    """One worker as the router sees it."""
+    """One worker as the router sees it, or one DP rank of it (a routing target).
+
+    A worker whose engine runs ``dp_size > 1`` data-parallel ranks behind one endpoint (its record
+    has no ``dp_rank``) is routed to per rank: ``ranks`` holds one target per rank, each with its
+    own counters and its own cache view, and ``worker_id`` of a rank target is ``<worker>#<rank>``
+    (policies, cache depths and in-flight blocks are keyed by it). ``base_id`` is always the real
+    worker id: subjects, leases, breakers, replies. The worker's own counters sum its ranks'.
+    """
 
     record: WorkerRecord
     load: LoadReport | None = None  # the latest load report, if any arrived
-    in_flight: int = 0  # leases this router holds on the worker
+    in_flight: int = 0  # leases this router holds on the worker (or rank)
     in_flight_tokens: int = 0  # prompt tokens of those leases
     prefill_tokens: int = 0  # uncached prompt tokens of the leases whose prefill is not known to be done
     decode_tokens: int = 0  # prompt tokens of the leases past their first token
+    rank: int | None = None  # the DP rank this target pins (None: the whole worker)
+    ranks: list[WorkerState] = field(default_factory=list)  # per-rank targets of a DP worker
 
     @property
     def worker_id(self) -> str:
+        if self.rank is None:
+            return self.record.worker_id
+        return f"{self.record.worker_id}#{self.rank}"
+
+    @property
+    def base_id(self) -> str:
         return self.record.worker_id
+
+    @property
+    def targets(self) -> list[WorkerState]:
+        """Where requests for this worker can be pinned: its ranks, or itself."""
+        return self.ranks or [self]
+
+    def target(self, rank: int | None) -> WorkerState:
+        if rank is None or not self.ranks or not 0 <= rank < len(self.ranks):
+            return self
+        return self.ranks[rank]
+
+    def set_record(self, record: WorkerRecord) -> None:
+        self.record = record
+        per_rank = record.dp_size if record.dp_size > 1 and record.dp_rank is None else 0
+        if len(self.ranks) != per_rank:
+            self.ranks = [WorkerState(record, rank=r) for r in range(per_rank)]
+        for target in self.ranks:
+            target.record = record
 
     @property
     def model(self) -> str:
@@ -62,15 +95,16 @@ class FleetState:
         state = self._workers.get(record.worker_id)
         if state is None:
             state = WorkerState(record)
+            state.set_record(record)
             self._workers[record.worker_id] = state
         elif state.record.model != record.model:
             self._detach(state)
-            state.record = record
+            state.set_record(record)
         elif state.record.status == record.status:  # a heartbeat: nothing to re-index
-            state.record = record
+            state.set_record(record)
             return state
         else:
-            state.record = record
+            state.set_record(record)
         fleet = self._models.setdefault(record.model, _ModelFleet())
         fleet.workers[record.worker_id] = state
         fleet.reindex()

@@ -79,7 +79,7 @@ class Relay:
             return "error"
 
     async def _forward(self, env: WorkEnvelope, sink: FrameSink) -> Outcome:
-        headers = {"Content-Type": "application/json", "X-Request-Id": env.request_id}
+        headers = {**env.headers, "Content-Type": "application/json", "X-Request-Id": env.request_id}
         async with self._session.post(self._base + env.endpoint.value, data=env.body, headers=headers) as resp:
             streaming = (
                 env.stream and resp.status < 400 and resp.content_type == SSE_CONTENT_TYPE
