@@ -17,6 +17,7 @@ class ProcSpec:
     role: str  # "router" | "frontend" | "worker"
     module: str  # python -m target
     args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # set on top of the launcher's environment
 
     def argv(self, python: str) -> list[str]:
         return [python, "-m", self.module, *self.args]
@@ -25,6 +26,17 @@ class ProcSpec:
 def default_engine_args() -> list[str]:
     """Mock-engine arguments of the default fleet (the agent adds the bundled --model-path)."""
     return ["--served-model-name", BUNDLED_MODEL_NAME]
+
+
+#: The mock engine flags of a prefill and of a decode worker, per PD protocol (each engine's own).
+PD_ARGS: dict[str, tuple[list[str], list[str]]] = {
+    "sglang-bootstrap": (["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "0"],
+                         ["--disaggregation-mode", "decode"]),
+    "vllm-mooncake": (["--engine-flavor", "vllm", "--kv-transfer-config",
+                       '{"kv_connector": "MooncakeConnector", "kv_role": "kv_producer"}'],
+                      ["--engine-flavor", "vllm", "--kv-transfer-config",
+                       '{"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer"}']),
+}
 
 
 def plan_fleet(
@@ -39,6 +51,7 @@ def plan_fleet(
     log_format: str = "json",
     prefill_workers: int = 0,
     decode_workers: int = 0,
+    pd_protocol: str = "sglang-bootstrap",
 ) -> list[ProcSpec]:
     """kv-indexer, router, frontend, ``workers`` aggregated mock worker-agents and
     ``prefill_workers`` + ``decode_workers`` disaggregated ones (SGLang bootstrap protocol), all on
@@ -63,11 +76,14 @@ def plan_fleet(
         ProcSpec("router", "router", "infera_router", router_args),
         ProcSpec("frontend", "frontend", "infera_frontend", [*common, "--host", host, "--port", str(port)]),
     ]
+    if pd_protocol not in PD_ARGS:
+        raise ValueError(f"unknown PD protocol {pd_protocol!r}; choose one of {', '.join(PD_ARGS)}")
+    prefill_args, decode_args = PD_ARGS[pd_protocol]
     kinds = ([("worker", "mock", [])] * workers
-             # bootstrap port 0: the mock binds a free one and reports it; its agent registers that
-             + [("prefill", "prefill", ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "0"])]
-             * prefill_workers
-             + [("decode", "decode", ["--disaggregation-mode", "decode"])] * decode_workers)
+             + [("prefill", "prefill", prefill_args)] * prefill_workers
+             + [("decode", "decode", decode_args)] * decode_workers)
+    # bootstrap port 0: the mock binds a free one and reports it; its agent registers that
+    pd_env = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": "0"} if pd_protocol == "vllm-mooncake" else {}
     counts: dict[str, int] = {}
     for n, (name, wid, pd_args) in enumerate(kinds):
         i = counts[name] = counts.get(name, 0) + 1
@@ -78,6 +94,7 @@ def plan_fleet(
                 "infera_worker_agent",
                 [*common, "--engine", "mock", "--worker-id", f"{wid}-{i}",
                  "--metrics-port", str(metrics_ports[n + 2]), *default_engine_args(), *pd_args, *engine_args],
+                env=pd_env if name != "worker" else {},
             )
         )
     return procs

@@ -7,6 +7,7 @@ stopped TERM-then-KILL), leaving no process behind.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -15,6 +16,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Literal
+
 from pydantic import Field
 
 from infera.fleet_plan import ProcSpec, plan_fleet
@@ -34,6 +37,11 @@ class UpSettings(InferaSettings):
     )
     decode_workers: int = Field(
         0, ge=0, le=64, description="Number of decode mock engines; needs --prefill-workers too.",
+    )
+    pd_protocol: Literal["sglang-bootstrap", "vllm-mooncake"] = Field(
+        "sglang-bootstrap",
+        description="How the prefill and decode mock engines hand over the KV: SGLang's bootstrap rooms, "
+        "or vLLM's Mooncake connector (the mock engines then speak the vLLM flavour).",
     )
     router_policy: PolicyName | None = Field(  # type: ignore[valid-type]  # the router's own choices
         None, description="Routing policy passed to the router (default: the router's own default)."
@@ -64,6 +72,7 @@ def main(argv: list[str]) -> int:
             metrics_ports=[free_port() for _ in range(total + 2)],
             prefill_workers=settings.prefill_workers,
             decode_workers=settings.decode_workers,
+            pd_protocol=settings.pd_protocol,
         )
     except ValueError as exc:
         print(f"infera up: error: {exc}", file=sys.stderr)
@@ -117,6 +126,7 @@ def _spawn(spec: ProcSpec, logs: Path) -> subprocess.Popen:
     log = open(logs / f"{spec.name}.log", "ab")
     return subprocess.Popen(
         spec.argv(sys.executable), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env={**os.environ, **spec.env} if spec.env else None,
         start_new_session=True,
     )
 
