@@ -1,4 +1,4 @@
-"""Per-worker circuit breaker and the failover retry rule. Pure, no I/O, time passed in.
+"""Per-worker circuit breaker. Pure, no I/O, time passed in.
 
 Breaker states per worker key (any hashable: a worker id, or ``(worker_id, dp_rank)``):
 
@@ -12,16 +12,14 @@ Breaker states per worker key (any hashable: a worker id, or ``(worker_id, dp_ra
     cooldown doubled, up to ``max_cooldown_s``. A probe that ends neither way (a 4xx, a 429, a
     client cancel) frees the probe slot for the next request.
 
-The caller classifies each outcome (:func:`classify_status`, :func:`classify_failure`): client
-errors (4xx) and 429 are never faults. Use per request::
+The caller classifies each outcome (the router: ``core.BREAKER_OUTCOMES`` from the release
+outcome): client errors (4xx) and 429 are never faults. Use per request::
 
     allowed = breaker.filter(candidates, now)        # allowed.all_open: routed anyway, count it
     ticket = breaker.begin(key_of_chosen, now)       # when the request is sent
     change = breaker.record(ticket, outcome, now)    # once, when it ends; a Transition or None
 
-Failover: :func:`should_retry` decides whether a failed request may be tried again on another
-worker (only before its first byte reached the client), :class:`Failover` tracks the workers
-already tried so the next pick excludes them.
+Retrying a failed request on another worker is the frontend's (``infera_frontend.failover``).
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ DEFAULT_COOLDOWN_S = 5.0
 DEFAULT_MAX_COOLDOWN_S = 60.0
 #: A probe not recorded after this long is presumed lost: its slot is given to a new probe.
 DEFAULT_PROBE_TIMEOUT_S = 300.0
-DEFAULT_MAX_RETRIES = 1
 
 K = TypeVar("K", bound=Hashable)
 C = TypeVar("C")
@@ -54,81 +51,6 @@ class Outcome(StrEnum):
     SUCCESS = "success"  # the worker served it: resets the fault count, closes a half-open breaker
     FAULT = "fault"  # the worker failed: counts towards opening the breaker
     NEUTRAL = "neutral"  # says nothing about the worker (4xx, 429, client cancel)
-
-
-class FailureKind(StrEnum):
-    """Why a request attempt failed, as the adapter observed it."""
-
-    UNREACHABLE = "unreachable"  # worker did not answer / no responders / connection refused
-    NATS_ERROR = "nats_error"  # the transport failed (publish error, disconnected)
-    TIMEOUT = "timeout"  # no first token before the deadline
-    OVERLOADED = "overloaded"  # 429: the worker's queue or the engine is full
-    CLIENT_ERROR = "client_error"  # 4xx other than 429: the request itself is bad
-    UPSTREAM_ERROR = "upstream_error"  # 5xx from the engine
-    STREAM_ERROR = "stream_error"  # the upstream stream broke after it started
-    CANCELLED = "cancelled"  # the client went away
-
-
-_FAULTS = frozenset({FailureKind.UNREACHABLE, FailureKind.NATS_ERROR, FailureKind.TIMEOUT,
-                     FailureKind.UPSTREAM_ERROR, FailureKind.STREAM_ERROR})
-#: Failures that happen before any byte is produced and are safe to try on another worker.
-RETRYABLE = frozenset({FailureKind.UNREACHABLE, FailureKind.NATS_ERROR, FailureKind.TIMEOUT,
-                       FailureKind.OVERLOADED})
-
-
-def failure_kind_for_status(status: int) -> FailureKind | None:
-    """The failure an HTTP-like status means: None for 1xx-3xx, OVERLOADED for 429,
-    CLIENT_ERROR for other 4xx, UPSTREAM_ERROR for 5xx and anything else."""
-    if 100 <= status < 400:
-        return None
-    if status == 429:
-        return FailureKind.OVERLOADED
-    if 400 <= status < 500:
-        return FailureKind.CLIENT_ERROR
-    return FailureKind.UPSTREAM_ERROR
-
-
-def classify_failure(kind: FailureKind | str) -> Outcome:
-    """FAULT for unreachable, NATS error, timeout, 5xx, broken stream; NEUTRAL for 429, other
-    4xx and cancellation."""
-    return Outcome.FAULT if FailureKind(kind) in _FAULTS else Outcome.NEUTRAL
-
-
-def classify_status(status: int) -> Outcome:
-    """SUCCESS for 1xx-3xx, NEUTRAL for 4xx (429 included), FAULT for 5xx (and nonsense)."""
-    kind = failure_kind_for_status(status)
-    return Outcome.SUCCESS if kind is None else classify_failure(kind)
-
-
-def should_retry(attempt: int, failure_kind: FailureKind | str, first_byte_sent: bool,
-                 max_retries: int = DEFAULT_MAX_RETRIES) -> bool:
-    """Whether a failed attempt may be retried on another worker.
-
-    ``attempt`` counts the retries already made: 0 when the original attempt failed, 1 when
-    the first retry failed, ... Retry only if no byte of the response reached the client yet,
-    the failure is one of :data:`RETRYABLE` (unreachable, NATS error, timeout before the first
-    token, 429), and fewer than ``max_retries`` retries were made.
-    """
-    return not first_byte_sent and FailureKind(failure_kind) in RETRYABLE and attempt < max_retries
-
-
-@dataclass(slots=True)
-class Failover(Generic[K]):
-    """One request's attempts: the workers tried so far and whether to try once more."""
-
-    max_retries: int = DEFAULT_MAX_RETRIES
-    tried: list[K] = field(default_factory=list)
-
-    def failed(self, worker: K, failure_kind: FailureKind | str, first_byte_sent: bool) -> bool:
-        """Record a failed attempt on ``worker``; True if the request should be retried
-        elsewhere (pick among :meth:`remaining`, or give up if that is empty)."""
-        self.tried.append(worker)
-        return should_retry(len(self.tried) - 1, failure_kind, first_byte_sent, self.max_retries)
-
-    def remaining(self, candidates: Iterable[C], key: Callable[[C], K] | None = None) -> list[C]:
-        """``candidates`` minus the workers already tried (``key`` maps a candidate to its key)."""
-        tried = set(self.tried)
-        return [c for c in candidates if (key(c) if key else c) not in tried]
 
 
 class Transition(StrEnum):

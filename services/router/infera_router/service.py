@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import TypeVar
 
 from dataclasses import dataclass, field
 
@@ -50,6 +51,7 @@ from infera_router.settings import RouterSettings
 from infera_router.state import WorkerState
 
 log = get_logger("router")
+T = TypeVar("T")
 
 #: How long start() tries to reach NATS before giving up with a clear error.
 NATS_CONNECT_TIMEOUT = 10.0
@@ -182,22 +184,23 @@ class RouterService:
             self.metrics.set_live(model, self.core.fleet.status_counts(model))
 
     # --- load reports and releases ---------------------------------------------------------
-    async def _on_load(self, msg: Msg) -> None:
+    def _decoded(self, schema: type[T], msg: Msg, kind: str) -> T | None:
+        """The message as ``schema``, or None (counted under ``kind`` and logged): never raises."""
         try:
-            report = decode(LoadReport, msg.data)
+            return decode(schema, msg.data)
         except ValueError as exc:
-            self.metrics.bad_messages.labels("load").inc()
-            log.warning("bad_load_report", subject=msg.subject, error=str(exc))
+            self.metrics.bad_messages.labels(kind).inc()
+            log.warning("bad_message", kind=kind, subject=msg.subject, error=str(exc)[:500])
+            return None
+
+    async def _on_load(self, msg: Msg) -> None:
+        if (report := self._decoded(LoadReport, msg, "load")) is None:
             return
         accepted = self.core.apply_load(report)
         (self.metrics.load_accepted if accepted else self.metrics.load_unknown).inc()
 
     async def _on_release(self, msg: Msg) -> None:
-        try:
-            release = decode(Release, msg.data)
-        except ValueError as exc:
-            self.metrics.bad_messages.labels("release").inc()
-            log.warning("bad_release", error=str(exc))
+        if (release := self._decoded(Release, msg, "release")) is None:
             return
         if self.pairs.is_leg(release.lease_id):
             self.metrics.release_outcomes[release.outcome].inc()
@@ -213,11 +216,7 @@ class RouterService:
         self._lease_gauge(lease)
 
     async def _on_prefilled(self, msg: Msg) -> None:
-        try:
-            note = decode(Prefilled, msg.data)
-        except ValueError as exc:
-            self.metrics.bad_messages.labels("prefilled").inc()
-            log.warning("bad_prefilled", error=str(exc))
+        if (note := self._decoded(Prefilled, msg, "prefilled")) is None:
             return
         if self.core.prefilled(note.lease_id) is not None:
             self.metrics.prefilled.inc()
@@ -272,7 +271,7 @@ class RouterService:
                 request = decode(RouteRequest, msg.data)
             except ValueError as exc:
                 self.metrics.bad_messages.labels("route").inc()
-                log.warning("bad_route_request", error=str(exc)[:500])
+                log.warning("bad_message", kind="route", error=str(exc)[:500])
                 reply = RouteReply(status=400, message=f"malformed RouteRequest: {exc}"[:1000], router_id=self.router_id)
                 await self._send(msg.reply, reply, t0)
                 return
