@@ -90,6 +90,12 @@ class LoadReport(_Msg):
     ts: float = Field(default_factory=time.time)
 
 
+#: The header a client sends its session id in, to opt in to session affinity (HTTP, or a NATS
+#: message header on the NATS API; names compare without case). Its values travel as
+#: ``RouteRequest.session_ids``.
+SESSION_HEADER = "X-Dynamo-Session-ID"
+
+
 class RouteRequest(_Msg):
     """Frontend -> router: route this request and hand it to the chosen worker."""
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-#: The header clients send (HTTP header, or NATS message header on the NATS API).
-SESSION_HEADER = "X-Dynamo-Session-ID"
+from infera_common.schemas import SESSION_HEADER
+
+__all__ = ["SESSION_HEADER", "nats_session_ids"]
+
 _LOWER = SESSION_HEADER.lower()
 
 

@@ -47,14 +47,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal, NamedTuple
 
-from infera_common.schemas import Role
+from infera_common.schemas import SESSION_HEADER, Role
 
 AffinityMode = Literal["off", "prefill", "both"]
 AFFINITY_MODES: tuple[str, ...] = ("off", "prefill", "both")
 DEFAULT_AFFINITY_MODE: AffinityMode = "off"
 
-#: The HTTP header a client sends its session id in (case-insensitive, like every header).
-SESSION_HEADER = "X-Dynamo-Session-ID"
 #: Longest accepted session id, in UTF-8 bytes.
 MAX_SESSION_ID_BYTES = 1024
 
