@@ -40,6 +40,13 @@ def test_defaults_and_env(monkeypatch):
     (["--router-policy", "fastest"], "--router-policy"),
     (["--lease-max-age", "0"], "--lease-max-age"),
     (["--router-id", "has.dot"], "--router-id"),
+    (["--session-affinity", "always"], "--session-affinity"),
+    (["--session-affinity-ttl-seconds", "0"], "--session-affinity-ttl-seconds"),
+    (["--session-affinity-ttl-seconds", "86401"], "--session-affinity-ttl-seconds"),
+    (["--pd-prefill-guard-release", "headers"], "--pd-prefill-guard-release"),
+    (["--breaker-failure-threshold", "0"], "--breaker-failure-threshold"),
+    (["--kv-decode-weight", "-1"], "--kv-decode-weight"),
+    (["--breaker-cooldown-s", "10", "--breaker-max-cooldown-s", "5"], "--breaker-max-cooldown-s"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:

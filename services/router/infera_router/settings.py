@@ -7,7 +7,7 @@ import secrets
 import socket
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from infera_common.settings import LogSettings, PlaneSettings
 from infera_common.subjects import TOKEN_RE
@@ -82,6 +82,13 @@ class RouterSettings(PlaneSettings, LogSettings):
         description="This router instance's id (a subject token: letters, digits, '_', '-'); "
         "default: <hostname>-<random>, unique per process.",
     )
+
+    @model_validator(mode="after")
+    def _cooldowns_in_order(self) -> "RouterSettings":
+        if self.breaker_max_cooldown_s < self.breaker_cooldown_s:
+            raise ValueError(f"--breaker-max-cooldown-s ({self.breaker_max_cooldown_s}) must be at least "
+                             f"--breaker-cooldown-s ({self.breaker_cooldown_s})")
+        return self
 
     def resolved_router_id(self) -> str:
         return self.router_id or new_router_id()
