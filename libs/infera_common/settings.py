@@ -140,7 +140,10 @@ def parse_cli(
 def _explain(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "settings"
+        loc = ".".join(str(p) for p in err["loc"])
+        if not loc:  # a rule across several settings: its message names them
+            lines.append(str(err["msg"]).removeprefix("Value error, "))
+            continue
         flag = _flag(loc) if "." not in loc else loc
         env = ENV_PREFIX + loc.upper()
         if err["type"] == "missing":
