@@ -23,7 +23,7 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(VENV)/bin/pytest -m slow $(ARGS)
 
-# `make bench [BENCH=overhead|trace_replay|indexer] [ARGS=...]`: installs the `bench` extra too
+# `make bench [BENCH=overhead|trace_replay|indexer|pd] [ARGS=...]`: installs the `bench` extra too
 # (sglang-router, for trace_replay's comparison row), then runs bench/$(BENCH).py.
 BENCH       ?= overhead
 BENCH_STAMP := $(VENV)/.installed-bench

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -23,9 +24,10 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
-def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen:
+def _spawn(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     log = open(log_path, "ab")
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **env} if env else None)
 
 
 def _get_json(url: str, timeout: float = 1.0):
@@ -35,20 +37,27 @@ def _get_json(url: str, timeout: float = 1.0):
 
 def start_fleet(tmp: Path, *, workers: int, policy: str | None, engine_args: list[str],
                 need_block_size: bool = False, metrics_ports: list[int] | None = None,
+                prefill_workers: int = 0, decode_workers: int = 0, env: dict[str, str] | None = None,
                 ) -> tuple[list[subprocess.Popen], str, list[dict]]:
     """Start the fleet with logs in ``tmp``; returns (processes, frontend URL, active worker records).
 
-    ``metrics_ports`` (kv-indexer, router, then one per worker) lets the caller read their /metrics."""
+    ``workers`` aggregated worker-agents, plus ``prefill_workers`` and ``decode_workers``
+    disaggregated ones (both or neither, as `infera up`); ready when all of them are active.
+    ``metrics_ports`` (kv-indexer, router, then one per worker: aggregated, prefill, decode) lets the
+    caller read their /metrics. ``env`` is added to every process's environment (e.g. a router
+    setting as INFERA_*)."""
     _stop_on_sigterm()
     nats_port, http_port = free_port(), free_port()
+    total = workers + prefill_workers + decode_workers
     procs = [start_nats(nats_port, tmp / "js")]
     plan = plan_fleet(
         nats_url=f"nats://127.0.0.1:{nats_port}", host="127.0.0.1", port=http_port, workers=workers,
         router_policy=policy, engine_args=engine_args,
-        metrics_ports=metrics_ports or [free_port() for _ in range(workers + 2)],
+        metrics_ports=metrics_ports or [free_port() for _ in range(total + 2)],
+        prefill_workers=prefill_workers, decode_workers=decode_workers,
     )
     for spec in plan:
-        procs.append(_spawn(spec.argv(sys.executable), tmp / f"{spec.name}.log"))
+        procs.append(_spawn(spec.argv(sys.executable), tmp / f"{spec.name}.log", env))
     url = f"http://127.0.0.1:{http_port}"
     try:
         wait_port("127.0.0.1", http_port, 30)
@@ -56,7 +65,7 @@ def start_fleet(tmp: Path, *, workers: int, policy: str | None, engine_args: lis
         while time.monotonic() < deadline:
             try:
                 active = [w for w in _get_json(f"{url}/v1/workers")["data"] if w["status"] == "active"]
-                if len(active) == workers and (not need_block_size or all(w.get("kv_block_size") for w in active)):
+                if len(active) == total and (not need_block_size or all(w.get("kv_block_size") for w in active)):
                     return procs, url, active
             except OSError:
                 pass

@@ -88,6 +88,9 @@ class LoadReport(_Msg):
     engine_waiting: int = 0
     kv_usage: float = 0.0  # fraction of the engine's KV cache in use, 0..1
     ts: float = Field(default_factory=time.time)
+    #: ``in_flight`` split by the router that leased each request: a router counts the others'
+    #: requests from this without guessing which of its own the report still includes
+    by_router: dict[str, int] = Field(default_factory=dict)
 
 
 #: The header a client sends its session id in, to opt in to session affinity (HTTP, or a NATS

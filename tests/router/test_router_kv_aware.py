@@ -167,3 +167,18 @@ def test_in_flight_prompts_deepen_the_indexer_view_until_released():
     c.release(lease.lease_id)
     assert c.plan(request(), hashed).order[0].worker_id == "b"
     assert len(c.inflight) == 0
+
+
+def test_a_stale_report_does_not_count_this_router_s_finished_requests_as_other_load():
+    c = RouterCore(KvAware(1.0, rng=random.Random(1)), "r1", 100.0)
+    c.apply_change(join("a", kv_block_size=64))
+    c.apply_change(join("b", kv_block_size=64))
+    # a's report, taken while two of r1's requests ran there (since finished) and one of r2's
+    c.apply_load(LoadReport(worker_id="a", in_flight=3, by_router={"r1": 2, "r2": 1}))
+    costs = {x.worker_id: x for x in c.plan(request(), view({"a": 4})).costs}
+    assert costs["a"].load_blocks == 10  # r2's request only, at this request's 10 blocks
+    assert c.plan(request(), view({"a": 4})).order[0].worker_id == "b"  # 6 + 10 > 10
+    c.apply_load(LoadReport(worker_id="a", in_flight=2, by_router={"r1": 2}))
+    assert c.plan(request(), view({"a": 4})).order[0].worker_id == "a"  # nothing of anyone else's
+    c.apply_load(LoadReport(worker_id="a", in_flight=2))  # an agent that does not split: the old estimate
+    assert {x.worker_id: x for x in c.plan(request(), view({})).costs}["a"].load_blocks == 20

@@ -162,6 +162,10 @@ async def test_pending_limit_is_enforced_by_the_broker(bus, agents):
     long = [await bus.submit("w-full", chat(3000, stream=True)) for _ in range(2)]
     for _, sub in long:
         assert (await bus.frames(sub, n=1))[0].kind == "head"
+    load_sub = await bus.nc.subscribe(load_subject("w-full"))
+    report = decode(LoadReport, (await load_sub.next_msg(timeout=5)).data)
+    assert (report.in_flight, report.by_router) == (2, {ROUTER: 2})  # whose requests they are
+    await load_sub.unsubscribe()
     with pytest.raises(ServiceUnavailableError, match="maximum messages"):
         await bus.submit("w-full", chat(3, stream=False))
     for rid, _ in long:

@@ -259,5 +259,14 @@ class RouterCore:
         return []
 
     def apply_load(self, report: LoadReport) -> bool:
-        return self.fleet.set_load(report)
+        """Keep a worker's load report; from an agent that splits its count by router, the requests of
+        the other routers are exact (this router's own are its leases, always up to date)."""
+        if not self.fleet.set_load(report):
+            return False
+        worker = self.fleet.get(report.worker_id)
+        if worker is not None:
+            split = report.by_router or None
+            worker.others = None if split is None and report.in_flight else (
+                report.in_flight - (split or {}).get(self.leases.prefix, 0))
+        return True
 

@@ -32,6 +32,7 @@ class Lease:
 
 class LeaseTable:
     def __init__(self, id_prefix: str) -> None:
+        self.prefix = id_prefix  # this router's id
         self._prefix = id_prefix
         self._next = 0
         self._leases: dict[str, Lease] = {}  # insertion (= creation) order

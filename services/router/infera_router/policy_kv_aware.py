@@ -19,9 +19,12 @@ prompt less what the policy saw cached on ``w`` when it picked ``w``. The split 
 request's first token waits behind every prompt still being prefilled on that worker, but a
 decoding request only slows each engine step a little (and holds KV blocks), so counting it at
 full size keeps a busy conversation away from the worker that holds its cache.
-``others(w) = max(0, agent in-flight - leases) + max(0, engine running + waiting - agent
-in-flight)``, from the worker's load report: requests other routers (or clients going straight to
-the engine) sent, whose sizes this router does not know; they are counted at this request's size.
+``others(w)`` = the requests other routers leased on ``w`` (the agent's load report splits its
+in-flight count by router; older reports: agent in-flight - this router's leases) + ``max(0, engine
+running + waiting - agent in-flight)`` (clients going straight to the engine): requests whose sizes
+this router does not know, counted at this request's size. The split matters: a report is up to a
+second old, and subtracting this router's current leases from it would count each of its requests
+that finished since as someone else's, at full size.
 
 Why ``kv_overlap_weight`` (default DEFAULT_OVERLAP_WEIGHT = 2.0): at 1.0 a cached block would save
 exactly one block of work; above 1 favours cache hits more (prefill-bound fleets, long shared
@@ -85,6 +88,8 @@ def unseen_requests(worker: WorkerState) -> int:
     if report is None:
         return 0
     beside_agent = max(0, report.engine_running + report.engine_waiting - report.in_flight)
+    if worker.others is not None:  # the agent said which requests are other routers'
+        return worker.others + beside_agent
     return max(0, report.in_flight - worker.in_flight) + beside_agent
 
 

@@ -30,6 +30,7 @@ class WorkerState:
     in_flight_tokens: int = 0  # prompt tokens of those leases
     prefill_tokens: int = 0  # uncached prompt tokens of the leases whose prefill is not known to be done
     decode_tokens: int = 0  # prompt tokens of the leases past their first token
+    others: int | None = None  # requests on it other routers leased (from its load report), when known
     rank: int | None = None  # the DP rank this target pins (None: the whole worker)
     ranks: list[WorkerState] = field(default_factory=list)  # per-rank targets of a DP worker
 

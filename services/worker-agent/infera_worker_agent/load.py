@@ -77,6 +77,7 @@ class LoadReporter:
         interval: float,
         in_flight: Callable[[], int],
         publish: Callable[[LoadReport], Awaitable[None]],
+        by_router: Callable[[], dict[str, int]] = dict,
         on_load: Callable[[EngineLoad], None] = lambda _load: None,
     ) -> None:
         self._worker_id = worker_id
@@ -84,6 +85,7 @@ class LoadReporter:
         self._url = metrics_url
         self._interval = interval
         self._in_flight = in_flight
+        self._by_router = by_router
         self._publish = publish
         self._on_load = on_load
         self.last = EngineLoad()
@@ -123,6 +125,7 @@ class LoadReporter:
         report = LoadReport(
             worker_id=self._worker_id,
             in_flight=self._in_flight(),
+            by_router=self._by_router(),
             engine_running=self.last.running,
             engine_waiting=self.last.waiting,
             kv_usage=self.last.kv_usage,

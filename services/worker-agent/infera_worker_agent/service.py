@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import os
 import signal
 import sys
 import time
@@ -36,6 +37,7 @@ from infera_worker_agent.pd_report import (
     PdState, bootstrap_query_url, needs_bootstrap_query, planned_state, reported_state,
 )
 from infera_worker_agent.pd_role import PdPlan
+from infera_worker_agent.recipes import engine_env
 from infera_worker_agent.relay import Relay
 from infera_worker_agent.settings import AgentSettings
 from infera_worker_agent.worker import RequestWorker, StopReason
@@ -117,6 +119,10 @@ class Agent:
                  metrics_port=port, argv=list(self.plan.argv), role=self._pd.role.value)
         for note in self._pd_plan.notes:
             log.warning("pd_flags", note=note)
+        for note in self.plan.notes:
+            log.info("recipe", note=note)
+        if self.plan.env_changes:
+            log.info("engine_env", set=dict(self.plan.env_changes))
         try:
             self._nc = await connect(self.s.nats_url, name=f"worker-agent-{self.worker_id}")
         except ConnectionError as exc:
@@ -131,7 +137,8 @@ class Agent:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
         )
         self._engine = await EngineProcess.spawn(
-            self.plan.argv, grace=self.s.engine_stop_timeout, echo=sys.stdout.buffer
+            self.plan.argv, grace=self.s.engine_stop_timeout, echo=sys.stdout.buffer,
+            env=engine_env(os.environ, self.plan),
         )
         startup = await wait_healthy(self._session, self.plan.local_url, self._engine, self.s.health_timeout, self._stop)
         if startup is not Startup.HEALTHY:
@@ -157,6 +164,7 @@ class Agent:
         self._reporter = LoadReporter(
             worker_id=self.worker_id, session=self._session, metrics_url=f"{self.plan.local_url}/metrics",
             interval=self.s.load_interval, in_flight=lambda: self._worker.in_flight if self._worker else 0,
+            by_router=lambda: self._worker.in_flight_by_router() if self._worker else {},
             publish=self._publish_load, on_load=self._on_load,
         )
         self._reporter.start()

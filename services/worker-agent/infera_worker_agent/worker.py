@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections import Counter
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -128,6 +129,10 @@ class RequestWorker:
     @property
     def in_flight(self) -> int:
         return len(self._inflight)
+
+    def in_flight_by_router(self) -> dict[str, int]:
+        """The requests being handled, counted per router that leased them."""
+        return dict(Counter(entry.envelope.router_id for entry in self._inflight.values()))
 
     def begin_drain(self, refusal: StopReason) -> None:
         """Run no new work: from now on delivered envelopes are answered with ``refusal`` at once."""
