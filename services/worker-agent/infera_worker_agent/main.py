@@ -1,39 +1,77 @@
-"""``infera-worker-agent --engine mock|sglang|vllm [agent flags] [engine args...]``."""
+"""``infera-worker-agent --engine mock|sglang|vllm [agent flags] [engine args...]``
+(also ``python -m infera.engine.sglang|vllm|mock [agent flags] [engine args...]``)."""
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Mapping
 
 from infera_common.logs import configure_logging
 from infera_common.models import default_model_path
 from infera_common.runtime import event_loop_runner, free_port
-from infera_worker_agent.engine_cmd import EngineArgsError, plan_engine
+from infera_worker_agent.engine_cmd import EngineArgsError, EnginePlan, plan_engine
+from infera_worker_agent.host_probe import HostFacts, probe_host
 from infera_worker_agent.ports import free_port_block
-from infera_worker_agent.service import Agent
-from infera_worker_agent.settings import PROG, parse_agent_cli
+from infera_worker_agent.recipes import apply_recipes, render_print_command
+from infera_worker_agent.settings import PROG, AgentSettings, parse_agent_cli
+
+
+def build_plan(
+    settings: AgentSettings,
+    engine_args: list[str],
+    host: HostFacts,
+    *,
+    env: Mapping[str, str] | None = None,
+    python: str | None = None,
+    port: int | None = None,
+    find_ports: Callable[[int], int] = free_port_block,
+) -> EnginePlan:
+    """The engine command line, its environment changes and notes; raises EngineArgsError.
+
+    ``env`` (default ``os.environ``), ``python`` (default this interpreter), ``port`` (default a free
+    one) and ``find_ports`` are injectable so a test can render a fixed ``--print-command``.
+    """
+    env = os.environ if env is None else env
+    plan = plan_engine(
+        settings.engine,
+        engine_args,
+        python=sys.executable if python is None else python,
+        free_port=free_port() if port is None else port,
+        default_model_path=str(default_model_path()),
+        advertise_host=settings.advertise_host,
+        enable_kv_events=settings.enable_kv_events,
+        find_ports=find_ports,
+        role=settings.role,
+        env=env,
+    )
+    return apply_recipes(plan, env=env, host=host, allow_tcp=settings.disaggregation_allow_tcp)
 
 
 def main(argv: list[str] | None = None) -> int:
     settings, engine_args = parse_agent_cli(list(sys.argv[1:] if argv is None else argv))
+    plane_problem = None
     try:
         settings.require_supported()
-        plan = plan_engine(
-            settings.engine,
-            engine_args,
-            python=sys.executable,
-            free_port=free_port(),
-            default_model_path=str(default_model_path()),
-            advertise_host=settings.advertise_host,
-            enable_kv_events=settings.enable_kv_events,
-            find_ports=free_port_block,
-            role=settings.role,
-            env=os.environ,
-        )
+    except SystemExit as exc:
+        if not settings.print_command:
+            raise
+        plane_problem = str(exc)
+    # the mock gets no recipe rules: no host facts needed (and no SGLang import metadata scan)
+    host = HostFacts() if settings.engine == "mock" else probe_host(os.environ)
+    try:
+        plan = build_plan(settings, engine_args, host)
     except EngineArgsError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    if settings.print_command:
+        print(render_print_command(plan))
+        if plane_problem:
+            print(f"{PROG}: note: launching would be refused: {plane_problem}", file=sys.stderr)
+        return 0
     configure_logging(settings.log_level, settings.log_format, service="worker-agent")
+    from infera_worker_agent.service import Agent  # not needed to print the command
+
     with event_loop_runner() as runner:
         return runner.run(Agent(settings, plan).run())
 

@@ -71,6 +71,18 @@ class AgentSettings(PlaneSettings, LogSettings):
         "and relay them; --no-enable-kv-events turns them off: SWA models such as DeepSeek-V4 need it off. "
         "A --kv-events-config given to the engine is always kept as is.",
     )
+    disaggregation_allow_tcp: bool = Field(
+        False,
+        description="Let a prefill/decode worker start although its KV transfer would not run over RDMA between "
+        "nodes (a loopback advertise host, a TCP transfer backend, no active RDMA port): for single-host or "
+        "TCP-only tests. Without it such a --engine sglang|vllm PD worker is refused before launch, naming the "
+        "problem and the fix (the mock engine's transfer is always TCP and never refused).",
+    )
+    print_command: bool = Field(
+        False,
+        description="Print the engine command line and the environment changes the agent would make (with notes "
+        "on each recipe rule), then exit 0 without launching anything or connecting to NATS.",
+    )
     kv_replay_timeout: float = Field(
         3.0, gt=0, le=60,
         description="Seconds to wait for the engine's KV-event replay socket when filling a sequence gap.",

@@ -1,0 +1,32 @@
+"""Engine entry points: ``python -m infera.engine.sglang|vllm|mock [agent flags] [engine args...]``.
+
+Each is ``infera-worker-agent --engine <engine>``: the worker-agent's own flags (discovery and
+transport planes, ``--etcd-endpoint``, ``--advertise-host``, ``--[no-]enable-kv-events``,
+``--disaggregation-allow-tcp``, ``--drain-timeout``, ``--print-command``, ...; ``--help`` lists
+them) are parsed, every other argument goes to the engine verbatim and in order.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from infera_worker_agent.main import main as agent_main
+from infera_worker_agent.settings import split_engine_tail
+
+ENGINES = ("sglang", "vllm", "mock")
+
+
+def run(engine: str, argv: list[str] | None = None) -> int:
+    """Run the worker-agent for ``engine``; a contradicting ``--engine`` is refused (exit 2)."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}")
+    args = list(sys.argv[1:] if argv is None else argv)
+    own, _ = split_engine_tail(args)
+    for i, arg in enumerate(own):
+        given = own[i + 1] if arg == "--engine" and i + 1 < len(own) else (
+            arg.split("=", 1)[1] if arg.startswith("--engine=") else None)
+        if given is not None and given != engine:
+            print(f"infera.engine.{engine}: error: --engine {given} contradicts the entry point; use "
+                  f"python -m infera.engine.{given} (or drop --engine)", file=sys.stderr)
+            return 2
+    return agent_main(["--engine", engine, *args])

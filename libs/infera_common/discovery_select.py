@@ -1,0 +1,72 @@
+"""Pick the discovery backend from ``--discovery-backend``: the one line a service changes to switch.
+
+    discovery = discovery_for(settings, js)          # js: the service's JetStream context (NATS only)
+    watcher = discovery.watcher(on_change=...)       # was: Watcher(js, on_change=...)
+    registrar = discovery.registrar(record)          # was: Registrar(js, record)
+
+Both backends' watchers expose ``view`` (a ``FleetView``), ``ready``, ``start()`` and ``stop()``;
+both registrars ``record``, ``start()``, ``set_status()`` and ``stop()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from nats.js.client import JetStreamContext
+
+from infera_common.discovery import Registrar, Watcher
+from infera_common.discovery_etcd import EtcdRegistrar, EtcdWatcher
+from infera_common.fleet import Change, FleetView
+from infera_common.schemas import DiscoveryBackend, WorkerRecord, WorkerStatus
+from infera_common.settings import PlaneSettings
+
+
+class FleetWatcher(Protocol):
+    view: FleetView
+    ready: asyncio.Event
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class FleetRegistrar(Protocol):
+    record: WorkerRecord
+
+    async def start(self) -> None: ...
+
+    async def set_status(self, status: WorkerStatus) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Discovery:
+    backend: DiscoveryBackend
+    etcd_endpoint: str = ""
+    js: JetStreamContext | None = None
+
+    def watcher(self, on_change: Callable[[Change], None] | None = None) -> FleetWatcher:
+        if self.backend == "etcd":
+            return EtcdWatcher(self.etcd_endpoint, on_change=on_change)
+        return Watcher(self._jetstream(), on_change=on_change)
+
+    def registrar(self, record: WorkerRecord) -> FleetRegistrar:
+        """A registrar for ``record``, marked with this backend (so planes that do not match are visible)."""
+        record = record.model_copy(update={"discovery_backend": self.backend})
+        if self.backend == "etcd":
+            return EtcdRegistrar(self.etcd_endpoint, record)
+        return Registrar(self._jetstream(), record)
+
+    def _jetstream(self) -> JetStreamContext:
+        if self.js is None:
+            raise ValueError("--discovery-backend nats needs the service's JetStream context")
+        return self.js
+
+
+def discovery_for(settings: PlaneSettings, js: JetStreamContext | None = None) -> Discovery:
+    """The discovery backend ``settings`` select; ``js`` is needed (only) for the NATS one."""
+    return Discovery(settings.discovery_backend, settings.etcd_endpoint, js)

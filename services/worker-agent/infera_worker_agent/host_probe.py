@@ -1,0 +1,138 @@
+"""Facts about the host the recipe rules need, read once at start (the only I/O of the recipes).
+
+- ROCm: ``HIP_PLATFORM`` (``amd`` = ROCm, ``nvidia`` = HIP on CUDA: not ROCm), else ``ROCM_PATH``
+  set, else ``/opt/rocm`` or ``/dev/kfd`` (the amdgpu compute device) present.
+- RDMA ports: ``/sys/class/infiniband/<device>/ports/<port>/`` with ``state`` (``4: ACTIVE``),
+  ``link_layer`` (``Ethernet`` = RoCE, ``InfiniBand``) and the GID table ``gids/<index>``.
+- The installed SGLang version: ``importlib.metadata`` of the interpreter that launches the engine
+  (the agent's own: it runs the engine as ``sys.executable -m ...``); None when not installed.
+
+``root`` relocates every path, so tests build a fake ``/sys`` and ``/opt`` under a temporary
+directory. The rules never read the host themselves: they get a ``HostFacts``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import ipaddress
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+#: How many GID-table entries per port are read: the tables hold up to 256 (mostly empty); the
+#: RoCE v2 IPv4 GIDs that matter sit in the first few.
+MAX_GIDS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class RdmaPort:
+    device: str  # e.g. mlx5_0, ionic_0, bnxt_re0
+    port: int
+    active: bool
+    link_layer: str | None = None  # "Ethernet" (RoCE) or "InfiniBand"; None when unknown
+    gids: tuple[str, ...] = ()  # the GID table by index ("" for an unreadable entry)
+
+    @property
+    def name(self) -> str:
+        return f"{self.device}/{self.port}"
+
+    def ipv4_gid(self, index: int) -> str | None:
+        """The IPv4 address of GID ``index`` when it is a RoCE v2 IPv4-mapped GID (``::ffff:a.b.c.d``)."""
+        if not 0 <= index < len(self.gids):
+            return None
+        return gid_ipv4(self.gids[index])
+
+
+@dataclass(frozen=True, slots=True)
+class HostFacts:
+    rocm: bool = False
+    rdma_ports: tuple[RdmaPort, ...] = ()
+    sglang_version: str | None = None  # None: not installed in the launching interpreter
+
+    @property
+    def active_ports(self) -> tuple[RdmaPort, ...]:
+        return tuple(p for p in self.rdma_ports if p.active)
+
+
+def gid_ipv4(gid: str) -> str | None:
+    try:
+        mapped = ipaddress.IPv6Address(gid.strip()).ipv4_mapped
+    except ValueError:
+        return None
+    return str(mapped) if mapped is not None and not mapped.is_unspecified else None
+
+
+def is_rocm(env: Mapping[str, str], *, opt_rocm: bool, kfd: bool) -> bool:
+    """Whether this is a ROCm host, from the environment and two paths' existence. Pure."""
+    platform = env.get("HIP_PLATFORM", "").strip().lower()
+    if platform:
+        return platform == "amd"
+    return bool(env.get("ROCM_PATH")) or opt_rocm or kfd
+
+
+def installed_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def probe_host(
+    env: Mapping[str, str], root: Path = Path("/"), version_of: Callable[[str], str | None] = installed_version
+) -> HostFacts:
+    return HostFacts(
+        rocm=is_rocm(env, opt_rocm=(root / "opt/rocm").exists(), kfd=(root / "dev/kfd").exists()),
+        rdma_ports=read_rdma_ports(root / "sys/class/infiniband"),
+        sglang_version=version_of("sglang"),
+    )
+
+
+def read_rdma_ports(base: Path) -> tuple[RdmaPort, ...]:
+    """Every port of every RDMA device under ``base`` (``/sys/class/infiniband``), sorted."""
+    ports = []
+    for device in _sorted_dirs(base):
+        for port_dir in _sorted_dirs(device / "ports"):
+            if not port_dir.name.isdigit():
+                continue
+            state = _read(port_dir / "state") or ""
+            ports.append(RdmaPort(
+                device=device.name,
+                port=int(port_dir.name),
+                active="ACTIVE" in state.upper(),
+                link_layer=_read(port_dir / "link_layer"),
+                gids=_read_gids(port_dir / "gids"),
+            ))
+    return tuple(ports)
+
+
+def _read_gids(gid_dir: Path) -> tuple[str, ...]:
+    try:
+        indices = sorted(int(p.name) for p in gid_dir.iterdir() if p.name.isdigit())
+    except OSError:
+        return ()
+    table = [""] * min(len(indices) and indices[-1] + 1, MAX_GIDS)
+    for i in indices:
+        if i < MAX_GIDS:
+            table[i] = _read(gid_dir / str(i)) or ""
+    return tuple(table)
+
+
+def _sorted_dirs(path: Path) -> list[Path]:
+    try:
+        return sorted((p for p in path.iterdir() if p.is_dir()), key=lambda p: _natural(p.name))
+    except OSError:
+        return []
+
+
+def _natural(name: str) -> tuple:
+    """mlx5_2 before mlx5_10."""
+    head = name.rstrip("0123456789")
+    tail = name[len(head):]
+    return (head, int(tail) if tail else -1, name)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
