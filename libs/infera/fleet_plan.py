@@ -52,10 +52,12 @@ def plan_fleet(
     prefill_workers: int = 0,
     decode_workers: int = 0,
     pd_protocol: str = "sglang-bootstrap",
+    etcd_endpoint: str | None = None,
 ) -> list[ProcSpec]:
     """kv-indexer, router, frontend, ``workers`` aggregated mock worker-agents and
     ``prefill_workers`` + ``decode_workers`` disaggregated ones (SGLang bootstrap protocol), all on
-    the NATS plane.
+    the NATS plane; with ``etcd_endpoint`` every one of them discovers the fleet in that etcd
+    instead (requests and KV events still go over NATS).
 
     ``metrics_ports`` holds one free port per kv-indexer, router and worker-agent, in that order
     (the frontend serves /metrics on its own HTTP port).
@@ -67,6 +69,8 @@ def plan_fleet(
     if len(metrics_ports) < workers + prefill_workers + decode_workers + 2:
         raise ValueError("need one metrics port for the kv-indexer, the router and each worker")
     common = ["--nats-url", nats_url, "--log-format", log_format]
+    if etcd_endpoint:
+        common += ["--discovery-backend", "etcd", "--etcd-endpoint", etcd_endpoint]
     indexer_args = [*common, "--metrics-port", str(metrics_ports[0])]
     router_args = [*common, "--metrics-port", str(metrics_ports[1])]
     if router_policy:

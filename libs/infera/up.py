@@ -1,5 +1,8 @@
 """`infera up`: start nats-server, kv-indexer, router, frontend and N mock workers as local processes.
 
+With ``--discovery-backend etcd`` it also starts a one-member etcd and every service discovers the
+fleet there (requests and KV events still go over NATS).
+
 Ctrl-C or SIGTERM stops everything it started (each child runs in its own process group and is
 stopped TERM-then-KILL), leaving no process behind.
 """
@@ -21,7 +24,7 @@ from typing import Literal
 from pydantic import Field
 
 from infera.fleet_plan import ProcSpec, plan_fleet
-from infera.procs import free_port, start_nats, stop_process
+from infera.procs import free_port, start_etcd, start_nats, stop_process
 from infera_common.models import BUNDLED_MODEL_NAME
 from infera_common.settings import InferaSettings, parse_cli
 from infera_router.settings import PolicyName
@@ -51,6 +54,12 @@ class UpSettings(InferaSettings):
         description="Extra mock-engine arguments, shell-split, e.g. --engine-arg='--speedup 10'. Repeatable.",
     )
     nats_port: int = Field(0, ge=0, le=65535, description="nats-server port (0: a free port).")
+    discovery_backend: Literal["nats", "etcd"] = Field(
+        "nats", description="Where the workers register: the NATS JetStream KV bucket, or an etcd that "
+        "infera up starts (requests and KV events go over NATS either way).",
+    )
+    etcd_port: int = Field(0, ge=0, le=65535, description="etcd client port with --discovery-backend etcd "
+                           "(0: a free port).")
     state_dir: str | None = Field(None, description="Directory for JetStream state and logs (default: a temp dir).")
     ready_timeout: float = Field(60.0, gt=0, description="Seconds to wait for the fleet to become ready.")
 
@@ -59,6 +68,8 @@ def main(argv: list[str]) -> int:
     settings, _ = parse_cli(UpSettings, argv, prog="infera up", description=__doc__)
     nats_port = settings.nats_port or free_port()
     nats_url = f"nats://127.0.0.1:{nats_port}"
+    etcd_port = (settings.etcd_port or free_port()) if settings.discovery_backend == "etcd" else None
+    etcd_endpoint = f"127.0.0.1:{etcd_port}" if etcd_port else None
     engine_args = [a for raw in settings.engine_arg for a in shlex.split(raw)]
     total = settings.workers + settings.prefill_workers + settings.decode_workers
     try:
@@ -73,6 +84,7 @@ def main(argv: list[str]) -> int:
             prefill_workers=settings.prefill_workers,
             decode_workers=settings.decode_workers,
             pd_protocol=settings.pd_protocol,
+            etcd_endpoint=etcd_endpoint,
         )
     except ValueError as exc:
         print(f"infera up: error: {exc}", file=sys.stderr)
@@ -93,12 +105,19 @@ def main(argv: list[str]) -> int:
     try:
         with open(logs / "nats-server.log", "ab") as f:
             running.append(("nats-server", start_nats(nats_port, state / "jetstream", log_file=f)))
+        if etcd_port:
+            try:
+                with open(logs / "etcd.log", "ab") as f:
+                    running.append(("etcd", start_etcd(etcd_port, state / "etcd", log_file=f)))
+            except (OSError, RuntimeError, TimeoutError) as exc:  # not installed, port taken, ...
+                print(f"infera up: error: cannot start etcd: {exc}; see {logs / 'etcd.log'}", file=sys.stderr)
+                return 1
         for spec in plan:
             running.append((spec.name, _spawn(spec, logs)))
         url = f"http://{_client_host(settings.host)}:{settings.port}"
         if not _wait_ready(url, total, settings.ready_timeout, running, lambda: stopping):
             return 1
-        _print_banner(url, nats_url, logs)
+        _print_banner(url, nats_url + (f", etcd {etcd_endpoint}" if etcd_endpoint else ""), logs)
         reported: set[str] = set()
         while not stopping:
             for name, proc in running:
@@ -116,7 +135,7 @@ def main(argv: list[str]) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        # workers first (they drain and stop their engines), then the control plane, then NATS
+        # workers first (they drain and stop their engines), then the control plane, then etcd and NATS
         for name, proc in reversed(running):
             stop_process(proc, timeout=40.0 if name in worker_names else 10.0)
         print("infera up: stopped", file=sys.stderr)

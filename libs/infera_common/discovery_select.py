@@ -22,6 +22,7 @@ from infera_common.discovery_etcd import EtcdRegistrar, EtcdWatcher
 from infera_common.fleet import Change, FleetView
 from infera_common.schemas import DiscoveryBackend, WorkerRecord, WorkerStatus
 from infera_common.settings import PlaneSettings
+from infera_common.subjects import DISCOVERY_BUCKET, ETCD_WORKERS_PREFIX
 
 
 class FleetWatcher(Protocol):
@@ -48,6 +49,27 @@ class Discovery:
     backend: DiscoveryBackend
     etcd_endpoint: str = ""
     js: JetStreamContext | None = None
+
+    def describe(self) -> str:
+        """Where this backend keeps the fleet, for logs and error messages."""
+        if self.backend == "etcd":
+            return f"etcd at {self.etcd_endpoint} (keys {ETCD_WORKERS_PREFIX}<worker_id>)"
+        return f"nats (JetStream KV bucket {DISCOVERY_BUCKET})"
+
+    def log_fields(self) -> dict[str, str]:
+        """The fields every service logs at start: which discovery it uses, and where."""
+        fields = {"discovery_backend": self.backend}
+        if self.backend == "etcd":
+            fields["etcd_endpoint"] = self.etcd_endpoint
+        return fields
+
+    def start_failed(self, exc: BaseException, nats_url: str = "") -> str:
+        """What to tell the user when discovery could not be reached at start."""
+        if self.backend == "etcd":
+            return f"discovery unavailable: {exc}; is etcd running at {self.etcd_endpoint}?"
+        where = f" on {nats_url}" if nats_url else ""
+        return (f"cannot open the discovery bucket {DISCOVERY_BUCKET}{where} ({exc!r}); "
+                "is JetStream on (nats-server -js)?")
 
     def watcher(self, on_change: Callable[[Change], None] | None = None) -> FleetWatcher:
         if self.backend == "etcd":

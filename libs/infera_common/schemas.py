@@ -91,6 +91,11 @@ class LoadReport(_Msg):
     #: ``in_flight`` split by the router that leased each request: a router counts the others'
     #: requests from this without guessing which of its own the report still includes
     by_router: dict[str, int] = Field(default_factory=dict)
+    #: the served model and where the worker is registered: a service whose discovery does not list
+    #: a worker that reports load can then say which plane it is on (``None``: not said)
+    model: str = ""
+    discovery_backend: DiscoveryBackend | None = None
+    etcd_endpoint: str = ""  # with discovery_backend etcd: the --etcd-endpoint the worker registered at
 
 
 #: The header a client sends its session id in, to opt in to session affinity (HTTP, or a NATS
@@ -116,6 +121,9 @@ class RouteRequest(_Msg):
     #: every value of the client's X-Dynamo-Session-ID header, in order, unmodified (empty: no header);
     #: the router validates them (duplicates, empty, too long -> 400) when its affinity mode is on
     session_ids: list[str] = Field(default_factory=list)
+    #: the frontend's discovery backend: a router watching another one refuses (503) rather than
+    #: route on a different fleet (``None``: not said, no check)
+    discovery_backend: DiscoveryBackend | None = None
 
 
 class RouteReply(_Msg):

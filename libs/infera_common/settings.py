@@ -74,9 +74,12 @@ class PlaneSettings(NatsSettings):
         return value
 
     def require_supported(self) -> None:
-        """Refuse plane choices this build cannot serve yet, naming the flag to change."""
+        """Refuse plane choices this build cannot serve yet, naming the flag to change.
+
+        Discovery works on both backends; requests and KV events go over NATS whichever discovery
+        backend is chosen (so ``--nats-url`` is needed with ``--discovery-backend etcd`` too).
+        """
         unsupported = {
-            "discovery_backend": ("etcd",),
             "request_transport": ("http",),
             "kv_event_transport": ("zmq",),
         }

@@ -54,7 +54,7 @@ def test_bad_flags_exit_2_naming_the_flag(argv, needle, capsys):
     assert exc.value.code == 2 and needle in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["--discovery-backend", "etcd"], ["--request-transport", "http"]])
+@pytest.mark.parametrize("argv", [["--request-transport", "http"], ["--kv-event-transport", "zmq"]])
 def test_planes_of_later_issues_are_refused_at_once(argv):
     with pytest.raises(SystemExit) as exc:
         main(argv)

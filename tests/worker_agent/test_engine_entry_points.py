@@ -63,17 +63,17 @@ def test_print_command_for_vllm():
 
 
 def test_print_command_with_a_plane_not_built_yet_still_prints_and_warns(capsys):
-    assert run("mock", ["--print-command", "--discovery-backend", "etcd", "--etcd-endpoint", "10.0.0.10:2379"]) == 0
+    assert run("mock", ["--print-command", "--request-transport", "http", "--etcd-endpoint", "10.0.0.10:2379"]) == 0
     captured = capsys.readouterr()
     assert "-m infera_mock_engine" in captured.out
-    assert "--discovery-backend etcd is not available in this build yet" in captured.err
+    assert "--request-transport http is not available in this build yet" in captured.err
 
 
 def test_the_plane_refusal_message_is_kept_for_a_launch():
     with pytest.raises(SystemExit) as exc:
-        main(["--engine", "sglang", "--discovery-backend", "etcd", "--etcd-endpoint", "10.0.0.10:2379"])
-    assert str(exc.value) == "error: --discovery-backend etcd is not available in this build yet; use " \
-                             "--discovery-backend nats"
+        main(["--engine", "sglang", "--kv-event-transport", "zmq", "--etcd-endpoint", "10.0.0.10:2379"])
+    assert str(exc.value) == "error: --kv-event-transport zmq is not available in this build yet; use " \
+                             "--kv-event-transport nats"
 
 
 def test_a_pd_launch_that_would_not_use_rdma_exits_2_before_anything_starts(capsys):

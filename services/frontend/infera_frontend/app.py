@@ -1,8 +1,8 @@
 """The OpenAI HTTP API (aiohttp): completions relayed through the fleet, plus models, workers, health.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (optional header ``X-Dynamo-Session-ID``,
-every value passed to the router for session affinity), GET /v1/models, GET /v1/workers,
-GET /health (process up), GET /ready (NATS connected and discovery synced, else 503),
+every value passed to the router for session affinity), GET /v1/models, GET /v1/workers (every
+worker record, plus this frontend's ``discovery`` and the running workers ``not_in_discovery``), GET /health (process up), GET /ready (NATS connected and discovery synced, else 503),
 GET /metrics (Prometheus). Every error is an OpenAI error body; every completion response carries
 ``X-Request-Id``.
 """
@@ -44,9 +44,11 @@ def error_response(err: ApiError, request_id: str | None) -> web.Response:
 class HttpApi:
     def __init__(
         self, pipeline: Pipeline, view: FleetView, metrics: FrontendMetrics, ready: Callable[[], list[str]],
+        fleet_info: Callable[[], dict] | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.view = view
+        self._fleet_info = fleet_info  # extra /v1/workers keys: this frontend's discovery, unlisted workers
         self.metrics = metrics
         self._not_ready = ready  # returns the reasons the frontend is not ready (empty: ready)
 
@@ -146,7 +148,10 @@ class HttpApi:
         return web.json_response(models_list(self.view))
 
     async def workers(self, _request: web.Request) -> web.Response:
-        return web.json_response(workers_list(self.view))
+        body = workers_list(self.view)
+        if self._fleet_info is not None:
+            body.update(self._fleet_info())
+        return web.json_response(body)
 
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +12,7 @@ from infera_common.fleet import Change
 from infera_common.schemas import Endpoint, WorkerStatus
 from infera_common.tokenizer import ChatTemplateError, ChatTokenizer
 
+from infera_frontend.unlisted import UnlistedWorkers, mismatch_message
 from infera_frontend.validation import ApiError, Parsed
 
 #: Prompts longer than this (characters) are tokenized in a worker thread, off the event loop.
@@ -17,12 +20,20 @@ OFFLOAD_CHARS = 8_192
 
 
 class ModelTable:
-    """Per model: how many workers serve it, how many are active. Follows discovery changes."""
+    """Per model: how many workers serve it, how many are active. Follows discovery changes.
 
-    def __init__(self) -> None:
+    ``discovery`` describes where this frontend's discovery looks (named in its errors); ``unlisted``
+    holds the running workers that discovery does not list (another plane), ``clock`` its time.
+    """
+
+    def __init__(self, discovery: str = "", unlisted: UnlistedWorkers | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._workers: dict[str, tuple[str, bool]] = {}  # worker_id -> (model, active)
         self._known: Counter[str] = Counter()
         self._active: Counter[str] = Counter()
+        self.discovery = discovery
+        self.unlisted = unlisted if unlisted is not None else UnlistedWorkers()
+        self._clock = clock
 
     def apply(self, change: Change) -> None:
         rec = change.record
@@ -37,20 +48,32 @@ class ModelTable:
             self._known[rec.model] += 1
             if active:
                 self._active[rec.model] += 1
+            self.unlisted.listed(rec.worker_id)
+
+    def lists(self, worker_id: str) -> bool:
+        """Whether discovery lists this worker."""
+        return worker_id in self._workers
 
     def is_known(self, model: str) -> bool:
         return self._known[model] > 0
 
     def check(self, model: str) -> None:
-        """Raise the client's error when ``model`` cannot be served now: 404 unknown, 503 none active."""
+        """Raise the client's error when ``model`` cannot be served now: 404 unknown, 503 none active
+        (or served only by running workers registered in another discovery than this frontend's)."""
         if self._active[model] > 0:
             return
+        elsewhere = self.unlisted.current(self._clock(), model)
+        if elsewhere:
+            raise ApiError(503, mismatch_message(model, elsewhere, self.discovery or "?"),
+                           type="service_unavailable_error", code="discovery_mismatch")
+        where = f" (discovery: {self.discovery})" if self.discovery else ""
         if self._known[model] <= 0:
+            registered = f" in {self.discovery}" if self.discovery else ""
             raise ApiError(
-                404, f"The model `{model}` does not exist.", type="invalid_request_error", param="model",
-                code="model_not_found",
+                404, f"The model `{model}` does not exist: no worker serving it is registered{registered}.",
+                type="invalid_request_error", param="model", code="model_not_found",
             )
-        raise ApiError(503, f"No active worker serves the model `{model}` right now; retry shortly.",
+        raise ApiError(503, f"No active worker serves the model `{model}` right now{where}; retry shortly.",
                        type="service_unavailable_error")
 
 

@@ -17,7 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from infera_common.logs import get_logger
-from infera_common.schemas import Cancel, Endpoint, RouteReply, RouteRequest, encode
+from infera_common.schemas import Cancel, DiscoveryBackend, Endpoint, RouteReply, RouteRequest, encode
 from infera_common.subjects import ROUTER_ROUTE, cancel_subject
 
 from infera_frontend.exchange import Exchange
@@ -65,9 +65,10 @@ def _is_no_responders(msg: Msg) -> bool:
 class Relay:
     def __init__(
         self, nc: NATS, inbox: Inbox, metrics: FrontendMetrics, *, route_timeout: float, upstream_timeout: float,
-        request_timeout: float,
+        request_timeout: float, discovery_backend: DiscoveryBackend | None = None,
     ) -> None:
         self._nc = nc
+        self.discovery_backend = discovery_backend  # told to the router, which refuses if it watches another
         self.inbox = inbox
         self.metrics = metrics
         self.route_timeout = route_timeout
@@ -139,7 +140,7 @@ class Relay:
             request_id=request_id, model=model, endpoint=endpoint, body=body, stream=stream,
             reply_subject=subject, prompt_tokens=prompt_tokens, token_ids=token_ids,
             deadline=time.time() + self.deadline_in(stream), exclude=list(exclude or ()),
-            session_ids=list(session_ids or ()),
+            session_ids=list(session_ids or ()), discovery_backend=self.discovery_backend,
         ))
         if len(data) > self._nc.max_payload:
             self.inbox.release(subject)

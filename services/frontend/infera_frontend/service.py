@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 
 from aiohttp import web
 from nats.aio.client import Client as NATS
 
-from infera_common.discovery import Watcher
+from infera_common.discovery_select import FleetWatcher, discovery_for
 from infera_common.logs import get_logger
 from infera_common.nats_conn import close_connection, connect
+from infera_common.schemas import LoadReport, decode
+from infera_common.subjects import LOAD_SUBJECTS
 from infera_common.tokenizer import ChatTokenizer
 
 from infera_frontend.app import HttpApi
@@ -36,9 +39,11 @@ class Frontend:
         self.settings = settings
         self.frontend_id = settings.frontend_id or f"fe-{uuid.uuid4().hex[:12]}"
         self.metrics = FrontendMetrics()
-        self.models = ModelTable()
+        self.discovery = discovery_for(settings)
+        self.models = ModelTable(self.discovery.describe())
         self.nc: NATS | None = None
-        self.watcher: Watcher | None = None
+        self.watcher: FleetWatcher | None = None
+        self._load_sub = None
         self.inbox: Inbox | None = None
         self.relay: Relay | None = None
         self.nats_api: NatsApi | None = None
@@ -59,20 +64,23 @@ class Frontend:
         if not tokenizer.has_chat_template:
             log.warning("no_chat_template", model_path=s.model_path)
         self.nc = await connect(s.nats_url, f"infera-frontend-{self.frontend_id}", NATS_CONNECT_TIMEOUT)
-        self.watcher = Watcher(self.nc.jetstream(), on_change=self.models.apply)
+        self.discovery = discovery_for(s, self.nc.jetstream())
+        log.info("discovery", frontend_id=self.frontend_id, nats_url=s.nats_url, **self.discovery.log_fields())
+        self.watcher = self.discovery.watcher(on_change=self.models.apply)
         try:
             await self.watcher.start()
         except Exception as exc:
-            raise RuntimeError(
-                f"cannot open the discovery bucket on {s.nats_url} ({exc!r}); is JetStream on (nats-server -js)?"
-            ) from exc
+            raise RuntimeError(self.discovery.start_failed(exc, s.nats_url)) from exc
+        # running workers this discovery does not list report load too: a plane mix to name, not to wait out
+        self._load_sub = await self.nc.subscribe(LOAD_SUBJECTS, cb=self._on_load)
         self.inbox = Inbox(self.nc, self.frontend_id)
         await self.inbox.start()
         self.relay = Relay(self.nc, self.inbox, self.metrics, route_timeout=s.route_timeout,
-                           upstream_timeout=s.upstream_timeout, request_timeout=s.request_timeout)
+                           upstream_timeout=s.upstream_timeout, request_timeout=s.request_timeout,
+                           discovery_backend=s.discovery_backend)
         pipeline = Pipeline(tokenizer, self.models, self.relay, self.metrics, s.max_body_bytes,
                             max_retries=s.request_max_retries)
-        http = HttpApi(pipeline, self.watcher.view, self.metrics, self.not_ready)
+        http = HttpApi(pipeline, self.watcher.view, self.metrics, self.not_ready, fleet_info=self.fleet_info)
         self._runner = web.AppRunner(
             http.build(s.max_body_bytes),
             handler_cancellation=True,  # a client that disconnects cancels its handler -> Cancel upstream
@@ -89,7 +97,33 @@ class Frontend:
         log.info("frontend_started", frontend_id=self.frontend_id, host=s.host, port=self.port,
                  model_path=s.model_path, nats_api=s.enable_nats_api)
 
+    def fleet_info(self) -> dict:
+        """Added to the /v1/workers body: this frontend's discovery, and running workers it does not list."""
+        unlisted = self.models.unlisted.current(time.monotonic())
+        return {"discovery": {**self.discovery.log_fields(), "where": self.discovery.describe()},
+                "not_in_discovery": [u.as_json() for u in unlisted]}
+
+    async def _on_load(self, msg) -> None:
+        if self.watcher is None or not self.watcher.ready.is_set():
+            return  # until the snapshot is read, every worker looks unlisted
+        try:
+            report = decode(LoadReport, msg.data)
+        except ValueError:
+            return  # the router counts undecodable load reports; here they only feed a diagnosis
+        if self.models.unlisted.saw(report, self.models.lists(report.worker_id), time.monotonic()):
+            log.warning("worker_not_in_discovery", worker_id=report.worker_id, model=report.model,
+                        worker_discovery_backend=report.discovery_backend, worker_etcd_endpoint=report.etcd_endpoint,
+                        discovery=self.discovery.describe(),
+                        hint="the worker reports load on NATS but is registered elsewhere: give every service "
+                             "the same --discovery-backend (and --etcd-endpoint)")
+
     async def stop(self) -> None:
+        if self._load_sub is not None:
+            try:
+                await self._load_sub.unsubscribe()
+            except Exception:  # connection already gone
+                pass
+            self._load_sub = None
         if self.nats_api is not None:
             await self.nats_api.stop()
         if self._runner is not None:

@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import DeliverPolicy
 
-from infera_common.discovery import Watcher
+from infera_common.discovery_select import FleetWatcher, discovery_for
 from infera_common.fleet import Change
 from infera_common.logs import get_logger
 from infera_common.nats_conn import close_connection, connect, ensure_kv_event_stream
@@ -49,7 +49,7 @@ class KvIndexerService:
         self.index = KvIndex()
         self.nc: NATS | None = None
         self._js = None
-        self._watcher: Watcher | None = None
+        self._watcher: FleetWatcher | None = None
         self._events_sub: Subscription | None = None
         self._query_sub: Subscription | None = None
         self._housekeeper: asyncio.Task | None = None
@@ -65,8 +65,13 @@ class KvIndexerService:
         self.nc = await connect(self.settings.nats_url, "infera-kv-indexer", NATS_CONNECT_TIMEOUT)
         self._js = js = self.nc.jetstream()
         await ensure_kv_event_stream(js, self.settings.kv_event_max_age, self.settings.kv_event_max_bytes)
-        self._watcher = Watcher(js, on_change=self._on_change)
-        await self._watcher.start()
+        discovery = discovery_for(self.settings, js)
+        log.info("discovery", nats_url=self.settings.nats_url, **discovery.log_fields())
+        self._watcher = discovery.watcher(on_change=self._on_change)
+        try:
+            await self._watcher.start()
+        except ConnectionError as exc:  # etcd unreachable
+            raise ConnectionError(discovery.start_failed(exc, self.settings.nats_url)) from exc
         try:
             await asyncio.wait_for(self._watcher.ready.wait(), DISCOVERY_READY_TIMEOUT)
         except TimeoutError:
@@ -189,7 +194,9 @@ class KvIndexerService:
             await asyncio.sleep(TICK)
             for worker_id in self.index.expire_unattached(time.time(), self.settings.unattached_grace):
                 self.metrics.forget_worker(worker_id)
-                log.info("unattached_worker_dropped", worker_id=worker_id, grace=self.settings.unattached_grace)
+                log.info("unattached_worker_dropped", worker_id=worker_id, grace=self.settings.unattached_grace,
+                         hint="KV events of a worker this indexer's discovery does not list: if it is running, "
+                              "it is registered with another --discovery-backend or --etcd-endpoint")
             self.metrics.set_workers(*self.index.counts())
 
     # --- queries ---------------------------------------------------------------------------

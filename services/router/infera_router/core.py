@@ -48,8 +48,12 @@ class Plan:
 
 class RouterCore:
     def __init__(self, policy: Policy, lease_prefix: str, lease_max_age: float,
-                 sessions: SessionTable | None = None, breaker: CircuitBreaker | None = None) -> None:
+                 sessions: SessionTable | None = None, breaker: CircuitBreaker | None = None,
+                 discovery_backend: str | None = None, discovery: str = "") -> None:
         self.policy = policy
+        self.discovery_backend = discovery_backend  # this router's; a request from another plane is refused
+        self.discovery = discovery  # where it looks, named in refusals
+        self.router_id = lease_prefix
         self.breaker: CircuitBreaker[str] = breaker if breaker is not None else CircuitBreaker()
         self.transitions: list[tuple[str, Transition]] = []  # breaker changes, drained by the adapter
         self.sessions = SessionPins(sessions)
@@ -63,10 +67,16 @@ class RouterCore:
     def candidates(self, request: RouteRequest) -> Plan:
         """The workers the request may go to (unranked ``order``), or why there are none."""
         model = request.model
+        theirs, ours = request.discovery_backend, self.discovery_backend
+        if theirs and ours and theirs != ours:
+            return Plan(503, f"the frontend follows --discovery-backend {theirs} but router {self.router_id} "
+                             f"follows {self.discovery or ours}: they see different fleets; give the frontend, "
+                             "router, kv-indexer and worker-agents the same --discovery-backend (and --etcd-endpoint)")
         active = self.fleet.active(model)
         if not active:
             if not self.fleet.known(model):
-                return Plan(404, f"model {model!r} is not served by any worker")
+                where = f" in this router's discovery ({self.discovery})" if self.discovery else ""
+                return Plan(404, f"model {model!r} is not served by any worker{where}")
             counts = self.fleet.status_counts(model)
             return Plan(
                 503,

@@ -19,7 +19,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from infera_common.discovery import Watcher
+from infera_common.discovery_select import FleetWatcher, discovery_for
 from infera_common.fleet import Change
 from infera_common.logs import get_logger
 from infera_common.nats_conn import close_connection, connect
@@ -84,17 +84,20 @@ class RouterService:
         self.release_subject = router_release_subject(self.router_id)
         self.metrics = metrics or RouterMetrics()
         policy = create_policy(settings.router_policy, settings.kv_overlap_weight, settings.kv_decode_weight)
+        self.discovery = discovery_for(settings)
         self.core = RouterCore(policy, self.router_id, settings.lease_max_age,
                                SessionTable(settings.session_affinity, settings.session_affinity_ttl_seconds),
                                CircuitBreaker(settings.breaker_failure_threshold, settings.breaker_cooldown_s,
-                                              settings.breaker_max_cooldown_s))
+                                              settings.breaker_max_cooldown_s),
+                               discovery_backend=settings.discovery_backend, discovery=self.discovery.describe())
         self.pairs = PdPairs(settings.pd_prefill_guard_release)
         self._pd: PdFlow | None = None
         self._kv: KvClient | None = None
         self._route_tasks: set[asyncio.Task] = set()
         self.nc: NATS | None = None
         self._js = None
-        self._watcher: Watcher | None = None
+        self._watcher: FleetWatcher | None = None
+        self._listed_or_told: set[str] = set()  # workers discovery listed once, or already warned about
         self._subs: list[Subscription] = []
         self._route_sub: Subscription | None = None
         self._publisher: AckedPublisher | None = None
@@ -104,8 +107,14 @@ class RouterService:
     async def start(self) -> None:
         self.nc = await connect(self.settings.nats_url, f"infera-router-{self.router_id}", NATS_CONNECT_TIMEOUT)
         self._js = self.nc.jetstream()
-        self._watcher = Watcher(self._js, on_change=self._on_change)
-        await self._watcher.start()
+        self.discovery = discovery_for(self.settings, self._js)
+        log.info("discovery", router_id=self.router_id, nats_url=self.settings.nats_url,
+                 **self.discovery.log_fields())
+        self._watcher = self.discovery.watcher(on_change=self._on_change)
+        try:
+            await self._watcher.start()
+        except ConnectionError as exc:  # etcd unreachable
+            raise ConnectionError(self.discovery.start_failed(exc, self.settings.nats_url)) from exc
         try:
             await asyncio.wait_for(self._watcher.ready.wait(), DISCOVERY_READY_TIMEOUT)
         except TimeoutError:
@@ -164,6 +173,7 @@ class RouterService:
     # --- discovery -------------------------------------------------------------------------
     def _on_change(self, change: Change) -> None:
         record = change.record
+        self._listed_or_told.add(record.worker_id)  # a leaving worker's trailing load reports are no mix
         old = self.core.fleet.get(record.worker_id)
         before = (old.model, old.record.status) if old is not None else None
         dropped = self.core.apply_change(change)
@@ -198,6 +208,14 @@ class RouterService:
             return
         accepted = self.core.apply_load(report)
         (self.metrics.load_accepted if accepted else self.metrics.load_unknown).inc()
+        if not accepted and self._watcher is not None and self._watcher.ready.is_set() \
+                and report.worker_id not in self._listed_or_told:
+            self._listed_or_told.add(report.worker_id)  # once per worker: it reports every second
+            log.warning("worker_not_in_discovery", worker_id=report.worker_id, model=report.model,
+                        worker_discovery_backend=report.discovery_backend, worker_etcd_endpoint=report.etcd_endpoint,
+                        discovery=self.discovery.describe(),
+                        hint="the worker reports load on NATS but is registered elsewhere: give every service "
+                             "the same --discovery-backend (and --etcd-endpoint)")
 
     async def _on_release(self, msg: Msg) -> None:
         if (release := self._decoded(Release, msg, "release")) is None:

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from nats.aio.client import Client as NATS
 
-from infera_common.discovery import Registrar
+from infera_common.discovery_select import FleetRegistrar, discovery_for
 from infera_common.logs import get_logger
 from infera_common.metrics import start_metrics_server
 from infera_common.nats_conn import connect, delete_stream_quietly, ensure_kv_event_stream, ensure_request_stream
@@ -67,7 +67,8 @@ class Agent:
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
         self._nc: NATS | None = None
-        self._registrar: Registrar | None = None
+        self._registrar: FleetRegistrar | None = None
+        self._model = self.plan.model_hint or "unknown"  # the served model, told in load reports
         self._engine: EngineProcess | None = None
         self._session: aiohttp.ClientSession | None = None
         self._worker: RequestWorker | None = None
@@ -129,8 +130,15 @@ class Agent:
             log.error("nats_unreachable", error=str(exc))
             return 1
         js = self._nc.jetstream()
-        self._registrar = Registrar(js, self._record(self.plan.model_hint or "unknown", WorkerStatus.STARTING))
-        await self._registrar.start()
+        discovery = discovery_for(self.s, js)
+        log.info("discovery", worker_id=self.worker_id, nats_url=self.s.nats_url, **discovery.log_fields())
+        self._registrar = discovery.registrar(self._record(self._model, WorkerStatus.STARTING))
+        try:
+            await self._registrar.start()
+        except ConnectionError as exc:  # etcd unreachable: before the engine starts, not after its cold start
+            self._registrar = None
+            log.error("discovery_unreachable", error=discovery.start_failed(exc, self.s.nats_url))
+            return 1
 
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self.s.max_pending + 64),
@@ -158,6 +166,7 @@ class Agent:
             metrics=self.metrics,
         )
         await self._worker.start()
+        self._model = model
         self._registrar.record = self._record(model, WorkerStatus.STARTING)
         await self._registrar.set_status(WorkerStatus.ACTIVE)
         self.metrics.engine_up.set(1)
@@ -346,6 +355,9 @@ class Agent:
     # --- load ----------------------------------------------------------------------------------
     async def _publish_load(self, report: LoadReport) -> None:
         assert self._nc is not None
+        # say where this worker is registered: a service that does not list it can name the plane mix
+        report.model, report.discovery_backend = self._model, self.s.discovery_backend
+        report.etcd_endpoint = self.s.etcd_endpoint if self.s.discovery_backend == "etcd" else ""
         await self._nc.publish(load_subject(self.worker_id), encode(report))
 
     def _on_load(self, load: EngineLoad) -> None:

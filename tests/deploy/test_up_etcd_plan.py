@@ -1,0 +1,34 @@
+"""`infera up --discovery-backend etcd`: every process of the plan discovers the fleet in the same etcd."""
+
+from __future__ import annotations
+
+from infera.fleet_plan import plan_fleet
+from infera_common.settings import parse_cli
+from infera_frontend.settings import FrontendSettings
+from infera_kv_indexer.settings import KvIndexerSettings
+from infera_router.settings import RouterSettings
+from infera_worker_agent.settings import parse_agent_cli
+
+SETTINGS = {"kv-indexer": KvIndexerSettings, "router": RouterSettings, "frontend": FrontendSettings}
+
+
+def _plane(role: str, args: list[str]):
+    if role == "worker":
+        settings, _ = parse_agent_cli(args)
+    else:
+        settings, _ = parse_cli(SETTINGS[role], args, prog=role)
+    settings.require_supported()  # etcd discovery is not refused any more
+    return settings.discovery_backend, settings.etcd_endpoint, settings.nats_url
+
+
+def test_every_process_of_an_etcd_fleet_uses_that_etcd_and_still_nats_for_requests():
+    plan = plan_fleet(nats_url="nats://127.0.0.1:4222", host="127.0.0.1", port=8000, workers=2, router_policy=None,
+                      engine_args=[], metrics_ports=[1, 2, 3, 4], etcd_endpoint="127.0.0.1:23790")
+    assert sorted(p.role for p in plan) == ["frontend", "kv-indexer", "router", "worker", "worker"]
+    assert {_plane(p.role, p.args) for p in plan} == {("etcd", "127.0.0.1:23790", "nats://127.0.0.1:4222")}
+
+
+def test_the_default_fleet_stays_on_nats_discovery():
+    plan = plan_fleet(nats_url="nats://127.0.0.1:4222", host="127.0.0.1", port=8000, workers=1, router_policy=None,
+                      engine_args=[], metrics_ports=[1, 2, 3])
+    assert {_plane(p.role, p.args)[0] for p in plan} == {"nats"}
