@@ -5,7 +5,8 @@
 - RDMA ports: ``/sys/class/infiniband/<device>/ports/<port>/`` with ``state`` (``4: ACTIVE``),
   ``link_layer`` (``Ethernet`` = RoCE, ``InfiniBand``) and the GID table ``gids/<index>``.
 - The installed SGLang version: ``importlib.metadata`` of the interpreter that launches the engine
-  (the agent's own: it runs the engine as ``sys.executable -m ...``); None when not installed.
+  (the agent's own, or the one ``--engine-python`` names, asked in a short subprocess); None when
+  not installed.
 
 ``root`` relocates every path, so tests build a fake ``/sys`` and ``/opt`` under a temporary
 directory. The rules never read the host themselves: they get a ``HostFacts``.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import ipaddress
+import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,9 +79,37 @@ def installed_version(dist: str) -> str | None:
         return None
 
 
+#: Asks another interpreter for a distribution's version: prints it, or nothing when not installed.
+_VERSION_SCRIPT = (
+    "import importlib.metadata as m, sys\n"
+    "try: print(m.version(sys.argv[1]))\n"
+    "except m.PackageNotFoundError: pass\n"
+)
+
+
+def version_in(python: str, timeout: float = 30.0) -> Callable[[str], str | None]:
+    """``installed_version`` as seen by the interpreter ``python`` (None when it lacks the
+    distribution, or cannot be run)."""
+
+    def version_of(dist: str) -> str | None:
+        try:
+            out = subprocess.run([python, "-c", _VERSION_SCRIPT, dist], capture_output=True, text=True,
+                                 timeout=timeout, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+    return version_of
+
+
 def probe_host(
-    env: Mapping[str, str], root: Path = Path("/"), version_of: Callable[[str], str | None] = installed_version
+    env: Mapping[str, str], root: Path = Path("/"), version_of: Callable[[str], str | None] | None = None,
+    *, python: str | None = None,
 ) -> HostFacts:
+    """The host's facts; installed versions from ``version_of``, else from the interpreter ``python``
+    (``--engine-python``), else from this one."""
+    if version_of is None:
+        version_of = installed_version if python is None else version_in(python)
     return HostFacts(
         rocm=is_rocm(env, opt_rocm=(root / "opt/rocm").exists(), kfd=(root / "dev/kfd").exists()),
         rdma_ports=read_rdma_ports(root / "sys/class/infiniband"),

@@ -29,14 +29,15 @@ def build_plan(
 ) -> EnginePlan:
     """The engine command line, its environment changes and notes; raises EngineArgsError.
 
-    ``env`` (default ``os.environ``), ``python`` (default this interpreter), ``port`` (default a free
-    one) and ``find_ports`` are injectable so a test can render a fixed ``--print-command``.
+    ``env`` (default ``os.environ``), ``python`` (default ``--engine-python``, else this interpreter),
+    ``port`` (default a free one) and ``find_ports`` are injectable so a test can render a fixed
+    ``--print-command``.
     """
     env = os.environ if env is None else env
     plan = plan_engine(
         settings.engine,
         engine_args,
-        python=sys.executable if python is None else python,
+        python=python or settings.engine_python or sys.executable,
         free_port=free_port() if port is None else port,
         default_model_path=str(default_model_path()),
         advertise_host=settings.advertise_host,
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         plane_problem = str(exc)
     # the mock gets no recipe rules: no host facts needed (and no SGLang import metadata scan)
-    host = HostFacts() if settings.engine == "mock" else probe_host(os.environ)
+    host = HostFacts() if settings.engine == "mock" else probe_host(os.environ, python=settings.engine_python)
     try:
         plan = build_plan(settings, engine_args, host)
     except EngineArgsError as exc:

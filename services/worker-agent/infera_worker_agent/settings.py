@@ -28,6 +28,12 @@ class AgentSettings(PlaneSettings, LogSettings):
         description="Engine to launch: the mock engine, SGLang (sglang.launch_server) or vLLM "
         "(vllm.entrypoints.openai.api_server)."
     )
+    engine_python: str | None = Field(
+        None,
+        description="Python interpreter that runs the engine (`PYTHON -m <engine module>`), e.g. a separate venv "
+        "holding vLLM or SGLang (.venv-vllm/bin/python); default: the agent's own interpreter. The installed "
+        "SGLang version the recipe rules check is read from this interpreter.",
+    )
     worker_id: str | None = Field(
         None,
         pattern=TOKEN_RE.pattern,
