@@ -120,6 +120,13 @@ def test_engine_reports_win_over_the_plan():
     assert resolve_sources(planned2, [], {"kv_events": None}) == tuple(planned2)
 
 
+def test_vllm_0_32_answers_its_event_sources_as_a_map_by_rank():
+    by_rank = {"1": {"endpoint": "tcp://127.0.0.1:6011", "replay_endpoint": None, "topic": ""},
+               "0": {"endpoint": "tcp://127.0.0.1:6001", "replay_endpoint": "tcp://127.0.0.1:6002", "topic": ""}}
+    assert resolve_sources([KvSource(0, "tcp://*:0")], by_rank, None) == (
+        KvSource(0, "tcp://127.0.0.1:6001", "tcp://127.0.0.1:6002"), KvSource(1, "tcp://127.0.0.1:6011", None))
+
+
 def test_wildcard_endpoints_are_reached_locally_and_advertised_at_the_advertise_host():
     assert local_endpoint("tcp://*:5557") == "tcp://127.0.0.1:5557"
     assert local_endpoint("tcp://0.0.0.0:5557") == "tcp://127.0.0.1:5557"

@@ -183,3 +183,28 @@ async def test_malformed_messages_and_failed_publishes_do_not_stop_the_relay():
     finally:
         await relayer.close()
         await pub.close()
+
+
+async def test_the_first_stored_block_settles_the_block_size_the_worker_registers():
+    pub = FakePublisher()
+    corrected: list[int] = []
+
+    async def on_block_size(size: int) -> None:
+        corrected.append(size)
+
+    relayer = KvRelayer("w1", [pub.source], 16, lambda relay: asyncio.sleep(0), AgentMetrics(),
+                        replay_timeout=2.0, on_block_size=on_block_size)
+    await relayer.start()
+    try:
+        stored = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                  "token_ids": list(range(128)), "block_size": 128, "lora_id": None, "medium": "CPU"}
+        for seq in range(3):  # a vLLM-on-CPU engine registered at vLLM's GPU default of 16
+            pub.history[seq] = msgpack.packb([float(seq), [stored], 0])
+        await pub.pub.send_multipart([b"", encode_seq(2), pub.history[2]])  # the relay replays 0 and 1 too
+        assert await wait_for(lambda: corrected == [128])
+        assert relayer.block_size == 128
+        await asyncio.sleep(0.2)
+        assert corrected == [128]  # settled once
+    finally:
+        await relayer.close()
+        await pub.close()

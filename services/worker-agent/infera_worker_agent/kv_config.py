@@ -180,7 +180,14 @@ def block_size(engine: str, server_info: dict[str, Any] | None, args: Sequence[s
 
 
 def sources_from_event_sources(data: Any) -> tuple[KvSource, ...]:
-    """vLLM ``GET /kv_event_sources``: ``[{data_parallel_rank, endpoint, replay_endpoint, topic}]``."""
+    """vLLM ``GET /kv_event_sources``: ``[{data_parallel_rank, endpoint, replay_endpoint, topic}]``, or
+    (vLLM 0.32) the same entries in a map keyed by DP rank: ``{"0": {endpoint, replay_endpoint, ...}}``."""
+    if isinstance(data, dict):
+        ranked = []
+        for key, item in data.items():
+            if isinstance(item, dict) and str(key).isdigit():
+                ranked.append({"data_parallel_rank": int(key), **item})
+        data = sorted(ranked, key=lambda item: item["data_parallel_rank"])
     if not isinstance(data, list):
         return ()
     out = []

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import zmq
 import zmq.asyncio
 
-from infera_common.kv_wire import END_SEQ, KvWireError, decode_seq, encode_seq
+from infera_common.kv_wire import END_SEQ, BlockStored, KvWireError, decode_batch, decode_seq, encode_seq
 from infera_common.logs import get_logger
 from infera_common.schemas import KvRelay
 from infera_worker_agent.kv_config import KvSource, local_endpoint, subscriber_binds
@@ -42,10 +42,15 @@ class KvRelayer:
         publish: Publish,
         metrics: AgentMetrics,
         replay_timeout: float = REPLAY_TIMEOUT,
+        on_block_size: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.sources = list(sources)
         self.block_size = block_size
+        # the engine's events carry its real block size: the first one stored settles it (vLLM on CPU
+        # defaults to 128 where the GPU default is 16, and vLLM has no /server_info to say so)
+        self._on_block_size = on_block_size
+        self._block_size_seen = False
         self._publish = publish
         self.metrics = metrics
         self.replay_timeout = replay_timeout
@@ -169,10 +174,28 @@ class KvRelayer:
 
     # --- publishing ----------------------------------------------------------------------------
     async def _relay_batch(self, dp_rank: int, seq: int, payload: bytes) -> None:
+        if not self._block_size_seen:
+            await self._check_block_size(payload)
         relay = KvRelay(worker_id=self.worker_id, kind="batch", dp_rank=dp_rank, seq=seq, payload=payload,
                         block_size=self.block_size)
         if await self._send(relay):
             self.metrics.kv_batches.labels(str(dp_rank)).inc()
+
+    async def _check_block_size(self, payload: bytes) -> None:
+        try:
+            events = decode_batch(payload).events
+        except KvWireError:
+            return  # the indexer counts it; the next batch may tell
+        size = next((e.block_size for e in events if isinstance(e, BlockStored)), None)
+        if size is None:
+            return
+        self._block_size_seen = True
+        if size == self.block_size:
+            return
+        log.warning("kv_block_size_corrected", registered=self.block_size, engine_events=size)
+        self.block_size = size
+        if self._on_block_size is not None:
+            await self._on_block_size(size)
 
     async def _send(self, relay: KvRelay) -> bool:
         try:

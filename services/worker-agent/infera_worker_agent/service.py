@@ -238,9 +238,18 @@ class Agent:
         await ensure_kv_event_stream(js)
         self._kv_relayer = KvRelayer(
             self.worker_id, self._kv_sources, self._kv_block_size, self._publish_kv, self.metrics,
-            replay_timeout=self.s.kv_replay_timeout,
+            replay_timeout=self.s.kv_replay_timeout, on_block_size=self._on_engine_block_size,
         )
         await self._kv_relayer.start()
+
+    async def _on_engine_block_size(self, size: int) -> None:
+        """The engine's KV events show another block size than the one registered: register theirs
+        (the router hashes requests at the registered size; a wrong one would never match)."""
+        self._kv_block_size = size
+        if self._registrar is not None:
+            status = self._registrar.record.status
+            self._registrar.record = self._record(self._model, status)
+            await self._registrar.set_status(status)
 
     async def _publish_kv(self, relay: KvRelay) -> None:
         assert self._nc is not None
