@@ -197,9 +197,12 @@ class Prefilled(_Msg):
 
 
 class Cancel(_Msg):
-    """Frontend -> worker-agent: stop this request (client gone or timed out)."""
+    """Frontend -> worker-agent: stop this request (client gone or timed out); router -> worker-agent:
+    stop one leg of a disaggregated request because the other failed (``status`` 502 and why)."""
 
     request_id: str
+    status: int = 499  # the error frame the requester gets; 499 = the requester itself cancelled
+    message: str = ""
 
 
 class KvRelay(_Msg):

@@ -25,7 +25,9 @@ async def cancels(bench, wid: str) -> list:
     got: list[str] = []
 
     async def on(msg):
-        got.append(decode(Cancel, msg.data).request_id)
+        cancel = decode(Cancel, msg.data)
+        got.append(cancel.request_id)
+        bench.cancel_statuses = [*getattr(bench, "cancel_statuses", []), (cancel.status, cancel.message)]
 
     await bench.nc.subscribe(cancel_subject(wid), cb=on)
     await bench.nc.flush()
@@ -96,6 +98,8 @@ async def test_a_failed_prefill_drain_cancels_the_decode_leg(bench):
     [pre] = await bench.pull("p1")
     await bench.nc.publish(pre.reply_subject, encode(Frame(kind="error", seq=0, status=500, message="boom")))
     await eventually(lambda: stopped == ["q1"])
+    # the client reads the decode leg: it must see a server failure, not its own cancellation
+    assert bench.cancel_statuses == [(502, "the prefill leg of this disaggregated request failed")]
     assert bench.leases("p1") == 0  # the failed prefill is released at once
     assert bench.metric("infera_router_pd_leg_failures_total", leg="prefill") == 1
 

@@ -184,6 +184,15 @@ async def test_cancel_in_flight_closes_the_engine_connection_and_aborts(h):
     assert await h.stream_msgs() == 0
 
 
+async def test_a_cancel_for_a_failure_elsewhere_reaches_the_requester_as_that_failure(h):
+    rid, sub = await h.submit({"stream": True, "mode": "hang", "events": 1})
+    [decode(Frame, (await sub.next_msg(timeout=5)).data) for _ in range(2)]
+    why = "the prefill leg of this disaggregated request failed"
+    await h.nc.publish(cancel_subject(WID), encode(Cancel(request_id=rid, status=502, message=why)))
+    assert [(f.kind, f.status, f.message) for f in await h.frames(sub)] == [("error", 502, why)]
+    assert [r.outcome for r in await h.released(f"lease-{rid}")] == ["cancelled"]  # not this worker's fault
+
+
 async def test_drain_refuses_queued_work_while_in_flight_work_finishes(h):
     rid, sub = await h.submit({"stream": True, "events": 4, "delay": 0.2})
     await sub.next_msg(timeout=5)  # head: it is running

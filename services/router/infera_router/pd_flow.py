@@ -211,7 +211,8 @@ class PdFlow:
             else:
                 self._metrics.pd_legs_cancelled.inc()
                 try:
-                    await self._nc.publish(cancel_subject(action.worker_id),
-                                           encode(Cancel(request_id=action.request_id)))
+                    cancel = (Cancel(request_id=action.request_id, status=502, message=action.why) if action.why
+                              else Cancel(request_id=action.request_id))
+                    await self._nc.publish(cancel_subject(action.worker_id), encode(cancel))
                 except Exception as exc:  # connection gone: the leg ends by its deadline
                     log.warning("pd_cancel_failed", worker_id=action.worker_id, error=str(exc))

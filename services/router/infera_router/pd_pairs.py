@@ -30,6 +30,7 @@ class Action:
     worker_id: str
     request_id: str
     outcome: str | None = None  # release: how the leg ended, when known ("error" invalidates its session pin)
+    why: str = ""  # cancel: set when the leg is stopped because the other one failed (the client sees it)
 
 
 @dataclass(slots=True)
@@ -149,15 +150,16 @@ class PdPairs:
             if leg is None:
                 continue
             if leg is not failed and not leg.ended:
-                actions += self._stop(pair, leg)
+                other = "prefill" if leg is pair.decode else "decode"
+                actions += self._stop(pair, leg, f"the {other} leg of this disaggregated request failed")
             else:
                 actions += self._release(pair, leg, outcome if leg is failed else None)
         self._forget(pair)
         return actions
 
-    def _stop(self, pair: Pair, leg: Leg) -> list[Action]:
+    def _stop(self, pair: Pair, leg: Leg, why: str = "") -> list[Action]:
         leg.ended = True
-        return [Action("cancel", leg.lease_id, leg.worker_id, pair.request_id), *self._release(pair, leg)]
+        return [Action("cancel", leg.lease_id, leg.worker_id, pair.request_id, why=why), *self._release(pair, leg)]
 
     @staticmethod
     def _release(pair: Pair, leg: Leg, outcome: str | None = None) -> list[Action]:

@@ -310,8 +310,11 @@ class RequestWorker:
         self._metrics.cancels.inc()
         self._cancelled.add(cancel.request_id, time.monotonic())
         entry = self._inflight.get(cancel.request_id)
-        if entry is not None and self._stop(entry, CLIENT_CANCELLED):
-            log.info("request_cancelled", request_id=cancel.request_id)
+        reason = CLIENT_CANCELLED
+        if cancel.status != CLIENT_CANCELLED.status:  # stopped for a failure elsewhere, not by its client
+            reason = StopReason("cancelled", cancel.status, cancel.message or "cancelled")
+        if entry is not None and self._stop(entry, reason):
+            log.info("request_cancelled", request_id=cancel.request_id, status=reason.status)
 
 
 async def _unsubscribe_quietly(sub) -> None:
