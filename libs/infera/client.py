@@ -37,6 +37,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from infera_common.nats_api import HEADER_KIND, HEADER_REQUEST_ID, HEADER_STATUS, KIND_DATA, KIND_END, KIND_ERROR
+from infera_common.nats_conn import unsubscribe_quietly
 from infera_common.subjects import API_CHAT_COMPLETIONS, API_COMPLETIONS, API_MODELS, API_WORKERS
 
 
@@ -170,7 +171,4 @@ class InferaClient:
                     yield json.loads(msg.data)
                     return
         finally:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # connection closed
-                pass
+            await unsubscribe_quietly(sub)

@@ -24,7 +24,7 @@ from typing import Literal
 from pydantic import Field
 
 from infera.fleet_plan import ProcSpec, plan_fleet
-from infera.procs import free_port, start_etcd, start_nats, stop_process
+from infera.procs import free_port, start_etcd, start_nats, stop_process, wait_port
 from infera_common.models import BUNDLED_MODEL_NAME
 from infera_common.settings import InferaSettings, parse_cli
 from infera_router.settings import PolicyName
@@ -112,9 +112,19 @@ def main(argv: list[str]) -> int:
             except (OSError, RuntimeError, TimeoutError) as exc:  # not installed, port taken, ...
                 print(f"infera up: error: cannot start etcd: {exc}; see {logs / 'etcd.log'}", file=sys.stderr)
                 return 1
-        for spec in plan:
-            running.append((spec.name, _spawn(spec, logs)))
         url = f"http://{_client_host(settings.host)}:{settings.port}"
+        for spec in plan:
+            if spec.role == "worker" and not any(name in worker_names for name, _ in running):
+                # the frontend holds its port before any worker-agent picks free ports for its engine:
+                # a port chosen for the frontend but not yet bound could otherwise go to an engine
+                frontend = next(proc for name, proc in running if name == "frontend")
+                try:
+                    wait_port(_client_host(settings.host), settings.port, settings.ready_timeout, frontend)
+                except (RuntimeError, TimeoutError) as exc:
+                    print(f"infera up: frontend did not start: {exc}; see {logs / 'frontend.log'}", file=sys.stderr)
+                    _tail(logs / "frontend.log")
+                    return 1
+            running.append((spec.name, _spawn(spec, logs)))
         if not _wait_ready(url, total, settings.ready_timeout, running, lambda: stopping):
             return 1
         _print_banner(url, nats_url + (f", etcd {etcd_endpoint}" if etcd_endpoint else ""), logs)

@@ -154,6 +154,16 @@ async def ensure_kv_event_stream(
         await js.update_stream(kv_event_stream_config(wanted_age, wanted_bytes))
 
 
+async def unsubscribe_quietly(sub) -> None:
+    """Unsubscribe ``sub`` (a nats ``Subscription``, or None); a connection already gone is fine."""
+    if sub is None:
+        return
+    try:
+        await sub.unsubscribe()
+    except Exception:  # connection closed or draining: the subscription is gone with it
+        pass
+
+
 async def delete_stream_quietly(js: JetStreamContext, name: str) -> None:
     try:
         await js.delete_stream(name)

@@ -13,7 +13,8 @@ from collections import deque
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
+
+from infera_common.nats_conn import unsubscribe_quietly
 
 
 def _wake(waiter: asyncio.Future) -> None:
@@ -76,10 +77,7 @@ class Inbox:
 
     async def stop(self) -> None:
         if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except NatsError:  # connection already closed
-                pass
+            await unsubscribe_quietly(self._sub)
             self._sub = None
 
     def open(self) -> tuple[str, Mailbox]:

@@ -30,6 +30,7 @@ from infera_common.nats_api import (
     KIND_END,
     KIND_ERROR,
 )
+from infera_common.nats_conn import unsubscribe_quietly
 from infera_common.openai_errors import error_body
 from infera_common.schemas import Endpoint
 from infera_common.subjects import (
@@ -75,10 +76,7 @@ class NatsApi:
     async def stop(self) -> None:
         """Stop taking requests, then end the ones in flight (their workers get a Cancel)."""
         for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # connection already closed
-                pass
+            await unsubscribe_quietly(sub)
         self._subs.clear()
         for task in list(self._tasks):
             task.cancel()

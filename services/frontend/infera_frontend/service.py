@@ -12,7 +12,7 @@ from nats.aio.client import Client as NATS
 
 from infera_common.discovery_select import FleetWatcher, discovery_for
 from infera_common.logs import get_logger
-from infera_common.nats_conn import close_connection, connect
+from infera_common.nats_conn import close_connection, connect, unsubscribe_quietly
 from infera_common.schemas import LoadReport, decode
 from infera_common.subjects import LOAD_SUBJECTS
 from infera_common.tokenizer import ChatTokenizer
@@ -119,10 +119,7 @@ class Frontend:
 
     async def stop(self) -> None:
         if self._load_sub is not None:
-            try:
-                await self._load_sub.unsubscribe()
-            except Exception:  # connection already gone
-                pass
+            await unsubscribe_quietly(self._load_sub)
             self._load_sub = None
         if self.nats_api is not None:
             await self.nats_api.stop()

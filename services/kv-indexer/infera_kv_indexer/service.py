@@ -23,7 +23,7 @@ from nats.js.api import DeliverPolicy
 from infera_common.discovery_select import FleetWatcher, discovery_for
 from infera_common.fleet import Change
 from infera_common.logs import get_logger
-from infera_common.nats_conn import close_connection, connect, ensure_kv_event_stream
+from infera_common.nats_conn import close_connection, connect, ensure_kv_event_stream, unsubscribe_quietly
 from infera_common.subjects import KV_EVENT_STREAM, KV_EVENT_SUBJECTS, KV_INDEXER_QUEUE, KV_QUERY
 
 from infera_kv_indexer.index import KvIndex
@@ -113,10 +113,7 @@ class KvIndexerService:
     async def stop(self) -> None:
         for sub in (self._query_sub, self._events_sub):
             if sub is not None:
-                try:
-                    await sub.unsubscribe()
-                except Exception:  # connection already gone
-                    pass
+                await unsubscribe_quietly(sub)
         self._query_sub = self._events_sub = None
         if self._housekeeper is not None:
             self._housekeeper.cancel()

@@ -25,7 +25,7 @@ Retrying a failed request on another worker is the frontend's (``infera_frontend
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Generic, TypeVar
 

@@ -18,6 +18,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from infera_common.logs import get_logger
+from infera_common.nats_conn import unsubscribe_quietly
 
 log = get_logger("router.jetstream")
 
@@ -115,10 +116,7 @@ class AckedPublisher:
 
     async def stop(self) -> None:
         if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:  # connection already closed
-                pass
+            await unsubscribe_quietly(self._sub)
             self._sub = None
 
     def _forget(self, reply: str) -> tuple[OnResult, asyncio.TimerHandle] | None:

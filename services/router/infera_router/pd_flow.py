@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from infera_common.logs import get_logger
+from infera_common.nats_conn import unsubscribe_quietly
 from infera_common.schemas import Cancel, Frame, RouteRequest, WorkEnvelope, decode, encode
 from infera_common.subjects import cancel_subject, router_pd_subject, router_pd_subjects, work_subject
 
@@ -58,10 +59,7 @@ class PdFlow:
 
     async def stop(self) -> None:
         if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:  # connection already closed
-                pass
+            await unsubscribe_quietly(self._sub)
             self._sub = None
 
     # --- one request -------------------------------------------------------------------------

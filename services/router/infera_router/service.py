@@ -22,7 +22,7 @@ from nats.aio.subscription import Subscription
 from infera_common.discovery_select import FleetWatcher, discovery_for
 from infera_common.fleet import Change
 from infera_common.logs import get_logger
-from infera_common.nats_conn import close_connection, connect
+from infera_common.nats_conn import close_connection, connect, unsubscribe_quietly
 from infera_common.schemas import LoadReport, Prefilled, Release, RouteReply, RouteRequest, WorkEnvelope, decode, encode
 from infera_common.subjects import (
     LOAD_SUBJECTS,
@@ -160,10 +160,7 @@ class RouterService:
             await self._watcher.stop()
             self._watcher = None
         for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # connection already gone
-                pass
+            await unsubscribe_quietly(sub)
         self._subs.clear()
         if self.nc is not None:
             await close_connection(self.nc)

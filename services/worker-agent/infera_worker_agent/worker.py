@@ -24,6 +24,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.client import JetStreamContext
 
 from infera_common.logs import get_logger
+from infera_common.nats_conn import unsubscribe_quietly
 from infera_common.schemas import Cancel, Prefilled, Release, WorkEnvelope, decode, encode
 from infera_common.subjects import (
     cancel_subject, request_stream, router_prefilled_subject, router_release_subject, work_consumer, work_subject,
@@ -175,10 +176,10 @@ class RequestWorker:
             try:
                 await asyncio.wait_for(work_sub.drain(), SUB_DRAIN_TIMEOUT)
             except Exception:  # connection closed or draining: nothing more arrives
-                await _unsubscribe_quietly(work_sub)
+                await unsubscribe_quietly(work_sub)
         cancel_sub, self._cancel_sub = self._cancel_sub, None
         if cancel_sub is not None:
-            await _unsubscribe_quietly(cancel_sub)
+            await unsubscribe_quietly(cancel_sub)
         self.stop_all(reason)
         if self._handlers:
             await asyncio.gather(*self._handlers, return_exceptions=True)
@@ -315,13 +316,6 @@ class RequestWorker:
             reason = StopReason("cancelled", cancel.status, cancel.message or "cancelled")
         if entry is not None and self._stop(entry, reason):
             log.info("request_cancelled", request_id=cancel.request_id, status=reason.status)
-
-
-async def _unsubscribe_quietly(sub) -> None:
-    try:
-        await sub.unsubscribe()
-    except Exception:  # connection already closed
-        pass
 
 
 async def _quietly(aw: Awaitable, what: str, request_id: str | None = None) -> None:
