@@ -56,14 +56,20 @@ def start_nats(port: int, store_dir: str | os.PathLike, host: str = "127.0.0.1",
     store.mkdir(parents=True, exist_ok=True)
     config = store / "infera-nats.conf"
     config.write_text(f"max_payload: {NATS_MAX_PAYLOAD}\n")
+    argv = [nats_server_binary(), "-c", str(config), "-js", "-a", host, "-p", str(port), "-sd", str(store)]
+    return _start_server(argv, log_file, lambda proc: wait_port(host, port, 10.0, proc))
+
+
+def _start_server(argv: list[str], log_file, ready) -> subprocess.Popen:
+    """Start a server in its own session; ``ready(proc)`` waits for it (raises: the server is stopped)."""
     proc = subprocess.Popen(
-        [nats_server_binary(), "-c", str(config), "-js", "-a", host, "-p", str(port), "-sd", str(store)],
+        argv,
         stdout=log_file or subprocess.DEVNULL,
         stderr=subprocess.STDOUT if log_file else subprocess.DEVNULL,
         start_new_session=True,
     )
     try:
-        wait_port(host, port, 10.0, proc)
+        ready(proc)
     except Exception:
         stop_process(proc)
         raise
@@ -96,23 +102,13 @@ def start_etcd(
     peer_port = peer_port or free_port(host)
     Path(data_dir).mkdir(parents=True, exist_ok=True)
     client_url, peer_url = f"http://{host}:{port}", f"http://{host}:{peer_port}"
-    proc = subprocess.Popen(
-        [
-            etcd_binary(), "--name", "default", "--data-dir", str(data_dir),
-            "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
-            "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"default={peer_url}",
-        ],
-        stdout=log_file or subprocess.DEVNULL,
-        stderr=subprocess.STDOUT if log_file else subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        wait_etcd(host, port, 15.0, proc)
-    except Exception:
-        stop_process(proc)
-        raise
-    return proc
+    argv = [
+        etcd_binary(), "--name", "default", "--data-dir", str(data_dir),
+        "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+        "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+        "--initial-cluster", f"default={peer_url}",
+    ]
+    return _start_server(argv, log_file, lambda proc: wait_etcd(host, port, 15.0, proc))
 
 
 def wait_etcd(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
