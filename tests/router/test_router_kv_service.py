@@ -96,7 +96,7 @@ async def test_without_an_indexer_requests_are_routed_by_load_and_counted(kv_ben
 
 
 async def test_debug_log_tells_the_pick_and_its_cost_breakdown(nats_server, monkeypatch):
-    from infera_router import service as service_module
+    from infera_router import routing as service_module  # the route path logs the pick
 
     lines: list[tuple[str, dict]] = []
 
