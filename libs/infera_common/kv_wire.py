@@ -78,10 +78,7 @@ def encode_seq(seq: int) -> bytes:
 
 def decode_batch(payload: bytes) -> EventBatch:
     """Decode one msgpack batch; a malformed event is reported in ``malformed``, not raised."""
-    try:
-        raw = _unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise KvWireError(f"batch is not msgpack: {exc}") from exc
+    raw = unpack(payload, "batch")
     if type(raw) is dict:
         ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
     elif type(raw) is list and len(raw) >= 2:
@@ -107,6 +104,14 @@ def decode_batch(payload: bytes) -> EventBatch:
 
 
 _unpackb = msgpack.unpackb
+
+
+def unpack(data: bytes, what: str = "message") -> object:
+    """msgpack bytes to Python objects (int map keys allowed); ``KvWireError`` (a ``ValueError``) if not msgpack."""
+    try:
+        return _unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise KvWireError(f"{what} is not msgpack: {exc}") from exc
 
 
 def decode_event(event: object) -> KvEvent:

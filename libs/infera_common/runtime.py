@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+from collections.abc import Callable
 from typing import Any, Protocol
 
 
@@ -75,3 +76,22 @@ async def run_service(service: Service, *, name: str, metrics_host: str, metrics
     finally:
         await service.stop()
         await runner.cleanup()
+
+
+def service_main(argv: list[str] | None, settings_cls: type, make_service: Callable[[Any], Service], *,
+                 name: str, prog: str, description: str) -> None:
+    """The whole ``main`` of a NATS service with a metrics endpoint: parse its settings (flags, env),
+    refuse planes it cannot serve, configure logging, then ``run_service`` on the event loop."""
+    from infera_common.logs import configure_logging
+    from infera_common.settings import parse_cli
+
+    settings, _ = parse_cli(settings_cls, argv, prog=prog, description=description)
+    settings.require_supported()
+
+    async def run() -> None:
+        log = configure_logging(settings.log_level, settings.log_format, name)
+        await run_service(make_service(settings), name=name, metrics_host=settings.metrics_host,
+                          metrics_port=settings.metrics_port, log=log)
+
+    with event_loop_runner() as runner:
+        runner.run(run())

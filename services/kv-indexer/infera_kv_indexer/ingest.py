@@ -16,9 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-import msgpack
-
-from infera_common.kv_wire import KvWireError, decode_batch
+from infera_common.kv_wire import KvWireError, decode_batch, unpack
 from infera_common.schemas import KvRelay
 from infera_common.subjects import kv_event_subject
 
@@ -69,10 +67,7 @@ def ingest(index: KvIndex, subject: str, data: bytes, now: float) -> Ingested:
 
 def decode_relay(data: bytes) -> Relay:
     """A ``KvRelay`` from its bytes; raises ``ValueError`` when malformed (as ``schemas.decode``)."""
-    try:
-        raw = _unpackb(data, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise ValueError(f"not msgpack: {exc}") from exc
+    raw = unpack(data, "relay")
     if type(raw) is dict:
         get = raw.get
         worker_id, kind, rank, seq = get("worker_id"), get("kind", "batch"), get("dp_rank"), get("seq", -1)
@@ -97,4 +92,3 @@ def _subject(worker_id: str) -> str:
     return subject
 
 
-_unpackb = msgpack.unpackb

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from infera_common.logs import configure_logging
-from infera_common.runtime import event_loop_runner, run_service
-from infera_common.settings import parse_cli
+from infera_common.runtime import service_main
 
 from infera_kv_indexer.service import KvIndexerService
 from infera_kv_indexer.settings import KvIndexerSettings
@@ -17,17 +15,8 @@ DESCRIPTION = (
 )
 
 
-async def run(settings: KvIndexerSettings) -> None:
-    log = configure_logging(settings.log_level, settings.log_format, "kv-indexer")
-    await run_service(KvIndexerService(settings), name="kv-indexer", metrics_host=settings.metrics_host,
-                      metrics_port=settings.metrics_port, log=log)
-
-
 def main(argv: list[str] | None = None) -> None:
-    settings, _ = parse_cli(KvIndexerSettings, argv, prog="infera-kv-indexer", description=DESCRIPTION)
-    settings.require_supported()
-    with event_loop_runner() as runner:
-        runner.run(run(settings))
+    service_main(argv, KvIndexerSettings, KvIndexerService, name="kv-indexer", prog="infera-kv-indexer", description=DESCRIPTION)
 
 
 if __name__ == "__main__":

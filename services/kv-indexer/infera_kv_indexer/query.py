@@ -13,6 +13,7 @@ from array import array
 
 import msgpack
 
+from infera_common.kv_wire import unpack
 from infera_common.schemas import OverlapQuery, OverlapReply, encode
 
 from infera_kv_indexer.index import KvIndex
@@ -29,10 +30,7 @@ def answer(index: KvIndex, data: bytes) -> bytes:
 
 
 def decode_query(data: bytes) -> tuple[str, dict[int, list[int]], list[str] | None]:
-    try:
-        raw = _unpackb(data, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise ValueError(f"not msgpack: {exc}") from exc
+    raw = unpack(data, "query")
     if type(raw) is dict:
         model, hashes, workers = raw.get("model"), raw.get("hashes"), raw.get("workers")
         if type(model) is str and type(hashes) is dict and _exact_hashes(hashes) and (
@@ -75,7 +73,6 @@ def _learn(overlaps: list[tuple[str, int, int]]) -> None:
             _FRAGMENTS[(w, r)] = _packb({"worker_id": w, "dp_rank": r, "blocks": 0}, use_bin_type=True)[:-1]
 
 
-_unpackb = msgpack.unpackb
 _packb = msgpack.packb
 #: (worker_id, dp_rank) -> the packed WorkerOverlap map up to its "blocks" value
 _FRAGMENTS: dict[tuple[str, int], bytes] = {}

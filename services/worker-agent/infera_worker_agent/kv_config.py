@@ -112,13 +112,14 @@ def build_config(engine: str, port: int, replay_port: int) -> dict[str, Any]:
     return config
 
 
-def parse_config(raw: str) -> dict[str, Any]:
+def parse_json_flag(flag: str, raw: str) -> dict[str, Any]:
+    """An engine flag whose value is a JSON object (``--kv-events-config``, ``--kv-transfer-config``)."""
     try:
         config = json.loads(raw)
     except ValueError as exc:
-        raise EngineArgsError(f"{KV_EVENTS_FLAG} is not valid JSON: {exc}") from None
+        raise EngineArgsError(f"{flag} is not valid JSON ({exc}): {raw!r}") from None
     if not isinstance(config, dict):
-        raise EngineArgsError(f"{KV_EVENTS_FLAG} must be a JSON object")
+        raise EngineArgsError(f"{flag} must be a JSON object, got {raw!r}")
     return config
 
 
@@ -147,7 +148,7 @@ def plan_kv_events(
     """What to add to the engine's command line for KV events, and the publishers it will run."""
     dp = dp_size(engine, args)
     if has_flag(args, KV_EVENTS_FLAG):
-        config = parse_config(flag_value(args, KV_EVENTS_FLAG) or "")
+        config = parse_json_flag(KV_EVENTS_FLAG, flag_value(args, KV_EVENTS_FLAG) or "")
         publishes = config_publishes(engine, config)
         sources = sources_from_config(config, dp) if publishes else ()
         return KvEventsPlan(publishes, (), sources, user_supplied=True)

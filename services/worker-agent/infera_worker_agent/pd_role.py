@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 from infera_common.schemas import Role
 from infera_worker_agent.engine_cmd import EngineArgsError, flag_value, has_flag
-from infera_worker_agent.kv_config import dp_size
+from infera_worker_agent.kv_config import dp_size, parse_json_flag
 
 Family = Literal["sglang", "vllm"]
 PROTOCOLS: dict[str, str] = {"sglang": "sglang-bootstrap", "vllm": "vllm-mooncake"}
@@ -175,13 +175,7 @@ def kv_transfer_config(args: Sequence[str], *, dotted: bool) -> dict[str, Any] |
         return keyed
     if raw is None:
         return None
-    try:
-        config = json.loads(raw)
-    except ValueError as exc:
-        raise EngineArgsError(f"{KV_TRANSFER_FLAG} is not valid JSON ({exc}): {raw!r}") from None
-    if not isinstance(config, dict):
-        raise EngineArgsError(f"{KV_TRANSFER_FLAG} must be a JSON object, got {raw!r}")
-    return config
+    return parse_json_flag(KV_TRANSFER_FLAG, raw)
 
 
 def _dotted(args: Sequence[str], flag: str) -> dict[str, Any]:
