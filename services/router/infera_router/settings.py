@@ -12,8 +12,11 @@ from pydantic import Field, model_validator
 from infera_common.settings import LogSettings, PlaneSettings
 from infera_common.subjects import TOKEN_RE
 
+from infera_router.breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD, DEFAULT_MAX_COOLDOWN_S
+from infera_router.pd_pairs import GuardRelease
 from infera_router.policies import DEFAULT_POLICY, POLICY_NAMES
 from infera_router.policy_kv_aware import DEFAULT_DECODE_WEIGHT, DEFAULT_OVERLAP_WEIGHT
+from infera_router.sessions import DEFAULT_AFFINITY_MODE, DEFAULT_TTL_S, MAX_TTL_S, MIN_TTL_S, AffinityMode
 
 PolicyName = Literal[POLICY_NAMES]  # type: ignore[valid-type]  # the registry's names
 
@@ -41,32 +44,32 @@ class RouterSettings(PlaneSettings, LogSettings):
         description="kv-aware: seconds to wait for the kv-indexer's overlap answer; on timeout or no "
         "indexer the request is routed by load only and counted in infera_router_kv_query_failures_total.",
     )
-    pd_prefill_guard_release: Literal["hold", "completion"] = Field(
+    pd_prefill_guard_release: GuardRelease = Field(
         "hold",
         description="Disaggregated serving: when the prefill leg stops counting as load on its worker. "
         "hold: when the decode leg finishes (the prefill engine keeps the KV until the decode took it); "
         "completion: as soon as the prefill's complete answer has been drained. A failed or cancelled "
         "prefill is released at once either way.",
     )
-    session_affinity: Literal["off", "prefill", "both"] = Field(
-        "off",
+    session_affinity: AffinityMode = Field(
+        DEFAULT_AFFINITY_MODE,
         description="Keep a client session (header X-Dynamo-Session-ID) on its worker: off; prefill (the "
         "prefill or aggregated worker is kept, decode chosen per request); both (prefill, decode and "
         "aggregated targets kept, each on its own). Requests without the header route normally.",
     )
     session_affinity_ttl_seconds: float = Field(
-        3600.0, ge=1, le=86400,
+        DEFAULT_TTL_S, ge=MIN_TTL_S, le=MAX_TTL_S,
         description="Seconds a session binding survives without a request in flight (1 to 86400).",
     )
     breaker_failure_threshold: int = Field(
-        3, ge=1, description="Consecutive worker faults (5xx, unreachable engine) that open a worker's circuit "
+        DEFAULT_FAILURE_THRESHOLD, ge=1, description="Consecutive worker faults (5xx, unreachable engine) that open a worker's circuit "
         "breaker; 4xx and 429 answers never count.",
     )
     breaker_cooldown_s: float = Field(
-        5.0, gt=0, description="Seconds an opened breaker keeps the worker out before one probe request may go.",
+        DEFAULT_COOLDOWN_S, gt=0, description="Seconds an opened breaker keeps the worker out before one probe request may go.",
     )
     breaker_max_cooldown_s: float = Field(
-        60.0, gt=0, description="Ceiling of the cooldown, which doubles after each failed probe.",
+        DEFAULT_MAX_COOLDOWN_S, gt=0, description="Ceiling of the cooldown, which doubles after each failed probe.",
     )
     lease_max_age: float = Field(
         900.0, gt=0,
