@@ -108,12 +108,14 @@ class RouterCore:
                          f"{missing} worker and no aggregated worker: start a {missing} worker (or an "
                          f"aggregated one) for it")
 
-    def kv_query(self, request: RouteRequest) -> OverlapQuery | None:
-        """The indexer query the policy wants for ``request`` (None: not kv-aware, or nothing to ask)."""
+    def kv_query(self, request: RouteRequest) -> tuple[OverlapQuery, list[WorkerState]] | None:
+        """The indexer query the policy wants for ``request`` and the candidates it asks about (None: not
+        kv-aware, or nothing to ask)."""
         if not getattr(self.policy, "needs_kv", False):
             return None
         cands = self.candidates(request)
-        return kv_query(cands.order, request) if cands.status == 200 else None
+        query = kv_query(cands.order, request) if cands.status == 200 else None
+        return (query, cands.order) if query is not None else None
 
     def plan(self, request: RouteRequest, kv: KvView | None = None, now: float | None = None) -> Plan:
         """Rank the candidates; with session affinity, the session's bound targets go first.

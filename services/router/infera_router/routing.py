@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from nats.aio.msg import Msg
 
 from infera_common.logs import get_logger
-from infera_common.schemas import RouteReply, RouteRequest, WorkEnvelope, decode, encode
+from infera_common.schemas import OverlapQuery, RouteReply, RouteRequest, WorkEnvelope, decode, encode
 from infera_common.subjects import request_stream, work_subject
 
 from infera_router.core import Plan
@@ -59,10 +59,10 @@ class RoutePath:
                 reply = RouteReply(status=400, message=f"malformed RouteRequest: {exc}"[:1000], router_id=self.router_id)
                 await self._send(msg.reply, reply, t0)
                 return
-            query = self.core.kv_query(request)
-            if query is not None and self._kv is not None:
+            ask = self.core.kv_query(request)
+            if ask is not None and self._kv is not None:
                 # the indexer round trip must not hold up the next route request: continue in a task
-                self._spawn(self._route_with_kv(request, msg.reply, t0, query))
+                self._spawn(self._route_with_kv(request, msg.reply, t0, *ask))
                 return
             kv = None
             if getattr(self.core.policy, "needs_kv", False):
@@ -73,10 +73,10 @@ class RoutePath:
             await self._send(msg.reply, RouteReply(status=500, message=f"router failure: {type(exc).__name__}: {exc}",
                                                    router_id=self.router_id), t0)
 
-    async def _route_with_kv(self, request: RouteRequest, reply_to: str, t0: float, query) -> None:
+    async def _route_with_kv(self, request: RouteRequest, reply_to: str, t0: float, query: OverlapQuery,
+                             candidates: list[WorkerState]) -> None:
         try:
             assert self._kv is not None
-            candidates = self.core.candidates(request).order
             kv = await self._kv.query(query, candidates)
             kv.hashes = query.hashes  # for the in-flight view and the lease
             await self._route(request, reply_to, t0, kv)
