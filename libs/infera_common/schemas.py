@@ -115,7 +115,6 @@ class RouteRequest(_Msg):
     reply_subject: str  # where the worker streams response frames
     prompt_tokens: int = 0
     token_ids: list[int] | None = None
-    session_id: str | None = None
     deadline: float  # unix time after which nobody waits for the answer
     exclude: list[str] = Field(default_factory=list)  # worker ids not to pick (retries)
     #: every value of the client's X-Dynamo-Session-ID header, in order, unmodified (empty: no header);

@@ -28,10 +28,7 @@ class SessionPins:
 
     def session_id(self, request: RouteRequest) -> str | None:
         """The request's session id under the current mode; raises ``SessionIdError`` (-> 400)."""
-        if not request.session_ids and request.session_id is None:
-            return None
-        values = request.session_ids or [request.session_id]
-        return parse_session_header(self.table.mode, values)
+        return parse_session_header(self.table.mode, request.session_ids)
 
     def pin(self, model: str, session: str | None, role: Role, order: list[WorkerState], held: Held,
             now: float) -> list[WorkerState]:
