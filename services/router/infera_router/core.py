@@ -276,9 +276,11 @@ class RouterCore:
         if not self.fleet.set_load(report):
             return False
         worker = self.fleet.get(report.worker_id)
-        if worker is not None:
-            split = report.by_router or None
-            worker.others = None if split is None and report.in_flight else (
-                report.in_flight - (split or {}).get(self.leases.prefix, 0))
+        if worker is None:
+            return True
+        if report.by_router or not report.in_flight:
+            worker.others = report.in_flight - report.by_router.get(self.leases.prefix, 0)
+        else:  # an agent that does not split its count: the policy estimates from the leases
+            worker.others = None
         return True
 

@@ -32,8 +32,7 @@ class Lease:
 
 class LeaseTable:
     def __init__(self, id_prefix: str) -> None:
-        self.prefix = id_prefix  # this router's id
-        self._prefix = id_prefix
+        self.prefix = id_prefix  # this router's id: every lease id starts with it
         self._next = 0
         self._leases: dict[str, Lease] = {}  # insertion (= creation) order
         self._by_worker: dict[str, dict[str, Lease]] = {}
@@ -42,7 +41,7 @@ class LeaseTable:
                 prefill_tokens: int | None = None) -> Lease:
         self._next += 1
         prefill = prompt_tokens if prefill_tokens is None else prefill_tokens
-        lease = Lease(f"{self._prefix}-{self._next}", worker_id, request_id, now, prompt_tokens, prefill)
+        lease = Lease(f"{self.prefix}-{self._next}", worker_id, request_id, now, prompt_tokens, prefill)
         self._leases[lease.lease_id] = lease
         self._by_worker.setdefault(worker_id, {})[lease.lease_id] = lease
         return lease
