@@ -169,6 +169,8 @@ def main() -> None:
                     help="compress the trace's arrivals by this factor on top of the standard pace (2 = twice the load)")
     ap.add_argument("--index-lag-ms", type=float, default=0.0,
                     help="simulated ms between an engine's step and its KV events reaching the index")
+    ap.add_argument("--slowdown", type=float, default=1.0,
+                    help="engines run this many times slower than their timing model (CPU contention)")
     ap.add_argument("--trace", type=Path, default=tr.TRACE)
     args = ap.parse_args()
     trace = tr.load_trace(args.trace, args.start, args.count)
@@ -177,7 +179,7 @@ def main() -> None:
     outputs = [max(1, min(r["output_length"], args.max_tokens)) for r in trace]
     arrivals_ms = [t * 1000.0 for t in tr.arrivals(trace, args.load)]
     common = dict(workers=args.workers, kv_blocks=args.kv_blocks, block_size=args.block_size,
-                  index_lag_ms=args.index_lag_ms)
+                  index_lag_ms=args.index_lag_ms, slowdown=args.slowdown)
     runs: list[tuple[str, dict]] = [(p, simulate(p, prompts, outputs, arrivals_ms, **common))
                                     for p in ("round-robin", "least-loaded")]
     for ow in args.overlap_weights:
@@ -186,7 +188,7 @@ def main() -> None:
                 "kv-aware", prompts, outputs, arrivals_ms, overlap_weight=ow, decode_weight=dw, **common)))
     rr = runs[0][1]
     print(f"policy simulation: Mooncake requests {args.start}-{args.start + args.count - 1}, {args.workers} engines x "
-          f"{args.kv_blocks} blocks of {args.block_size}; load x{args.load:g}; index lag {args.index_lag_ms:g} ms; "
+          f"{args.kv_blocks} blocks of {args.block_size}; load x{args.load:g}; index lag {args.index_lag_ms:g} ms; slowdown {args.slowdown:g}; "
           "simulated ms\n")
     print(f"{'policy':<26} {'hit':>6} {'TTFT mean':>9} {'p50':>7} {'p90':>7} {'e2e p50':>8} {'max/mean':>8} "
           f"| vs round-robin: {'hit':>5} {'TTFT p90':>8}")

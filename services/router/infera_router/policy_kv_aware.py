@@ -33,8 +33,9 @@ prefixes), below 1 spreads load (decode-bound fleets), 0 makes the policy load-o
 queued prefill, while decoding requests only lengthen each engine step a little. Both defaults were
 chosen with ``bench/policy_sim.py`` (the router's own policy in front of the mock engine's own
 scheduler and cache, on the Mooncake trace): at (2, 0.1) the hit ratio is 0.150 at the standard load
-and 0.145 at twice the load, against 0.123 for (1, 1), the earlier default, and 0.143/0.141 for
-(1, 0.1), with the request split within 1.04x of even; ``kv_decode_weight`` 0 piles decodes onto one engine (1.8x share).
+and 0.146 at twice the load, against 0.122 for (1, 1) and 0.146/0.141 for (1, 0.1), with the
+request split within 1.04x of even; ``kv_decode_weight`` 0 piles decodes onto one engine (1.79x
+share). The figures and their commands: docs/benchmarks.md.
 
 When the cache information is missing:
 - for the whole request (``KvView.ok`` False: no token ids, indexer absent or too slow) the cost is
