@@ -47,10 +47,10 @@ class Drained:
 
 class PdFlow:
     def __init__(self, nc: NATS, router_id: str, core: RouterCore, pairs: PdPairs, publisher: AckedPublisher,
-                 metrics: RouterMetrics, publish_timeout: float, on_release: Callable[[Lease], None]) -> None:
+                 metrics: RouterMetrics, publish_timeout: float, on_lease_change: Callable[[Lease], None]) -> None:
         self._nc, self._router_id, self._core, self.pairs = nc, router_id, core, pairs
         self._publisher, self._metrics, self._publish_timeout = publisher, metrics, publish_timeout
-        self._on_release = on_release  # the service's bookkeeping after a lease is dropped
+        self._on_lease_change = on_lease_change  # the service's bookkeeping after a lease is taken or dropped
         self._waiters: dict[str, asyncio.Future[Drained]] = {}
         self._sub: Subscription | None = None
 
@@ -84,7 +84,7 @@ class PdFlow:
                 cached = plan.costs[i].matched_blocks * plan.costs[i].block_size
             lease = self._core.acquire(prefill, request, time.monotonic(), cached,
                                        hashes.get(prefill.record.kv_block_size or 0), plan)
-            self._on_release(lease)  # the gauge follows the lease count
+            self._on_lease_change(lease)  # the gauge follows the lease count
             self.pairs.start(request.request_id, lease.lease_id, prefill.base_id)
             waiter = asyncio.get_running_loop().create_future() if protocol.sequential else None
             if waiter is not None:
@@ -124,7 +124,7 @@ class PdFlow:
             # the decode leg computes no prompt (its KV arrives from the prefill) but holds it
             lease = self._core.acquire(worker, request, time.monotonic(), cached_tokens=request.prompt_tokens,
                                        plan=plan)
-            self._on_release(lease)
+            self._on_lease_change(lease)
             env = WorkEnvelope(
                 request_id=request.request_id, endpoint=request.endpoint, body=body(worker), stream=request.stream,
                 reply_subject=request.reply_subject, deadline=request.deadline, lease_id=lease.lease_id,
@@ -138,7 +138,7 @@ class PdFlow:
                 await reply(200, "", worker.base_id, lease.lease_id)
                 return
             if self._core.release(lease.lease_id) is not None:
-                self._on_release(lease)
+                self._on_lease_change(lease)
             full += result.kind == "full"
         await self.execute(self.pairs.abandon(prefill_lease.lease_id))
         if full:
@@ -174,7 +174,7 @@ class PdFlow:
     def _drop_pair(self, lease: Lease) -> None:
         self.pairs.abandon(lease.lease_id)  # nothing was published: nothing to cancel
         if self._core.release(lease.lease_id) is not None:
-            self._on_release(lease)
+            self._on_lease_change(lease)
 
     # --- the drained prefill answers ---------------------------------------------------------
     async def _on_frame(self, msg: Msg) -> None:
@@ -205,7 +205,7 @@ class PdFlow:
             if action.kind == "release":
                 lease = self._core.release(action.lease_id, action.outcome)
                 if lease is not None:
-                    self._on_release(lease)
+                    self._on_lease_change(lease)
             else:
                 self._metrics.pd_legs_cancelled.inc()
                 try:
