@@ -1,7 +1,7 @@
 """Session affinity: which worker a client's session stays on. Pure, no I/O, time passed in.
 
 A client opts in per request with a session id (header ``X-Dynamo-Session-ID``; the NATS API
-carries it in ``RouteRequest.session_id``). Requests without one route normally. The id is only
+carries every value of it in ``RouteRequest.session_ids``). Requests without one route normally. The id is only
 a routing key: it is never added to the model's input, and it is scoped by model and role, so
 the same id names independent bindings for ``(model, prefill)``, ``(model, decode)`` and
 ``(model, aggregated)``.
@@ -96,7 +96,7 @@ def pinned_roles(mode: str) -> frozenset[Role]:
 
 
 def check_session_id(mode: str, session_id: str | None) -> str | None:
-    """Validate one session id (e.g. ``RouteRequest.session_id``) under ``mode``.
+    """Validate one session id (one value of ``RouteRequest.session_ids``) under ``mode``.
 
     Returns the id to use, or None when affinity is off or no id was given. Raises
     :class:`SessionIdError` for an empty (or all-whitespace) id or one longer than
