@@ -69,7 +69,9 @@ class WorkerRecord(_Msg):
     dp_size: int = 1
     dp_rank: int | None = None
     kv_block_size: int | None = None
-    kv_events_endpoints: list[str] = Field(default_factory=list)
+    kv_events_endpoints: list[str] = Field(default_factory=list)  # the engine's ZMQ PUB per DP rank, advertised
+    #: the replay ROUTER endpoint of each ``kv_events_endpoints`` entry, same order ('' where there is none)
+    kv_replay_endpoints: list[str] = Field(default_factory=list)
     pd: PdParams | None = None
     status: WorkerStatus = WorkerStatus.STARTING
     max_pending: int = 0  # broker-enforced pending limit (0 = unknown)

@@ -35,6 +35,16 @@ def cancel_subject(worker_id: str) -> str:
     return f"{PREFIX}.cancel.{_token(worker_id)}"
 
 
+#: Every worker's cancel subject: what a router that calls engines over HTTP listens to.
+CANCEL_SUBJECTS = f"{PREFIX}.cancel.*"
+
+
+def worker_of_cancel_subject(subject: str) -> str | None:
+    """The worker id a ``cancel_subject`` names; None for any other subject."""
+    head, _, worker_id = subject.rpartition(".")
+    return worker_id if head == f"{PREFIX}.cancel" and TOKEN_RE.match(worker_id) else None
+
+
 # --- load reports -------------------------------------------------------------
 LOAD_SUBJECTS = f"{PREFIX}.load.*"
 

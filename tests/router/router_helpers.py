@@ -9,8 +9,8 @@ from infera_common.schemas import Endpoint, LoadReport, RouteRequest, WorkerReco
 
 
 def record(wid: str, model: str = "m", status: WorkerStatus = WorkerStatus.ACTIVE, **kw) -> WorkerRecord:
-    return WorkerRecord(worker_id=wid, model=model, engine="mock", url="http://127.0.0.1:1",
-                        advertise_host="127.0.0.1", status=status, **kw)
+    kw.setdefault("url", "http://127.0.0.1:1")
+    return WorkerRecord(worker_id=wid, model=model, engine="mock", advertise_host="127.0.0.1", status=status, **kw)
 
 
 def join(wid: str, model: str = "m", status: WorkerStatus = WorkerStatus.ACTIVE, **kw) -> Change:

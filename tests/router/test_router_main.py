@@ -54,13 +54,6 @@ def test_bad_flags_exit_2_naming_the_flag(argv, needle, capsys):
     assert exc.value.code == 2 and needle in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["--request-transport", "http"], ["--kv-event-transport", "zmq"]])
-def test_planes_of_later_issues_are_refused_at_once(argv):
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert "not available in this build yet" in str(exc.value.code) and argv[0] in str(exc.value.code)
-
-
 async def test_unreachable_nats_fails_with_a_clear_error(monkeypatch):
     monkeypatch.setattr(service_module, "NATS_CONNECT_TIMEOUT", 0.5)
     router = RouterService(RouterSettings(nats_url="nats://127.0.0.1:1"))

@@ -14,9 +14,9 @@ from infera_common.schemas import Cancel, Frame, Prefilled, Release, WorkEnvelop
 from infera_common.subjects import (
     cancel_subject, request_stream, router_prefilled_subject, router_release_subject, work_consumer, work_subject,
 )
-from infera_worker_agent.health import EngineAborter
+from infera_common.engine_relay import EngineAborter
 from infera_worker_agent.metrics import AgentMetrics
-from infera_worker_agent.relay import Relay
+from infera_common.engine_relay import Relay
 from infera_worker_agent.worker import RequestWorker, StopReason
 
 from .fake_engine import FakeEngine

@@ -164,6 +164,17 @@ class RouterMetrics:
             "infera_router_retries", "Requests retried on another worker before their first byte, by failure kind.",
             ["kind"], registry=r,
         )
+        self.http_requests = Counter(
+            "infera_router_http_requests", "Requests this router ran on engines itself (--request-transport http), "
+            "by outcome (ok|error|cancelled|expired).", ["outcome"], registry=r,
+        )
+        self.http_in_flight = Gauge(
+            "infera_router_http_in_flight", "Requests this router is running on engines itself (--request-transport http).",
+            registry=r,
+        )
+        self.http_cancels = Counter(
+            "infera_router_http_cancels", "Cancel messages received for requests this router runs itself.", registry=r,
+        )
         self._session_seen: dict[tuple[str, str], int] = {}  # (role, counter) -> value already exported
         self._blind: dict[str, str] = {}  # worker -> reason currently set to 1
         self._lease_gauges: dict[str, Gauge] = {}

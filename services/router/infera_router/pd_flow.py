@@ -22,10 +22,11 @@ from nats.aio.subscription import Subscription
 from infera_common.logs import get_logger
 from infera_common.nats_conn import unsubscribe_quietly
 from infera_common.schemas import Cancel, Frame, RouteRequest, WorkEnvelope, decode, encode
-from infera_common.subjects import cancel_subject, router_pd_subject, router_pd_subjects, work_subject
+from infera_common.subjects import cancel_subject, router_pd_subject, router_pd_subjects
 
 from infera_router.core import Plan, RouterCore
-from infera_router.jetstream import AckedPublisher, PubResult
+from infera_router.dispatch import Dispatcher
+from infera_router.jetstream import PubResult
 from infera_router.leases import Lease
 from infera_router.metrics import RouterMetrics
 from infera_router.pd_pairs import Action, PdPairs
@@ -46,10 +47,10 @@ class Drained:
 
 
 class PdFlow:
-    def __init__(self, nc: NATS, router_id: str, core: RouterCore, pairs: PdPairs, publisher: AckedPublisher,
+    def __init__(self, nc: NATS, router_id: str, core: RouterCore, pairs: PdPairs, dispatcher: Dispatcher,
                  metrics: RouterMetrics, publish_timeout: float, on_lease_change: Callable[[Lease], None]) -> None:
         self._nc, self._router_id, self._core, self.pairs = nc, router_id, core, pairs
-        self._publisher, self._metrics, self._publish_timeout = publisher, metrics, publish_timeout
+        self._dispatcher, self._metrics, self._publish_timeout = dispatcher, metrics, publish_timeout
         self._on_lease_change = on_lease_change  # the service's bookkeeping after a lease is taken or dropped
         self._waiters: dict[str, asyncio.Future[Drained]] = {}
         self._sub: Subscription | None = None
@@ -154,7 +155,7 @@ class PdFlow:
                 done.set_result(result)
 
         try:
-            await self._publisher.publish(work_subject(worker.base_id), encode(env), self._publish_timeout, settle)
+            await self._dispatcher.send(worker.base_id, env, self._publish_timeout, settle)
         except Exception as exc:  # connection closed or draining
             return PubResult("error", description=type(exc).__name__)
         result = await done

@@ -1,6 +1,6 @@
 """The route RPC of the router service: a route request from the frontend to a published work
 envelope (or two, for a disaggregated pair) and its reply. A mixin of ``RouterService``, which owns
-the state it uses (``core``, ``metrics``, ``settings``, the publisher, the kv client, the PD flow).
+the state it uses (``core``, ``metrics``, ``settings``, the dispatcher, the kv client, the PD flow).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from nats.aio.msg import Msg
 
 from infera_common.logs import get_logger
 from infera_common.schemas import OverlapQuery, RouteReply, RouteRequest, WorkEnvelope, decode, encode
-from infera_common.subjects import request_stream, work_subject
+from infera_common.subjects import request_stream
 
 from infera_router.core import Plan
 from infera_router.dp_pin import pin_bytes, rank_headers
@@ -150,23 +150,21 @@ class RoutePath:
         lease = r.lease = self.core.acquire(worker, request, time.monotonic(), cached, hashes, r.plan)
         self._lease_gauge(lease)
         try:
-            data = encode(WorkEnvelope(
+            env = WorkEnvelope(
                 request_id=request.request_id, endpoint=request.endpoint, body=pin_bytes(request.body, worker.rank),
                 stream=request.stream, reply_subject=request.reply_subject, deadline=request.deadline,
                 lease_id=lease.lease_id, router_id=self.router_id, headers=rank_headers(worker.rank),
-            ))
-            assert self._publisher is not None, "router stopped"
+            )
+            assert self._dispatcher is not None, "router stopped"
         except BaseException:
             self._drop(lease)
             raise
         try:
-            await self._publisher.publish(
-                work_subject(worker.base_id), data, self.settings.publish_timeout,
-                lambda result: self._on_published(r, result),
-            )
-        except Exception as exc:  # connection closed or draining: NATS did not take it
+            await self._dispatcher.send(worker.base_id, env, self.settings.publish_timeout,
+                                        lambda result: self._on_published(r, result))
+        except Exception as exc:  # connection closed or draining: the request was not handed over
             self._drop(lease)
-            await self._reply(r, 503, f"JetStream did not take the request for worker {worker.base_id}: "
+            await self._reply(r, 503, f"the request could not be handed to worker {worker.base_id}: "
                                       f"{type(exc).__name__}")
 
     async def _on_published(self, r: Routing, result: PubResult) -> None:
@@ -180,7 +178,7 @@ class RoutePath:
             self._drop(lease)
             if result.kind == "timeout":
                 # The envelope may or may not be stored; trying another worker could run it twice.
-                await self._reply(r, 503, f"JetStream did not take the request for worker {wid}: TimeoutError")
+                await self._reply(r, 503, f"JetStream did not acknowledge the request for worker {wid} in time")
                 return
             if result.kind == "full":
                 r.full += 1

@@ -33,7 +33,7 @@ from infera_common.subjects import (
 
 from infera_router.breaker import CircuitBreaker, Transition
 from infera_router.core import RouterCore
-from infera_router.jetstream import AckedPublisher
+from infera_router.dispatch import Dispatcher, HttpDispatcher, JetStreamDispatcher
 from infera_router.kv_client import KvClient
 from infera_router.leases import Lease
 from infera_router.metrics import RouterMetrics
@@ -54,7 +54,9 @@ DISCOVERY_READY_TIMEOUT = 10.0
 
 
 class RouterService(RoutePath):
-    def __init__(self, settings: RouterSettings, metrics: RouterMetrics | None = None) -> None:
+    def __init__(self, settings: RouterSettings, metrics: RouterMetrics | None = None, nc: NATS | None = None) -> None:
+        """``nc``: an already connected client (e.g. ``python -m infera.server``'s in-process bus) that the
+        router uses and does not close; by default it connects to ``--nats-url`` itself."""
         self.settings = settings
         self.router_id = settings.resolved_router_id()
         self.release_subject = router_release_subject(self.router_id)
@@ -70,20 +72,21 @@ class RouterService(RoutePath):
         self._pd: PdFlow | None = None
         self._kv: KvClient | None = None
         self._route_tasks: set[asyncio.Task] = set()
-        self.nc: NATS | None = None
-        self._js = None
+        self.nc: NATS | None = nc
+        self._own_nc = nc is None
         self._watcher: FleetWatcher | None = None
         self._listed_or_told: set[str] = set()  # workers discovery listed once, or already warned about
         self._subs: list[Subscription] = []
         self._route_sub: Subscription | None = None
-        self._publisher: AckedPublisher | None = None
+        self._dispatcher: Dispatcher | None = None
         self._sweeper: asyncio.Task | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        self.nc = await connect(self.settings.nats_url, f"infera-router-{self.router_id}", NATS_CONNECT_TIMEOUT)
-        self._js = self.nc.jetstream()
-        self.discovery = discovery_for(self.settings, self._js)
+        if self.nc is None:
+            self.nc = await connect(self.settings.nats_url, f"infera-router-{self.router_id}", NATS_CONNECT_TIMEOUT)
+        js = self.nc.jetstream() if self.settings.discovery_backend == "nats" else None  # etcd needs no JetStream
+        self.discovery = discovery_for(self.settings, js)
         log.info("discovery", router_id=self.router_id, nats_url=self.settings.nats_url,
                  **self.discovery.log_fields())
         self._watcher = self.discovery.watcher(on_change=self._on_change)
@@ -95,10 +98,10 @@ class RouterService(RoutePath):
             await asyncio.wait_for(self._watcher.ready.wait(), DISCOVERY_READY_TIMEOUT)
         except TimeoutError:
             log.warning("discovery_snapshot_slow", waited=DISCOVERY_READY_TIMEOUT)
-        self._publisher = AckedPublisher(self.nc)
-        await self._publisher.start()
+        self._dispatcher = self._make_dispatcher()
+        await self._dispatcher.start()
         self._kv = KvClient(self.nc, self.settings.kv_query_timeout, self.metrics)
-        self._pd = PdFlow(self.nc, self.router_id, self.core, self.pairs, self._publisher, self.metrics,
+        self._pd = PdFlow(self.nc, self.router_id, self.core, self.pairs, self._dispatcher, self.metrics,
                           self.settings.publish_timeout, self._lease_gauge)
         await self._pd.start()
         self._subs.append(await self.nc.subscribe(self.release_subject, cb=self._on_release))
@@ -124,10 +127,10 @@ class RouterService(RoutePath):
             await asyncio.gather(*list(self._route_tasks), return_exceptions=True)
         if self._pd is not None:
             await self._pd.stop()
-        if self._publisher is not None:  # answer the requests whose envelope awaits its ack
-            await self._publisher.wait_idle(self.settings.publish_timeout + 1.0)
-            await self._publisher.stop()
-            self._publisher = None
+        if self._dispatcher is not None:  # answer the requests whose envelope awaits its ack
+            await self._dispatcher.wait_idle(self.settings.publish_timeout + 1.0)
+            await self._dispatcher.stop()
+            self._dispatcher = None
         if self._sweeper is not None:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
@@ -138,10 +141,19 @@ class RouterService(RoutePath):
         for sub in self._subs:
             await unsubscribe_quietly(sub)
         self._subs.clear()
-        if self.nc is not None:
+        if self.nc is not None and self._own_nc:
             await close_connection(self.nc)
             self.nc = None
         log.info("router_stopped", router_id=self.router_id, leases_held=len(self.core.leases))
+
+    def _make_dispatcher(self) -> Dispatcher:
+        if self.settings.request_transport == "http":
+            def record_of(worker_id: str):
+                state = self.core.fleet.get(worker_id)
+                return state.record if state is not None else None
+
+            return HttpDispatcher(self.nc, record_of, self.metrics)
+        return JetStreamDispatcher(self.nc)
 
     # --- discovery -------------------------------------------------------------------------
     def _on_change(self, change: Change) -> None:
@@ -152,6 +164,8 @@ class RouterService(RoutePath):
         dropped = self.core.apply_change(change)
         if change.kind == "leave":
             self.metrics.forget_worker(record.worker_id)
+            if isinstance(self._dispatcher, HttpDispatcher):
+                self._dispatcher.forget(record.worker_id)
             if dropped:
                 self.metrics.leases_dropped.labels("worker_left").inc(len(dropped))
                 actions = self.pairs.worker_left(record.worker_id, [lease.lease_id for lease in dropped])

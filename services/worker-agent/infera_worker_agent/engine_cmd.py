@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from infera_common.engine_relay import ABORT_PATHS
+
 if TYPE_CHECKING:
     from infera_worker_agent.kv_config import KvEventsPlan
     from infera_worker_agent.pd_role import PdPlan
@@ -26,8 +28,6 @@ ENGINE_MODULES = {
     "vllm": "vllm.entrypoints.openai.api_server",
 }
 
-#: Engines that abort a request by id on POST /abort_request {"rid": ...}; vLLM aborts on disconnect.
-ABORT_PATHS = {"mock": "/abort_request", "sglang": "/abort_request", "vllm": None}
 
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}
 LOCAL_HOST = "127.0.0.1"

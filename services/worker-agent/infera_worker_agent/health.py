@@ -1,4 +1,4 @@
-"""Talking to the engine outside requests: startup health, the served model, aborts."""
+"""Talking to the engine outside requests: startup health, the served model, its reports."""
 
 from __future__ import annotations
 
@@ -78,26 +78,6 @@ async def served_model(session: aiohttp.ClientSession, base_url: str, attempts: 
             log.warning("engine_models_failed", error=str(exc) or type(exc).__name__, attempt=attempt)
         await asyncio.sleep(0.5)
     return None
-
-
-class EngineAborter:
-    """POST the engine's abort endpoint for a request id (SGLang and the mock; vLLM aborts on disconnect)."""
-
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, path: str | None) -> None:
-        self._session = session
-        self._url = f"{base_url}{path}" if path else None
-
-    async def __call__(self, request_id: str) -> None:
-        if self._url is None:
-            return
-        try:
-            async with self._session.post(
-                self._url, json={"rid": request_id}, timeout=aiohttp.ClientTimeout(total=5)
-            ) as resp:
-                if resp.status >= 400:
-                    log.info("engine_abort_refused", request_id=request_id, status=resp.status)
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            log.info("engine_abort_failed", request_id=request_id, error=str(exc) or type(exc).__name__)
 
 
 async def engine_json(session: aiohttp.ClientSession, url: str) -> object | None:

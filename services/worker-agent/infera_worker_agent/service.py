@@ -19,6 +19,7 @@ import aiohttp
 from nats.aio.client import Client as NATS
 
 from infera_common.discovery_select import FleetRegistrar, discovery_for
+from infera_common.engine_relay import EngineAborter, Relay
 from infera_common.logs import get_logger
 from infera_common.metrics import start_metrics_server
 from infera_common.nats_conn import connect, delete_stream_quietly, ensure_kv_event_stream, ensure_request_stream
@@ -27,7 +28,7 @@ from infera_common.subjects import kv_event_subject, load_subject
 from infera_worker_agent.engine_cmd import EnginePlan
 from infera_worker_agent.engine_proc import EngineProcess, exit_status
 from infera_worker_agent.health import (
-    EngineAborter, Startup, bootstrap_ranks, engine_json, served_model, wait_healthy,
+    Startup, bootstrap_ranks, engine_json, served_model, wait_healthy,
 )
 from infera_worker_agent.kv_config import KvSource, advertised_endpoint, block_size, resolve_sources
 from infera_worker_agent.kv_relay import KvRelayer
@@ -38,7 +39,6 @@ from infera_worker_agent.pd_report import (
 )
 from infera_worker_agent.pd_role import PdPlan
 from infera_worker_agent.recipes import engine_env
-from infera_worker_agent.relay import Relay
 from infera_worker_agent.settings import AgentSettings
 from infera_worker_agent.worker import RequestWorker, StopReason
 

@@ -1,9 +1,12 @@
-"""One request: WorkEnvelope -> engine HTTP API -> Frames on the requester's inbox.
+"""One request: WorkEnvelope -> engine HTTP API -> Frames on the requester's inbox, and the engine's abort.
+
+Shared by the worker-agent (NATS request plane) and the router's HTTP dispatcher (``--request-transport
+http``): the same frames reach the requester whichever of them called the engine.
 
 Frames: a non-streaming answer is one ``head`` with ``final=True`` (engine status and the whole
 body; no ``end`` follows); a stream is ``head`` then one ``data`` per SSE event payload, ``[DONE]``
 becoming ``end``.
-Agent-side failures (engine unreachable, connection lost mid-stream) give an ``error`` frame 502;
+Relay-side failures (engine unreachable, connection lost mid-stream) give an ``error`` frame 502;
 a deadline passing mid-request gives ``error`` 504. The outcome is returned for the Release.
 """
 
@@ -16,10 +19,17 @@ from typing import Literal
 
 import aiohttp
 
-from infera_common.schemas import Frame, FrameKind, WorkEnvelope, encode
-from infera_worker_agent.sse import SseDecoder, is_done
+from infera_common.logs import get_logger
+from infera_common.schemas import EngineKind, Frame, FrameKind, WorkEnvelope, encode
+from infera_common.sse import SseDecoder, is_done
+
+log = get_logger("engine_relay")
 
 Outcome = Literal["ok", "error", "cancelled", "expired"]
+Abort = Callable[[str], Awaitable[None]]
+
+#: Engines that abort a request by id on POST /abort_request {"rid": ...}; vLLM aborts on disconnect.
+ABORT_PATHS: dict[EngineKind, str | None] = {"mock": "/abort_request", "sglang": "/abort_request", "vllm": None}
 Publish = Callable[[str, bytes], Awaitable[None]]
 
 SSE_CONTENT_TYPE = "text/event-stream"
@@ -101,3 +111,23 @@ class Relay:
                     await sink.send("data", body=payload)
             await sink.send("end")  # the engine closed the stream cleanly without [DONE]
             return outcome_for_status(resp.status)
+
+
+class EngineAborter:
+    """POST the engine's abort endpoint for a request id (SGLang and the mock; vLLM aborts on disconnect)."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, path: str | None) -> None:
+        self._session = session
+        self._url = f"{base_url.rstrip('/')}{path}" if path else None
+
+    async def __call__(self, request_id: str) -> None:
+        if self._url is None:
+            return
+        try:
+            async with self._session.post(
+                self._url, json={"rid": request_id}, timeout=aiohttp.ClientTimeout(total=5)
+            ) as resp:
+                if resp.status >= 400:
+                    log.info("engine_abort_refused", request_id=request_id, status=resp.status)
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            log.info("engine_abort_failed", request_id=request_id, error=str(exc) or type(exc).__name__)

@@ -1,6 +1,6 @@
 """Recently seen ids with a time-to-live and a size bound: pure, the clock is passed in.
 
-The agent remembers cancelled request ids, so that an envelope arriving after its cancel is
+A request runner remembers cancelled request ids, so that an envelope arriving after its cancel is
 dropped instead of run.
 """
 

@@ -1,6 +1,6 @@
 """The memory of recently cancelled request ids."""
 
-from infera_worker_agent.recent import RecentIds
+from infera_common.recent import RecentIds
 
 
 def test_ids_are_forgotten_after_the_ttl():

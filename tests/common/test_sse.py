@@ -1,6 +1,6 @@
 """SSE decoding of engine streams, however the bytes are chunked."""
 
-from infera_worker_agent.sse import SseDecoder, is_done
+from infera_common.sse import SseDecoder, is_done
 
 STREAM = (
     b": keep-alive comment\n\n"

@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 
 from infera_common.schemas import Frame, WorkEnvelope, decode
-from infera_worker_agent.relay import FrameSink, Relay
+from infera_common.engine_relay import FrameSink, Relay
 
 from .fake_engine import FakeEngine
 

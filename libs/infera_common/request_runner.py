@@ -1,0 +1,276 @@
+"""Running work envelopes against engines: one task per request, stoppable, each accounted exactly once.
+
+Shared by the two callers of an engine's HTTP API: the worker-agent (envelopes from its JetStream
+work queue, NATS request plane) and the router's HTTP dispatcher (``--request-transport http``).
+For every submitted envelope exactly one of these happens, then ``on_done`` (the agent acks) and
+one ``Release`` to the lease's router:
+
+- it is answered at once with an ``error`` frame (cancelled before it started, deadline passed,
+  draining, a duplicate request id on the same worker);
+- it runs (``engine_relay.Relay``) until the engine's answer ends, or until it is stopped: a
+  ``Cancel`` on the worker's cancel subject, a drain timeout, the engine gone. A stopped request
+  gets its reason's ``error`` frame (unless the answer already ended) and the engine an abort.
+
+A streamed request's first data frame also sends ``Prefilled`` to its router (its prefill is done).
+Requests are keyed by (worker id, request id): a retry of a request on another worker is another
+request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from infera_common.engine_relay import Abort, FrameSink, Outcome, Publish, Relay
+from infera_common.logs import get_logger
+from infera_common.recent import RecentIds
+from infera_common.schemas import Cancel, Prefilled, Release, WorkEnvelope, decode, encode
+from infera_common.subjects import router_prefilled_subject, router_release_subject
+
+log = get_logger("request_runner")
+
+#: Seconds a cancelled request id is remembered, so that its envelope arriving late is not run.
+CANCELLED_MEMORY = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class StopReason:
+    """Why a request is stopped or refused by its runner: the outcome released and the error frame sent."""
+
+    outcome: Outcome
+    status: int
+    message: str
+    abort_engine: bool = True
+
+
+CLIENT_CANCELLED = StopReason("cancelled", 499, "cancelled by the requester")
+CLOSING = StopReason("error", 503, "worker-agent stopping")
+
+
+class RunnerHooks(Protocol):
+    """What a runner tells its service's metrics."""
+
+    def finished(self, outcome: Outcome) -> None: ...
+    def in_flight(self, count: int) -> None: ...
+    def cancel_received(self) -> None: ...
+    def bad_cancel(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    """Where one worker's requests go: its relay and its abort."""
+
+    relay: Relay
+    abort: Abort
+
+
+Done = Callable[[], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class InFlight:
+    worker_id: str
+    envelope: WorkEnvelope
+    engine: Engine
+    sink: FrameSink
+    on_done: Done | None
+    task: asyncio.Task | None = None
+    stop: StopReason | None = None  # set (once) when the runner stops this request; then its task is cancelled
+
+
+class RequestRunner:
+    def __init__(self, publish: Publish, hooks: RunnerHooks) -> None:
+        self._publish = publish
+        self._hooks = hooks
+        self._inflight: dict[tuple[str, str], InFlight] = {}
+        self._per_worker: Counter[str] = Counter()
+        self._handlers: set[asyncio.Task] = set()
+        self._cancelled = RecentIds(ttl=CANCELLED_MEMORY)
+        self._refusal: StopReason | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # --- state ---------------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    def in_flight_of(self, worker_id: str) -> int:
+        return self._per_worker.get(worker_id, 0)
+
+    def in_flight_by_router(self) -> dict[str, int]:
+        """The requests being handled, counted per router that leased them."""
+        return dict(Counter(entry.envelope.router_id for entry in self._inflight.values()))
+
+    def begin_drain(self, refusal: StopReason) -> None:
+        """Run no new work: from now on submitted envelopes are answered with ``refusal`` at once."""
+        self._refusal = refusal
+
+    async def wait_idle(self, timeout: float | None) -> bool:
+        """Wait until no request is being handled; False on timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    def stop_all(self, reason: StopReason, worker_id: str | None = None) -> int:
+        """Stop every in-flight request (of ``worker_id``, or all) with ``reason``; how many were stopped."""
+        return sum(self._stop(entry, reason) for entry in list(self._inflight.values())
+                   if worker_id is None or entry.worker_id == worker_id)
+
+    def refuse_new(self, reason: StopReason) -> None:
+        """Answer submitted envelopes with ``reason`` at once, unless a drain refusal is already set."""
+        self._refusal = self._refusal or reason
+
+    async def close(self, reason: StopReason = CLOSING) -> None:
+        """Refuse new work with ``reason``, stop what runs with it and wait for every answer and release."""
+        self.refuse_new(reason)
+        self.stop_all(reason)
+        if self._handlers:
+            await asyncio.gather(*list(self._handlers), return_exceptions=True)
+
+    # --- submit --------------------------------------------------------------------------------
+    async def submit(self, worker_id: str, env: WorkEnvelope, engine: Engine, on_done: Done | None = None) -> None:
+        """Run ``env`` on ``engine`` in its own task, or answer it at once when it must not run."""
+        refused = self._refusal_for(worker_id, env)
+        if refused is None:
+            self._start(worker_id, env, engine, on_done)
+            return
+        status, message, outcome = refused
+        sink = FrameSink(self._publish, env.reply_subject)
+        await quietly(sink.error(status, message), "error_frame", env.request_id)
+        await self._finish(worker_id, env, on_done, outcome)
+
+    def _refusal_for(self, worker_id: str, env: WorkEnvelope) -> tuple[int, str, Outcome] | None:
+        """Why ``env`` is answered at once instead of run: (status, message, outcome); None to run it."""
+        if self._cancelled.contains(_key(worker_id, env.request_id), time.monotonic()):
+            return CLIENT_CANCELLED.status, "cancelled before it started", "cancelled"
+        if env.deadline <= time.time():
+            return 504, "deadline passed before the worker started the request", "expired"
+        if self._refusal is not None:
+            return self._refusal.status, self._refusal.message, self._refusal.outcome
+        if (worker_id, env.request_id) in self._inflight:
+            return 409, f"request id {env.request_id} is already running on this worker", "error"
+        return None
+
+    def _start(self, worker_id: str, env: WorkEnvelope, engine: Engine, on_done: Done | None) -> None:
+        prefilled = (lambda: self._prefilled(worker_id, env)) if env.stream else None
+        entry = InFlight(worker_id, env, engine, FrameSink(self._publish, env.reply_subject, prefilled), on_done)
+        self._inflight[(worker_id, env.request_id)] = entry
+        self._per_worker[worker_id] += 1
+        self._hooks.in_flight(len(self._inflight))
+        self._idle.clear()
+        entry.task = task = asyncio.create_task(self._serve(entry), name=f"request-{env.request_id}")
+        self._handlers.add(task)
+        task.add_done_callback(self._handler_done)
+
+    def _handler_done(self, task: asyncio.Task) -> None:
+        self._handlers.discard(task)
+        if not self._handlers:
+            self._idle.set()
+
+    # --- one request ---------------------------------------------------------------------------
+    async def _serve(self, entry: InFlight) -> None:
+        outcome = await self._relay_once(entry)
+        # One turn of the loop lets the client's flusher send the last frame on its own: batched
+        # with the ack, the broker would forward it only after doing the ack's stream work.
+        await asyncio.sleep(0)
+        await self._finish(entry.worker_id, entry.envelope, entry.on_done, outcome)
+
+    async def _relay_once(self, entry: InFlight) -> Outcome:
+        """Relay the request to the engine; never raises (except for the runner's own teardown).
+
+        A stop cancels this task with ``entry.stop`` set: the requester then gets that reason's
+        error frame and the engine an abort when it applies.
+        """
+        env, sink = entry.envelope, entry.sink
+        try:
+            outcome: Outcome = await entry.engine.relay.run(env, sink)
+        except asyncio.CancelledError:
+            self._untrack(entry)  # from here on no stop reaches this task
+            reason = entry.stop
+            if reason is None:
+                raise  # not a stop of this request: the service itself is torn down
+            task = asyncio.current_task()
+            while task is not None and task.uncancel():
+                pass
+            if not sink.closed:
+                await quietly(sink.error(reason.status, reason.message), "error_frame", env.request_id)
+            if reason.abort_engine:
+                await entry.engine.abort(env.request_id)
+            return reason.outcome
+        except Exception as exc:
+            self._untrack(entry)
+            log.exception("request_failed", request_id=env.request_id, worker_id=entry.worker_id)
+            if not sink.closed:
+                await quietly(sink.error(500, f"relay failure: {exc}"), "error_frame", env.request_id)
+            return "error"
+        self._untrack(entry)
+        if outcome == "expired":
+            await entry.engine.abort(env.request_id)
+        return outcome
+
+    def _untrack(self, entry: InFlight) -> None:
+        if self._inflight.pop((entry.worker_id, entry.envelope.request_id), None) is not None:
+            self._per_worker[entry.worker_id] -= 1
+            if self._per_worker[entry.worker_id] <= 0:
+                del self._per_worker[entry.worker_id]
+        self._hooks.in_flight(len(self._inflight))
+
+    @staticmethod
+    def _stop(entry: InFlight, reason: StopReason) -> bool:
+        """Cancel one running request (once: a request already being stopped keeps its first reason)."""
+        if entry.stop is not None or entry.task is None or entry.task.done():
+            return False
+        entry.stop = reason
+        entry.task.cancel()
+        return True
+
+    async def _prefilled(self, worker_id: str, env: WorkEnvelope) -> None:
+        """The first token went out: tell the lease's router this request now only decodes."""
+        note = Prefilled(lease_id=env.lease_id, worker_id=worker_id)
+        await quietly(self._publish(router_prefilled_subject(env.router_id), encode(note)),
+                       "prefilled", env.request_id)
+
+    async def _finish(self, worker_id: str, env: WorkEnvelope, on_done: Done | None, outcome: Outcome) -> None:
+        """Exactly once per envelope: ``on_done`` (the agent's ack), count it, release its lease."""
+        if on_done is not None:
+            await quietly(on_done(), "ack", env.request_id)
+        self._hooks.finished(outcome)
+        release = Release(lease_id=env.lease_id, worker_id=worker_id, outcome=outcome)
+        await quietly(self._publish(router_release_subject(env.router_id), encode(release)),
+                       "release", env.request_id)
+
+    # --- cancel --------------------------------------------------------------------------------
+    def cancel(self, worker_id: str, data: bytes) -> None:
+        """A ``Cancel`` message for ``worker_id``: stop the request (or refuse it if it comes later)."""
+        try:
+            cancel = decode(Cancel, data)
+        except ValueError as exc:
+            self._hooks.bad_cancel()
+            log.warning("bad_cancel", error=str(exc)[:500])
+            return
+        self._hooks.cancel_received()
+        self._cancelled.add(_key(worker_id, cancel.request_id), time.monotonic())
+        entry = self._inflight.get((worker_id, cancel.request_id))
+        reason = CLIENT_CANCELLED
+        if cancel.status != CLIENT_CANCELLED.status:  # stopped for a failure elsewhere, not by its client
+            reason = StopReason("cancelled", cancel.status, cancel.message or "cancelled")
+        if entry is not None and self._stop(entry, reason):
+            log.info("request_cancelled", request_id=cancel.request_id, worker_id=worker_id, status=reason.status)
+
+
+def _key(worker_id: str, request_id: str) -> str:
+    return f"{worker_id}\x00{request_id}"
+
+
+async def quietly(aw: Awaitable, what: str, request_id: str | None = None) -> None:
+    try:
+        await aw
+    except Exception as exc:  # broker gone or connection closing: nothing more to do for this one
+        log.warning(f"{what}_failed", request_id=request_id, error=str(exc) or type(exc).__name__)

@@ -1,0 +1,153 @@
+"""How the router hands a placed request to its worker: the ``--request-transport`` of the router.
+
+``JetStreamDispatcher`` (``nats``): the envelope goes to the worker's work-queue stream and the
+broker's acknowledgement says whether it was stored, the queue was full or the worker has no queue.
+
+``HttpDispatcher`` (``http``): the router itself calls the engine's HTTP API at the worker record's
+URL (``infera_common.request_runner`` with ``engine_relay``: the same frames, Release and Prefilled
+a worker-agent would send, on the same subjects, so the frontend and the rest of the router do not
+know the difference). The worker's ``max_pending`` bounds the requests this router has running on
+it ("full" beyond); a worker no longer in discovery is "gone". It listens to every worker's cancel
+subject: a ``Cancel`` closes the engine connection and calls the engine's abort.
+
+Both answer ``send`` exactly once through ``on_result`` (a ``PubResult``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import aiohttp
+
+from infera_common.engine_relay import ABORT_PATHS, EngineAborter, Relay
+from infera_common.logs import get_logger
+from infera_common.nats_conn import unsubscribe_quietly
+from infera_common.request_runner import Engine, RequestRunner, StopReason
+from infera_common.schemas import WorkEnvelope, WorkerRecord, encode
+from infera_common.subjects import CANCEL_SUBJECTS, work_subject, worker_of_cancel_subject
+
+from infera_router.jetstream import AckedPublisher, OnResult, PubResult
+from infera_router.metrics import RouterMetrics
+
+log = get_logger("router.dispatch")
+
+#: What a request still running on an engine gets when the router stops.
+ROUTER_STOPPING = StopReason("error", 503, "router stopping")
+#: Seconds the router's own HTTP requests get to finish when it stops.
+STOP_GRACE = 10.0
+
+
+class Dispatcher(Protocol):
+    async def start(self) -> None: ...
+    async def send(self, worker_id: str, env: WorkEnvelope, timeout: float, on_result: OnResult) -> None: ...
+    async def wait_idle(self, timeout: float) -> bool: ...
+    async def stop(self) -> None: ...
+
+
+class JetStreamDispatcher:
+    """The NATS request plane: the worker-agent takes it from its work queue."""
+
+    def __init__(self, nc: Any) -> None:
+        self._publisher = AckedPublisher(nc)
+
+    async def start(self) -> None:
+        await self._publisher.start()
+
+    async def send(self, worker_id: str, env: WorkEnvelope, timeout: float, on_result: OnResult) -> None:
+        await self._publisher.publish(work_subject(worker_id), encode(env), timeout, on_result)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Every envelope sent has had its broker acknowledgement (or its timeout)."""
+        return await self._publisher.wait_idle(timeout)
+
+    async def stop(self) -> None:
+        await self._publisher.stop()
+
+
+class _Hooks:
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self._m = metrics
+        self._outcomes = {o: metrics.http_requests.labels(o) for o in ("ok", "error", "cancelled", "expired")}
+
+    def finished(self, outcome: str) -> None:
+        self._outcomes[outcome].inc()
+
+    def in_flight(self, count: int) -> None:
+        self._m.http_in_flight.set(count)
+
+    def cancel_received(self) -> None:
+        self._m.http_cancels.inc()
+
+    def bad_cancel(self) -> None:
+        self._m.bad_messages.labels("cancel").inc()
+
+
+class HttpDispatcher:
+    """The HTTP request plane: this router calls the engine (see the module doc)."""
+
+    def __init__(self, nc: Any, record_of: Callable[[str], WorkerRecord | None], metrics: RouterMetrics) -> None:
+        self._nc = nc
+        self._record_of = record_of
+        self._runner = RequestRunner(nc.publish, _Hooks(metrics))
+        self._session: aiohttp.ClientSession | None = None
+        self._engines: dict[str, tuple[str, Engine]] = {}  # worker id -> (url, engine)
+        self._cancel_sub = None
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),  # every worker's max_pending is the bound
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+        )
+        self._cancel_sub = await self._nc.subscribe(CANCEL_SUBJECTS, cb=self._on_cancel)
+
+    async def send(self, worker_id: str, env: WorkEnvelope, timeout: float, on_result: OnResult) -> None:
+        record = self._record_of(worker_id)
+        if record is None or self._session is None:
+            await on_result(PubResult("gone", description="not in discovery"))
+            return
+        if record.max_pending and self._runner.in_flight_of(worker_id) >= record.max_pending:
+            await on_result(PubResult("full", description=f"{record.max_pending} requests running"))
+            return
+        await on_result(PubResult("stored"))
+        await self._runner.submit(worker_id, env, self._engine(record))
+
+    def _engine(self, record: WorkerRecord) -> Engine:
+        known = self._engines.get(record.worker_id)
+        if known is not None and known[0] == record.url:
+            return known[1]
+        assert self._session is not None
+        engine = Engine(Relay(self._session, record.url),
+                        EngineAborter(self._session, record.url, ABORT_PATHS[record.engine]))
+        self._engines[record.worker_id] = (record.url, engine)
+        return engine
+
+    def forget(self, worker_id: str) -> None:
+        """The worker left discovery: its requests run on (the engine may still answer); its engine
+        handle is dropped once they end."""
+        if not self._runner.in_flight_of(worker_id):
+            self._engines.pop(worker_id, None)
+
+    @property
+    def in_flight(self) -> int:
+        return self._runner.in_flight
+
+    async def _on_cancel(self, msg) -> None:
+        worker_id = worker_of_cancel_subject(msg.subject)
+        if worker_id is not None:
+            self._runner.cancel(worker_id, msg.data)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Every request this router runs has ended."""
+        return await self._runner.wait_idle(timeout)
+
+    async def stop(self) -> None:
+        if not await self._runner.wait_idle(STOP_GRACE):
+            log.warning("http_requests_stopped", count=self._runner.in_flight, grace_s=STOP_GRACE)
+        await self._runner.close(ROUTER_STOPPING)
+        if self._cancel_sub is not None:
+            await unsubscribe_quietly(self._cancel_sub)
+            self._cancel_sub = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
