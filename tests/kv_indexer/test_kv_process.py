@@ -58,9 +58,8 @@ def test_defaults_flags_and_refusals(capsys):
 
     settings, _ = parse_cli(KvIndexerSettings, [], prog="infera-kv-indexer")
     assert (settings.metrics_port, settings.kv_event_max_age, settings.kv_event_max_bytes) == (9300, 3600.0, 1 << 30)
-    with pytest.raises(SystemExit) as exc:
-        main(["--kv-event-transport", "zmq"])
-    assert "--kv-event-transport zmq is not available" in str(exc.value.code)
+    zmq, _ = parse_cli(KvIndexerSettings, ["--kv-event-transport", "zmq"], prog="infera-kv-indexer")
+    assert zmq.kv_replay_timeout == 3.0
     with pytest.raises(SystemExit) as exc:
         main(["--kv-event-max-age", "0"])
     assert exc.value.code == 2 and "--kv-event-max-age" in capsys.readouterr().err
@@ -127,3 +126,33 @@ async def test_a_restarted_indexer_rebuilds_by_replay_and_answers_the_same(nats_
         for reg in regs:
             await reg.stop()
         await nc.close()
+
+
+async def test_kv_event_transport_zmq_reads_the_publisher_and_answers_over_nats(nats_server, subprocess_env):
+    from infera_common.subjects import KV_EVENT_STREAM
+    from nats.js.errors import NotFoundError
+    from tests.kv_indexer.zmq_helpers import FakePublisher
+
+    pub = FakePublisher()
+    engine = FakeEngine("zw")
+    prompt = tokens(16)
+    await pub.send(0, engine.batch([engine.stored(prompt)]), skip=True)  # only the replay socket has it
+    nc = await connect(nats_server, "kv-test")
+    reg = Registrar(nc.jetstream(), pub.record("zw"))
+    proc = None
+    try:
+        await reg.start()
+        proc = await IndexerProc.start(subprocess_env, "--nats-url", nats_server, "--kv-event-transport", "zmq")
+        serving = await proc.wait_for("kv_indexer_serving")
+        assert (serving["kv_event_transport"], serving["zmq_workers"], serving["workers_seen"]) == ("zmq", 1, 1)
+        assert depths(await ask(nc, query(prompt))) == {("zw", 0): 4}
+        with pytest.raises(NotFoundError):
+            await nc.jetstream().stream_info(KV_EVENT_STREAM)
+        proc.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.proc.wait(), 10) == 0
+    finally:
+        if proc is not None:
+            await proc.kill()
+        await reg.stop()
+        await nc.close()
+        await pub.close()

@@ -3,7 +3,11 @@
 Behaviour (NATS plane; see the service README):
 
 - Consumes the JetStream stream ``INFERA_KV_EVENTS`` (``KvRelay`` messages relayed by worker-agents)
-  from its start at every start, so a restart rebuilds the in-memory index by replay.
+  from its start at every start, so a restart rebuilds the in-memory index by replay
+  (``--kv-event-transport nats``).
+- Reads the ZMQ publishers (one per DP rank) of every worker registered on ``--kv-event-transport
+  zmq`` directly, replaying each from seq 0 when it is first followed and filling sequence gaps
+  from its replay socket; on ``--kv-event-transport zmq`` JetStream is not used at all.
 - Index keys are chained block hashes computed from the events' ``token_ids``
   (``infera_common.block_hash``), never the engines' hashes; values are the targets
   ``(worker_id, dp_rank)`` holding the block, per model and block size.
@@ -12,6 +16,8 @@ Behaviour (NATS plane; see the service README):
   events never arrived (``unseen``).
 
 Modules: pure ``prefix`` (one model's bitmask index and prefix matching), ``index`` (targets,
-event application, discovery bookkeeping), ``ingest`` (decode + apply one stream message);
-adapters ``service`` (NATS), ``metrics``, ``settings``, ``main``.
+event application, discovery bookkeeping), ``ingest`` (decode + apply one stream message or ZMQ
+batch), ``zmq_plan`` (a worker record's publishers; what a record change means); adapters
+``service`` (lifecycle, discovery, queries), ``stream`` (JetStream), ``zmq_follow`` (ZMQ readers,
+over ``infera_common.kv_zmq``), ``metrics``, ``settings``, ``main``.
 """

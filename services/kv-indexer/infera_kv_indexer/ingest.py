@@ -1,4 +1,5 @@
-"""One message of the KV event stream, decoded and applied to the index (pure, no I/O).
+"""One message of the KV event stream (or one batch read from ZMQ), decoded and applied to the index
+(pure, no I/O).
 
 A message is a msgpack ``KvRelay`` on ``kv_event_subject(worker_id)``. Anything unreadable is
 reported as ``malformed`` (``relay``: the envelope, or a subject that is not its worker's;
@@ -58,6 +59,16 @@ def ingest(index: KvIndex, subject: str, data: bytes, now: float) -> Ingested:
     if relay.kind == "cleared":
         index.clear(relay.worker_id, relay.dp_rank, now)
         return Ingested(relay)
+    return _apply(index, relay, now)
+
+
+def ingest_batch(index: KvIndex, worker_id: str, dp_rank: int, seq: int, payload: bytes, now: float) -> Ingested:
+    """One engine batch read straight from the worker's ZMQ publisher of rank ``dp_rank``
+    (``--kv-event-transport zmq``): decoded and applied exactly as a relayed one."""
+    return _apply(index, Relay(worker_id, "batch", dp_rank, seq, payload, None, now), now)
+
+
+def _apply(index: KvIndex, relay: Relay, now: float) -> Ingested:
     try:
         batch = decode_batch(relay.payload)
     except KvWireError as exc:

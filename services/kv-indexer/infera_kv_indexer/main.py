@@ -10,8 +10,9 @@ from infera_kv_indexer.service import KvIndexerService
 from infera_kv_indexer.settings import KvIndexerSettings
 
 DESCRIPTION = (
-    "Infera kv-indexer: replays and follows the engines' KV events from JetStream into a prefix index "
-    "per model, and answers overlap queries (NATS request/reply) with each worker's cached prefix depth."
+    "Infera kv-indexer: follows the engines' KV events into a prefix index per model (replayed from JetStream "
+    "with --kv-event-transport nats; read from each engine's ZMQ publishers, with replay, with zmq), and "
+    "answers overlap queries (NATS request/reply) with each worker's cached prefix depth."
 )
 
 

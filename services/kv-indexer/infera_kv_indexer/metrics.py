@@ -24,7 +24,8 @@ class KvIndexerMetrics:
         )
         self.malformed = Counter(
             "infera_kv_indexer_malformed",
-            "Dropped input: relay (undecodable KvRelay), batch (undecodable engine batch), event (one bad event).",
+            "Dropped input: relay (undecodable KvRelay), batch (undecodable engine batch), event (one bad event), "
+            "zmq (a ZMQ message that is not [topic, 8-byte seq, batch]).",
             ["kind"], registry=r,
         )
         self.gaps = Counter(
@@ -67,8 +68,39 @@ class KvIndexerMetrics:
             "infera_kv_indexer_replaying", "1 while the stream's history is being replayed at start, else 0.",
             registry=r,
         )
+        # --- workers on --kv-event-transport zmq: their publishers read directly ---
+        self.zmq_workers = Gauge(
+            "infera_kv_indexer_zmq_workers", "Workers whose KV events are read from their ZMQ publishers.", registry=r,
+        )
+        self.zmq_endpoints = Gauge(
+            "infera_kv_indexer_zmq_endpoints_connected",
+            "ZMQ KV-event publishers (one per DP rank) this indexer is connected to, per worker.", ["worker"], registry=r,
+        )
+        self.zmq_batches = Counter(
+            "infera_kv_indexer_zmq_batches", "Engine batches read from ZMQ publishers and applied (replayed included).",
+            registry=r,
+        )
+        self.zmq_replayed = Counter(
+            "infera_kv_indexer_zmq_replayed_batches",
+            "Engine batches recovered from a replay socket (the first replay of a worker, and gap fills).", registry=r,
+        )
+        self.zmq_gaps = Counter(
+            "infera_kv_indexer_zmq_gaps", "ZMQ sequence gaps, by outcome (detected|filled|unrecoverable).",
+            ["outcome"], registry=r,
+        )
+        self.zmq_lost = Counter(
+            "infera_kv_indexer_zmq_lost_batches", "Engine batches missed on ZMQ and not recovered by replay.",
+            registry=r,
+        )
+        self.zmq_restarts = Counter(
+            "infera_kv_indexer_zmq_engine_restarts",
+            "Engine restarts seen on the ZMQ path, by how (record: new started_at in discovery; seq: the "
+            "publisher's seq went back): the worker's blocks are cleared and rebuilt from replay.",
+            ["how"], registry=r,
+        )
         self._children: dict[tuple[str, str], object] = {}
         self._block_gauges: dict[str, Gauge] = {}
+        self._zmq_workers: set[str] = set()  # labels of zmq_endpoints
 
     def event_applied(self, event_type: str, n: int) -> None:
         self._child(self.events, "events", event_type).inc(n)
@@ -92,6 +124,16 @@ class KvIndexerMetrics:
     def forget_worker(self, worker_id: str) -> None:
         if self._block_gauges.pop(worker_id, None) is not None:
             self.worker_blocks.remove(worker_id)
+        self.forget_zmq_worker(worker_id)
+
+    def set_zmq_endpoints(self, worker_id: str, connected: int) -> None:
+        self._zmq_workers.add(worker_id)
+        self.zmq_endpoints.labels(worker_id).set(connected)
+
+    def forget_zmq_worker(self, worker_id: str) -> None:
+        if worker_id in self._zmq_workers:
+            self._zmq_workers.discard(worker_id)
+            self.zmq_endpoints.remove(worker_id)
 
     def set_workers(self, seen: int, unseen: int, unattached: int) -> None:
         self.workers.labels("seen").set(seen)

@@ -1,36 +1,45 @@
-"""The kv-indexer's NATS adapter: discovery watch, KV event stream consumer, overlap query responder.
+"""The kv-indexer service: discovery watch, KV event intake, overlap query responder.
 
-Start-up order: the discovery snapshot first (so replayed events attach to their model at once),
-then an ordered consumer over the whole KV event stream (DeliverPolicy.ALL), then, once the
-history present at start has been applied, the query responder. A restarted indexer therefore
-answers only from a rebuilt index; while it replays, other replicas of the queue group answer.
+KV events come in two ways, chosen per worker by its record's ``kv_event_transport``:
 
-Why an ordered (ephemeral) consumer and not a durable one: the index lives in memory, so every
-start has to rebuild it from the stream's whole history anyway; a durable consumer would remember
-a position the new process has no use for, and would need acks for nothing.
+- ``nats`` (this indexer on ``--kv-event-transport nats``): the JetStream stream the worker-agents
+  relay into, replayed from its start (``stream.StreamFollower``);
+- ``zmq``: the engine's own ZMQ publishers, one per DP rank, read directly with a replay from
+  seq 0 when the worker is first followed (``zmq_follow.ZmqFollower``). Followed on either setting.
+
+On ``--kv-event-transport zmq`` the indexer does not touch JetStream at all (no stream, no
+consumer); with ``--discovery-backend etcd`` it then needs of NATS only request/reply, so a caller
+may hand it any connected NATS-like client (``nc``: ``subscribe(subject, queue=, cb=)`` and
+``flush()``; ``jetstream()`` only for the NATS discovery backend or the stream). A client passed
+in is neither connected nor closed here.
+
+Start-up order: discovery snapshot first (so replayed events attach to their model at once), then
+the replays (the stream's history; each followed worker's first ZMQ replay), and only then the
+query responder: a restarted indexer answers from a rebuilt index; while it replays, other replicas
+of the queue group answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
-from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from nats.js.api import DeliverPolicy
 
 from infera_common.discovery_select import FleetWatcher, discovery_for
 from infera_common.fleet import Change
 from infera_common.logs import get_logger
-from infera_common.nats_conn import close_connection, connect, ensure_kv_event_stream, unsubscribe_quietly
-from infera_common.subjects import KV_EVENT_STREAM, KV_EVENT_SUBJECTS, KV_INDEXER_QUEUE, KV_QUERY
+from infera_common.nats_conn import close_connection, connect, unsubscribe_quietly
+from infera_common.subjects import KV_INDEXER_QUEUE, KV_QUERY
 
 from infera_kv_indexer.index import KvIndex
-from infera_kv_indexer.ingest import Ingested, ingest
+from infera_kv_indexer.ingest import Ingested, ingest, ingest_batch
 from infera_kv_indexer.metrics import KvIndexerMetrics
 from infera_kv_indexer.query import EMPTY_REPLY, decode_query, encode_reply
 from infera_kv_indexer.settings import KvIndexerSettings
+from infera_kv_indexer.stream import StreamFollower
+from infera_kv_indexer.zmq_follow import ZmqFollower
 
 log = get_logger("kv_indexer")
 
@@ -38,83 +47,78 @@ log = get_logger("kv_indexer")
 NATS_CONNECT_TIMEOUT = 10.0
 #: How long start() waits for discovery's initial snapshot before replaying anyway.
 DISCOVERY_READY_TIMEOUT = 10.0
-#: How often housekeeping runs (unattached workers, worker gauges) and replay progress is checked.
+#: How often housekeeping runs (unattached workers, worker gauges).
 TICK = 1.0
 
 
 class KvIndexerService:
-    def __init__(self, settings: KvIndexerSettings, metrics: KvIndexerMetrics | None = None) -> None:
+    def __init__(self, settings: KvIndexerSettings, metrics: KvIndexerMetrics | None = None,
+                 nc: Any | None = None) -> None:
         self.settings = settings
         self.metrics = metrics or KvIndexerMetrics()
         self.index = KvIndex()
-        self.nc: NATS | None = None
-        self._js = None
+        self.nc: Any | None = nc
+        self._owns_nc = nc is None
         self._watcher: FleetWatcher | None = None
-        self._events_sub: Subscription | None = None
-        self._query_sub: Subscription | None = None
+        self._stream: StreamFollower | None = None
+        self._zmq = ZmqFollower(self._apply_zmq, self._clear, self.metrics, settings.kv_replay_timeout)
+        self._query_sub: Any | None = None
         self._housekeeper: asyncio.Task | None = None
-        self._replay_until = 0  # stream sequence of the last message present at start
-        self._applied_seq = 0  # stream sequence of the last message applied
-        self._caught_up = asyncio.Event()
-        self.messages = 0
+        self._mismatch_warned: set[str] = set()
         self._query_ok = self.metrics.queries.labels("ok")
         self._query_malformed = self.metrics.queries.labels("malformed")
 
+    @property
+    def messages(self) -> int:
+        """Stream messages handled (``--kv-event-transport nats``)."""
+        return self._stream.messages if self._stream is not None else 0
+
+    @property
+    def uses_stream(self) -> bool:
+        return self.settings.kv_event_transport == "nats"
+
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        self.nc = await connect(self.settings.nats_url, "infera-kv-indexer", NATS_CONNECT_TIMEOUT)
-        self._js = js = self.nc.jetstream()
-        await ensure_kv_event_stream(js, self.settings.kv_event_max_age, self.settings.kv_event_max_bytes)
-        discovery = discovery_for(self.settings, js)
-        log.info("discovery", nats_url=self.settings.nats_url, **discovery.log_fields())
+        s = self.settings
+        if self.nc is None:
+            self.nc = await connect(s.nats_url, "infera-kv-indexer", NATS_CONNECT_TIMEOUT)
+        js = self.nc.jetstream() if self.uses_stream or s.discovery_backend == "nats" else None
+        if self.uses_stream:
+            self._stream = StreamFollower(js, self._on_stream_message, self.metrics)
+            await self._stream.prepare(s.kv_event_max_age, s.kv_event_max_bytes)
+        discovery = discovery_for(s, js)
+        log.info("discovery", nats_url=s.nats_url, kv_event_transport=s.kv_event_transport, **discovery.log_fields())
         self._watcher = discovery.watcher(on_change=self._on_change)
         try:
             await self._watcher.start()
         except ConnectionError as exc:  # etcd unreachable
-            raise ConnectionError(discovery.start_failed(exc, self.settings.nats_url)) from exc
+            raise ConnectionError(discovery.start_failed(exc, s.nats_url)) from exc
         try:
             await asyncio.wait_for(self._watcher.ready.wait(), DISCOVERY_READY_TIMEOUT)
         except TimeoutError:
             log.warning("discovery_snapshot_slow", waited=DISCOVERY_READY_TIMEOUT)
-        t0 = time.monotonic()
-        state = (await js.stream_info(KV_EVENT_STREAM)).state
-        self._replay_until = state.last_seq if state.messages else 0
-        self.metrics.replaying.set(1)
-        if not self._replay_until:
-            self._caught_up.set()
-        self._events_sub = await js.subscribe(
-            KV_EVENT_SUBJECTS, stream=KV_EVENT_STREAM, cb=self._on_event,
-            ordered_consumer=True, deliver_policy=DeliverPolicy.ALL,
-        )
         self._housekeeper = asyncio.create_task(self._housekeeping(), name="kv-indexer-housekeeping")
-        log.info("replay_started", stream=KV_EVENT_STREAM, messages=state.messages, last_seq=state.last_seq)
-        while not self._caught_up.is_set():
-            try:
-                await asyncio.wait_for(self._caught_up.wait(), TICK)
-            except TimeoutError:
-                await self._check_replay_end()
-        self.metrics.replaying.set(0)
-        log.info("replay_done", messages=self.messages, seconds=round(time.monotonic() - t0, 3))
+        if self._stream is not None:
+            await self._stream.replay()
+        t0 = time.monotonic()
+        late = await self._zmq.wait_ready(s.kv_replay_timeout + TICK)
+        if self._zmq.followed:
+            log.info("zmq_replay_done", workers=len(self._zmq.followed), still_replaying=late,
+                     seconds=round(time.monotonic() - t0, 3))
         self._query_sub = await self.nc.subscribe(KV_QUERY, queue=KV_INDEXER_QUEUE, cb=self._on_query)
-        await self.nc.flush()  # the broker knows the subscription before we say we serve
+        flush = getattr(self.nc, "flush", None)
+        if flush is not None:
+            await flush()  # the broker knows the subscription before we say we serve
         seen, unseen, unattached = self.index.counts()
-        log.info("kv_indexer_serving", subject=KV_QUERY, workers_seen=seen, workers_unseen=unseen,
-                 workers_unattached=unattached, max_age=self.settings.kv_event_max_age)
-
-    async def _check_replay_end(self) -> None:
-        """The history present at start may have aged out under us: nothing left to wait for."""
-        assert self._js is not None
-        state = (await self._js.stream_info(KV_EVENT_STREAM)).state
-        if not state.messages or state.first_seq > self._replay_until:
-            self._caught_up.set()
-        else:
-            log.info("replaying", applied_seq=self._applied_seq, until=self._replay_until)
+        log.info("kv_indexer_serving", subject=KV_QUERY, kv_event_transport=s.kv_event_transport,
+                 workers_seen=seen, workers_unseen=unseen, workers_unattached=unattached,
+                 zmq_workers=len(self._zmq.followed), max_age=s.kv_event_max_age if self.uses_stream else None)
 
     async def stop(self) -> None:
-        for sub in (self._query_sub, self._events_sub):
-            if sub is not None:
-                await unsubscribe_quietly(sub)
-        self._query_sub = self._events_sub = None
+        sub, self._query_sub = self._query_sub, None
+        await unsubscribe_quietly(sub)
+        if self._stream is not None:
+            await self._stream.stop()
         if self._housekeeper is not None:
             self._housekeeper.cancel()
             await asyncio.gather(self._housekeeper, return_exceptions=True)
@@ -122,7 +126,8 @@ class KvIndexerService:
         if self._watcher is not None:
             await self._watcher.stop()
             self._watcher = None
-        if self.nc is not None:
+        await self._zmq.close()
+        if self.nc is not None and self._owns_nc:
             await close_connection(self.nc)
             self.nc = None
         log.info("kv_indexer_stopped", messages=self.messages)
@@ -131,30 +136,51 @@ class KvIndexerService:
     def _on_change(self, change: Change) -> None:
         record = change.record
         if change.kind == "leave":
+            self._zmq.on_leave(record.worker_id)
             self.index.worker_left(record.worker_id)
             self.metrics.forget_worker(record.worker_id)
+            self._mismatch_warned.discard(record.worker_id)
             log.info("worker_left", worker_id=record.worker_id, model=record.model)
-        else:
-            self.index.worker_joined(record.worker_id, record.model)
+            return
+        self.index.worker_joined(record.worker_id, record.model)
+        self._zmq.on_record(record)
+        if (record.kv_event_transport == "nats" and not self.uses_stream
+                and record.worker_id not in self._mismatch_warned):
+            self._mismatch_warned.add(record.worker_id)
+            log.warning("worker_kv_transport_mismatch", worker_id=record.worker_id, model=record.model,
+                        worker_kv_event_transport="nats", indexer_kv_event_transport="zmq",
+                        hint="this worker relays its KV events into JetStream, which an indexer on "
+                             "--kv-event-transport zmq does not read: its cache stays unknown (unseen); "
+                             "run every service with the same --kv-event-transport")
 
     # --- events ----------------------------------------------------------------------------
-    async def _on_event(self, msg: Msg) -> None:
+    def _on_stream_message(self, subject: str, data: bytes) -> None:
         now = time.time()
         try:
-            self._record(ingest(self.index, msg.subject, msg.data, now), now)
+            result = ingest(self.index, subject, data, now)
+            relay = result.relay
+            if relay is not None and result.malformed is None:
+                self.metrics.relay_message(relay.kind)
+                self.metrics.lag.observe(max(0.0, now - relay.ts))
+            self._record(result)
         except Exception:  # a bug must not stop the consumer
             self.metrics.malformed.labels("relay").inc()
-            log.exception("event_failed", subject=msg.subject)
-        self.messages += 1
-        if not self._caught_up.is_set():
-            try:
-                self._applied_seq = msg.metadata.sequence.stream
-            except Exception:  # not a JetStream message
-                return
-            if self._applied_seq >= self._replay_until:
-                self._caught_up.set()
+            log.exception("event_failed", subject=subject)
 
-    def _record(self, result: Ingested, now: float) -> None:
+    def _apply_zmq(self, worker_id: str, dp_rank: int, seq: int, payload: bytes) -> None:
+        try:
+            self._record(ingest_batch(self.index, worker_id, dp_rank, seq, payload, time.time()))
+        except Exception:  # a bug must not stop the reader
+            self.metrics.malformed.labels("batch").inc()
+            log.exception("event_failed", worker_id=worker_id, dp_rank=dp_rank, seq=seq)
+
+    def _clear(self, worker_id: str, dp_rank: int | None, reason: str) -> None:
+        """The worker's engine restarted with an empty cache: forget its blocks (and seqs)."""
+        self.index.clear(worker_id, dp_rank, time.time())
+        self.metrics.set_blocks(worker_id, self.index.worker_blocks(worker_id))
+        log.info("worker_cleared", worker_id=worker_id, dp_rank=dp_rank, reason=reason)
+
+    def _record(self, result: Ingested) -> None:
         m = self.metrics
         if result.malformed is not None:
             m.malformed.labels(result.malformed).inc()
@@ -163,8 +189,6 @@ class KvIndexerService:
             return
         relay = result.relay
         assert relay is not None
-        m.relay_message(relay.kind)
-        m.lag.observe(max(0.0, now - relay.ts))
         out = result.outcome
         if out is not None:
             if out.duplicate:

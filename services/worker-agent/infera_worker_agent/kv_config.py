@@ -11,18 +11,25 @@ After health the engine's own report wins over the plan: vLLM's ``GET /kv_event_
 array of ``{data_parallel_rank, endpoint, replay_endpoint, topic}``) or SGLang's / the mock's
 ``/server_info`` ``kv_events`` descriptor; the planned endpoints are the fallback. The agent reaches
 a wildcard endpoint (``tcp://*:P``, ``tcp://0.0.0.0:P``) at 127.0.0.1 and advertises it at the
-advertise host.
+advertise host (the endpoint rules live in ``infera_common.kv_endpoints``, shared with the kv-indexer).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from infera_worker_agent.engine_cmd import EngineArgsError, flag_value, has_flag, url_host
+from infera_common.kv_endpoints import advertised_endpoint, local_endpoint, split_tcp
+from infera_worker_agent.engine_cmd import EngineArgsError, flag_value, has_flag
+
+__all__ = [  # advertised_endpoint and local_endpoint: re-exported, the agent's modules read them here
+    "DP_FLAGS", "KV_EVENTS_FLAG", "VLLM_DEFAULT_BLOCK_SIZE", "KvEventsPlan", "KvSource", "advertised_endpoint",
+    "block_size", "build_config", "config_publishes", "dp_size", "local_endpoint", "offset_endpoint",
+    "parse_json_flag", "plan_kv_events", "resolve_sources", "sources_from_config", "sources_from_descriptor",
+    "sources_from_event_sources",
+]
 
 KV_EVENTS_FLAG = "--kv-events-config"
 #: The engines' data-parallel size flags: SGLang ``--dp-size`` (alias ``--data-parallel-size``;
@@ -34,9 +41,6 @@ DP_FLAGS = {
 }
 #: vLLM's default KV block size when neither /server_info nor ``--block-size`` says otherwise.
 VLLM_DEFAULT_BLOCK_SIZE = 16
-_TCP = re.compile(r"^tcp://(?P<host>\[[^\]]*\]|[^:/]*|\*):(?P<port>\d+)$")
-_WILDCARDS = {"*", "0.0.0.0", "::", "[::]", ""}
-LOCAL_HOST = "127.0.0.1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,35 +73,12 @@ def dp_size(engine: str, args: Sequence[str]) -> int:
     return size
 
 
-def split_tcp(endpoint: str) -> tuple[str, int] | None:
-    """``tcp://host:port`` -> (host, port); None for anything else (ipc://, inproc://, malformed)."""
-    m = _TCP.match(endpoint)
-    return (m.group("host"), int(m.group("port"))) if m else None
-
-
 def offset_endpoint(endpoint: str, rank: int) -> str:
     """The endpoint of DP rank ``rank``: the port plus the rank (port 0 stays 0), as the engines do."""
     parts = split_tcp(endpoint)
     if parts is None or rank == 0 or parts[1] == 0:
         return endpoint
     return f"tcp://{parts[0]}:{parts[1] + rank}"
-
-
-def engine_binds(endpoint: str) -> bool:
-    """Whether the engine binds ``endpoint`` (else it connects and the subscriber must bind)."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
-def subscriber_binds(endpoint: str) -> bool:
-    """Whether the subscriber must bind: the engine connects to a concrete ``tcp://host:port``.
-
-    A wildcard host (``tcp://0.0.0.0:P`` as /kv_event_sources reports a ``tcp://*:P`` bind) means
-    the engine bound it.
-    """
-    parts = split_tcp(endpoint)
-    if parts is not None and parts[0] in _WILDCARDS:
-        return False
-    return not engine_binds(endpoint)
 
 
 def build_config(engine: str, port: int, replay_port: int) -> dict[str, Any]:
@@ -239,19 +220,3 @@ def resolve_sources(
         or sources_from_descriptor((server_info or {}).get("kv_events"), planned)
         or tuple(planned)
     )
-
-
-def local_endpoint(endpoint: str) -> str:
-    """How the agent (on the engine's host) reaches ``endpoint``: wildcard hosts become 127.0.0.1."""
-    parts = split_tcp(endpoint)
-    if parts is None or parts[0] not in _WILDCARDS:
-        return endpoint
-    return f"tcp://{LOCAL_HOST}:{parts[1]}"
-
-
-def advertised_endpoint(endpoint: str, advertise_host: str) -> str:
-    """How the fleet reaches ``endpoint``: wildcard hosts become the advertise host."""
-    parts = split_tcp(endpoint)
-    if parts is None or parts[0] not in _WILDCARDS:
-        return endpoint
-    return f"tcp://{url_host(advertise_host)}:{parts[1]}"

@@ -1,0 +1,93 @@
+"""The JetStream KV event stream (``--kv-event-transport nats``): replayed from its start, then followed.
+
+``prepare`` makes sure the stream exists with the indexer's limits; ``replay`` subscribes an
+ordered consumer over the whole stream (DeliverPolicy.ALL) and returns once the history present at
+that moment has been handed to ``handle`` (or has aged out meanwhile); new messages keep coming
+after that.
+
+Why an ordered (ephemeral) consumer and not a durable one: the index lives in memory, so every
+start has to rebuild it from the stream's whole history anyway; a durable consumer would remember
+a position the new process has no use for, and would need acks for nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.api import DeliverPolicy
+from nats.js.client import JetStreamContext
+
+from infera_common.logs import get_logger
+from infera_common.nats_conn import ensure_kv_event_stream, unsubscribe_quietly
+from infera_common.subjects import KV_EVENT_STREAM, KV_EVENT_SUBJECTS
+
+from infera_kv_indexer.metrics import KvIndexerMetrics
+
+log = get_logger("kv_indexer")
+
+#: How often replay progress is checked (the history may age out under a slow replay).
+TICK = 1.0
+#: ``handle(subject, data)``: one stream message (never raises: the caller counts what it cannot read)
+Handle = Callable[[str, bytes], None]
+
+
+class StreamFollower:
+    def __init__(self, js: JetStreamContext, handle: Handle, metrics: KvIndexerMetrics) -> None:
+        self._js = js
+        self._handle = handle
+        self.metrics = metrics
+        self._sub: Subscription | None = None
+        self._replay_until = 0  # stream sequence of the last message present at start
+        self._applied_seq = 0  # stream sequence of the last message applied
+        self._caught_up = asyncio.Event()
+        self.messages = 0
+
+    async def prepare(self, max_age: float, max_bytes: int) -> None:
+        await ensure_kv_event_stream(self._js, max_age, max_bytes)
+
+    async def replay(self) -> None:
+        t0 = time.monotonic()
+        state = (await self._js.stream_info(KV_EVENT_STREAM)).state
+        self._replay_until = state.last_seq if state.messages else 0
+        self.metrics.replaying.set(1)
+        if not self._replay_until:
+            self._caught_up.set()
+        self._sub = await self._js.subscribe(
+            KV_EVENT_SUBJECTS, stream=KV_EVENT_STREAM, cb=self._on_message,
+            ordered_consumer=True, deliver_policy=DeliverPolicy.ALL,
+        )
+        log.info("replay_started", stream=KV_EVENT_STREAM, messages=state.messages, last_seq=state.last_seq)
+        while not self._caught_up.is_set():
+            try:
+                await asyncio.wait_for(self._caught_up.wait(), TICK)
+            except TimeoutError:
+                await self._check_replay_end()
+        self.metrics.replaying.set(0)
+        log.info("replay_done", messages=self.messages, seconds=round(time.monotonic() - t0, 3))
+
+    async def _check_replay_end(self) -> None:
+        """The history present at start may have aged out under us: nothing left to wait for."""
+        state = (await self._js.stream_info(KV_EVENT_STREAM)).state
+        if not state.messages or state.first_seq > self._replay_until:
+            self._caught_up.set()
+        else:
+            log.info("replaying", applied_seq=self._applied_seq, until=self._replay_until)
+
+    async def stop(self) -> None:
+        sub, self._sub = self._sub, None
+        await unsubscribe_quietly(sub)
+
+    async def _on_message(self, msg: Msg) -> None:
+        self._handle(msg.subject, msg.data)
+        self.messages += 1
+        if not self._caught_up.is_set():
+            try:
+                self._applied_seq = msg.metadata.sequence.stream
+            except Exception:  # not a JetStream message
+                return
+            if self._applied_seq >= self._replay_until:
+                self._caught_up.set()

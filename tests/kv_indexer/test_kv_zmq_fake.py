@@ -1,0 +1,134 @@
+"""The kv-indexer on ``--kv-event-transport zmq`` inside another process: handed a client of the
+in-process bus (``infera_common.local_bus``, which has no JetStream: any use of it raises), discovery
+in a real etcd, engine publishers driven by hand on real ZMQ sockets.
+
+Shows a gap filled from the replay socket, a gap replay cannot fill, an engine restarted behind
+the same endpoint (its seq going back), DP ranks, and a worker leaving discovery being dropped.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from infera_common.discovery_select import Discovery
+from infera_common.local_bus import LocalBus
+from infera_kv_indexer.service import KvIndexerService
+from infera_kv_indexer.settings import KvIndexerSettings
+from tests.kv_indexer.kv_fakes import FakeEngine, depths, query, tokens
+from tests.kv_indexer.zmq_helpers import (
+    FakePublisher, ask_bus, empty_batch, eventually, probe_until, sample,
+)
+
+
+@pytest.fixture
+async def local_indexer(etcd_server):
+    """The indexer on an in-process bus client (no JetStream), with etcd discovery; yields (service, a client of
+    the same bus, registrar factory)."""
+    bus = LocalBus(name="kv-test")
+    settings = KvIndexerSettings(discovery_backend="etcd", etcd_endpoint=etcd_server.endpoint,
+                                 kv_event_transport="zmq", kv_replay_timeout=2.0)
+    discovery = Discovery("etcd", etcd_server.endpoint)
+    registrars = []
+
+    async def register(record):
+        reg = discovery.registrar(record)
+        await reg.start()
+        registrars.append(reg)
+        return reg
+
+    handed = bus.connect("kv-indexer")
+    service = KvIndexerService(settings, nc=handed)
+    yield service, bus.connect("router"), register
+    for reg in registrars:
+        await reg.stop()
+    await service.stop()
+    assert not handed.is_closed  # a client handed in is the caller's to close
+    await bus.close()
+
+
+def overlap(service, prompt):
+    return depths(service.index.overlap(query(prompt)))
+
+
+async def test_gaps_restarts_and_leaving_on_hand_driven_publishers(local_indexer):
+    service, bus, register = local_indexer
+    pub = FakePublisher()
+    engine = FakeEngine("w1", "vllm")
+    prompt = tokens(16)
+    reg = await register(pub.record("w1"))
+    await service.start()
+    assert service._zmq.followed.keys() == {"w1"}
+    assert pub.replay_requests == [0]  # the first replay, from seq 0 (nothing published yet)
+
+    await pub.send(0, engine.batch([engine.stored(prompt[:8])]))
+    await probe_until(pub, 0, lambda: overlap(service, prompt) == {("w1", 0): 2})
+    assert depths(await ask_bus(bus, query(prompt))) == {("w1", 0): 2}  # answered over the bus too
+    await eventually(lambda: sample(service, "infera_kv_indexer_zmq_endpoints_connected", {"worker": "w1"}) == 1)
+
+    # seq 1 never reaches the SUB socket: seq 2 reveals the gap, replay fills it (2's parent is in 1)
+    await pub.send(1, engine.batch([engine.stored(prompt[:12])]), skip=True)
+    await pub.send(2, engine.batch([engine.stored(prompt)]))
+    await probe_until(pub, 2, lambda: overlap(service, prompt) == {("w1", 0): 4})
+    assert pub.replay_requests == [0, 1]
+    assert sample(service, "infera_kv_indexer_zmq_gaps_total", {"outcome": "filled"}) == 1
+    assert sample(service, "infera_kv_indexer_zmq_replayed_batches_total") == 1
+
+    # seq 3 is gone from replay too: counted lost, seq 4 still applied
+    lost, kept = tokens(4, start=7000), tokens(4, start=8000)
+    await pub.send(3, engine.batch([engine.stored(lost)]), skip=True)
+    del pub.history[3]
+    await pub.send(4, engine.batch([engine.stored(kept)]))
+    await probe_until(pub, 4, lambda: overlap(service, kept) == {("w1", 0): 1})
+    assert overlap(service, lost) == {}
+    assert sample(service, "infera_kv_indexer_zmq_gaps_total", {"outcome": "unrecoverable"}) == 1
+    assert sample(service, "infera_kv_indexer_zmq_lost_batches_total") == 1
+
+    # the engine restarts behind the same ports: its seq starts over, its cache is empty
+    await pub.close()
+    pub = FakePublisher(pub.port, pub.replay_port)
+    fresh = FakeEngine("w1", "vllm", seed=1)
+    other = tokens(8, start=9000)
+    await pub.send(0, fresh.batch([fresh.stored(other)], ts=2.0))
+    await probe_until(pub, 0, lambda: overlap(service, other) == {("w1", 0): 2})
+    assert overlap(service, prompt) == {} and overlap(service, kept) == {}
+    assert sample(service, "infera_kv_indexer_zmq_engine_restarts_total", {"how": "seq"}) == 1
+
+    # a malformed message is counted and the reader keeps going
+    await pub.pub.send_multipart([b"", b"short"])
+    await pub.send(1, empty_batch(3.0))
+    await probe_until(pub, 1, lambda: sample(service, "infera_kv_indexer_malformed_total", {"kind": "zmq"}) == 1)
+
+    # leaving discovery: the worker, its blocks and its subscription go
+    await reg.stop()
+    await eventually(lambda: not service._zmq.followed)
+    assert overlap(service, other) == {}
+    assert sample(service, "infera_kv_indexer_zmq_workers") == 0
+    assert service.metrics.registry.get_sample_value(
+        "infera_kv_indexer_zmq_endpoints_connected", {"worker": "w1"}) is None
+    await pub.send(2, fresh.batch([fresh.stored(tokens(8, start=100))], ts=4.0))
+    await pub.resend(2)
+    assert overlap(service, tokens(8, start=100)) == {}
+    await pub.close()
+
+
+async def test_each_dp_rank_publisher_is_read_as_its_rank(local_indexer):
+    service, _bus, register = local_indexer
+    pubs = [FakePublisher(), FakePublisher()]
+    engines = [FakeEngine("dp", "sglang"), FakeEngine("dp", "sglang", seed=1)]  # batches without a rank
+    record = pubs[0].record("dp").model_copy(update={
+        "dp_size": 2,
+        "kv_events_endpoints": [f"tcp://127.0.0.1:{p.port}" for p in pubs],
+        "kv_replay_endpoints": [f"tcp://127.0.0.1:{p.replay_port}" for p in pubs],
+    })
+    prompt = tokens(16)
+    try:
+        # rank 1 published before the indexer started: the first replay brings it
+        await pubs[1].send(0, engines[1].batch([engines[1].stored(prompt)]))
+        await register(record)
+        await service.start()
+        assert overlap(service, prompt) == {("dp", 1): 4}
+        await pubs[0].send(0, engines[0].batch([engines[0].stored(prompt[:8])]))
+        await probe_until(pubs[0], 0, lambda: overlap(service, prompt) == {("dp", 0): 2, ("dp", 1): 4})
+    finally:
+        for pub in pubs:
+            await pub.close()
