@@ -92,13 +92,16 @@ def test_busy_metrics_port_fails_before_the_engine_starts(nats_server, subproces
     assert "--metrics-port" in r.stderr and "engine_spawned" not in r.stderr
 
 
-def test_unsupported_plane_is_refused_naming_the_flag(nats_server, subprocess_env):
-    r = _run_agent(["--engine", "mock", "--nats-url", nats_server, "--request-transport", "http"], subprocess_env)
-    assert r.returncode != 0 and "--request-transport" in r.stderr
+def test_a_plane_mix_that_cannot_work_is_refused_naming_the_flag(nats_server, subprocess_env):
+    r = _run_agent(["--engine", "mock", "--nats-url", nats_server, "--request-transport", "http",
+                    "--advertise-host", "0.0.0.0"], subprocess_env)
+    assert r.returncode == 2
+    assert "--advertise-host" in r.stderr and "--request-transport http" in r.stderr
+    assert "engine_spawned" not in r.stderr
 
 
 def test_unreachable_etcd_fails_before_the_engine_starts(nats_server, subprocess_env):
     r = _run_agent(["--engine", "mock", "--nats-url", nats_server, "--discovery-backend", "etcd",
-                    "--etcd-endpoint", "127.0.0.1:1"], subprocess_env)
+                    "--etcd-endpoint", "127.0.0.1:1", "--metrics-port", "0"], subprocess_env)
     assert r.returncode == 1
     assert "discovery_unreachable" in r.stderr and "--etcd-endpoint" in r.stderr and "engine_spawned" not in r.stderr

@@ -8,7 +8,6 @@ import sys
 import pytest
 
 from infera.engine import run
-from infera_worker_agent.main import main
 from infera_worker_agent.settings import parse_agent_cli
 
 RUNBOOK_DECODE = ["--model-path", "/models/m", "--tp", "8", "--dp", "8", "--enable-dp-attention",
@@ -62,18 +61,22 @@ def test_print_command_for_vllm():
     assert "--kv-cache-dtype fp8_e4m3" in out.stdout
 
 
-def test_print_command_with_a_plane_not_built_yet_still_prints_and_warns(capsys):
-    assert run("mock", ["--print-command", "--request-transport", "http", "--etcd-endpoint", "10.0.0.10:2379"]) == 0
+def test_print_command_on_the_no_broker_plane_prints_without_a_note(capsys):
+    assert run("mock", ["--print-command", "--discovery-backend", "etcd", "--request-transport", "http",
+                        "--kv-event-transport", "zmq", "--etcd-endpoint", "10.0.0.10:2379",
+                        "--advertise-host", "10.0.0.11"]) == 0
     captured = capsys.readouterr()
     assert "-m infera_mock_engine" in captured.out
-    assert "--request-transport http is not available in this build yet" in captured.err
+    assert "refused" not in captured.err
 
 
-def test_the_plane_refusal_message_is_kept_for_a_launch():
-    with pytest.raises(SystemExit) as exc:
-        main(["--engine", "sglang", "--kv-event-transport", "zmq", "--etcd-endpoint", "10.0.0.10:2379"])
-    assert str(exc.value) == "error: --kv-event-transport zmq is not available in this build yet; use " \
-                             "--kv-event-transport nats"
+def test_a_plane_mix_that_cannot_work_is_refused_at_launch_with_exit_2(capsys):
+    code = run("sglang", ["--kv-event-transport", "zmq", "--etcd-endpoint", "10.0.0.10:2379",
+                          "--advertise-host", "0.0.0.0", "--model-path", "/m"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("infera-worker-agent: error: --advertise-host '0.0.0.0' is a wildcard")
+    assert "with --kv-event-transport zmq" in err
 
 
 def test_a_pd_launch_that_would_not_use_rdma_exits_2_before_anything_starts(capsys):

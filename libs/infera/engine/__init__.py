@@ -3,7 +3,9 @@
 Each is ``infera-worker-agent --engine <engine>``: the worker-agent's own flags (discovery and
 transport planes, ``--etcd-endpoint``, ``--advertise-host``, ``--[no-]enable-kv-events``,
 ``--disaggregation-allow-tcp``, ``--drain-timeout``, ``--print-command``, ...; ``--help`` lists
-them) are parsed, every other argument goes to the engine verbatim and in order.
+them) are parsed, every other argument goes to the engine verbatim and in order. Every plane mix
+works, the runbooks' no-broker one (``--discovery-backend etcd --request-transport http
+--kv-event-transport zmq``) with no NATS server at all.
 """
 
 from __future__ import annotations

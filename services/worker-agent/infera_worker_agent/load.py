@@ -61,8 +61,20 @@ def parse_engine_metrics(text: str) -> EngineLoad | None:
     )
 
 
+async def scrape_engine(session: aiohttp.ClientSession, metrics_url: str, timeout: float) -> EngineLoad | None:
+    """The engine's load from its /metrics; None when the page has none of the known series.
+
+    Raises on a failed request, a non-200 answer or a page that is not Prometheus text.
+    """
+    async with session.get(metrics_url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        if resp.status != 200:
+            raise ValueError(f"engine /metrics answered {resp.status}")
+        return parse_engine_metrics(await resp.text())
+
+
 class LoadReporter:
-    """Every ``interval`` seconds: scrape the engine, publish a ``LoadReport``.
+    """Every ``interval`` seconds: scrape the engine, publish a ``LoadReport`` (``publish`` may send
+    nothing: without NATS the scrape still feeds the agent's own metrics through ``on_load``).
 
     A failed scrape keeps the last known engine figures (the report still carries the agent's
     own in-flight count).
@@ -102,11 +114,7 @@ class LoadReporter:
             self._task = None
 
     async def scrape(self) -> EngineLoad | None:
-        timeout = aiohttp.ClientTimeout(total=max(min(self._interval, 5.0), 0.5))
-        async with self._session.get(self._url, timeout=timeout) as resp:
-            if resp.status != 200:
-                raise ValueError(f"engine /metrics answered {resp.status}")
-            return parse_engine_metrics(await resp.text())
+        return await scrape_engine(self._session, self._url, max(min(self._interval, 5.0), 0.5))
 
     async def report_once(self) -> LoadReport:
         try:

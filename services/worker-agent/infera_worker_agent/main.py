@@ -12,6 +12,7 @@ from infera_common.models import default_model_path
 from infera_common.runtime import event_loop_runner, free_port
 from infera_worker_agent.engine_cmd import EngineArgsError, EnginePlan, plan_engine
 from infera_worker_agent.host_probe import HostFacts, probe_host
+from infera_worker_agent.planes import plane_problems
 from infera_worker_agent.ports import free_port_block
 from infera_worker_agent.recipes import apply_recipes, render_print_command
 from infera_worker_agent.settings import PROG, AgentSettings, parse_agent_cli
@@ -51,13 +52,6 @@ def build_plan(
 
 def main(argv: list[str] | None = None) -> int:
     settings, engine_args = parse_agent_cli(list(sys.argv[1:] if argv is None else argv))
-    plane_problem = None
-    try:
-        settings.require_supported()
-    except SystemExit as exc:
-        if not settings.print_command:
-            raise
-        plane_problem = str(exc)
     # the mock gets no recipe rules: no host facts needed (and no SGLang import metadata scan)
     host = HostFacts() if settings.engine == "mock" else probe_host(os.environ, python=settings.engine_python)
     try:
@@ -65,11 +59,17 @@ def main(argv: list[str] | None = None) -> int:
     except EngineArgsError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    kv_sources = plan.kv_events.sources if plan.kv_events is not None and plan.kv_events.enabled else ()
+    problems = plane_problems(settings, plan.advertise_host, kv_sources)
     if settings.print_command:
         print(render_print_command(plan))
-        if plane_problem:
-            print(f"{PROG}: note: launching would be refused: {plane_problem}", file=sys.stderr)
+        for problem in problems:
+            print(f"{PROG}: note: launching would be refused: {problem}", file=sys.stderr)
         return 0
+    if problems:
+        for problem in problems:
+            print(f"{PROG}: error: {problem}", file=sys.stderr)
+        return 2
     configure_logging(settings.log_level, settings.log_format, service="worker-agent")
     from infera_worker_agent.service import Agent  # not needed to print the command
 

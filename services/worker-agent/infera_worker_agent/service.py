@@ -1,5 +1,13 @@
 """The worker-agent's life: launch the engine, wait for health, register, serve, drain, stop.
 
+Per plane (``planes.py``): NATS is connected only when a plane uses it. ``--request-transport
+nats``: requests come from the worker's JetStream work queue (``RequestWorker``) and a drain waits
+for them; ``http``: routers call the engine at the record's ``url``, no stream is made, and a
+drain waits for the engine's own running + waiting counts to reach zero (``engine_drain``).
+``--kv-event-transport nats``: the engine's ZMQ events are relayed to JetStream; ``zmq``: the
+record advertises the publishers and replay sockets, the agent only reads the block size from
+the first stored block (``kv_probe``).
+
 Exit status: 0 after a signal-initiated stop; the engine's exit status when the engine dies
 (during startup or while serving); 1 for a health timeout or a startup failure of the agent;
 2 for settings that cannot work (reported before the engine starts).
@@ -30,14 +38,17 @@ from infera_worker_agent.engine_proc import EngineProcess, exit_status
 from infera_worker_agent.health import (
     Startup, bootstrap_ranks, engine_json, served_model, wait_healthy,
 )
+from infera_worker_agent.engine_drain import wait_engine_idle
 from infera_worker_agent.kv_config import KvSource, advertised_endpoint, block_size, resolve_sources
+from infera_worker_agent.kv_probe import KvBlockSizeProbe
 from infera_worker_agent.kv_relay import KvRelayer
-from infera_worker_agent.load import EngineLoad, LoadReporter
+from infera_worker_agent.load import EngineLoad, LoadReporter, scrape_engine
 from infera_worker_agent.metrics import AgentMetrics
 from infera_worker_agent.pd_report import (
     PdState, bootstrap_query_url, needs_bootstrap_query, planned_state, reported_state,
 )
 from infera_worker_agent.pd_role import PdPlan
+from infera_worker_agent.planes import nats_uses, plane_warnings
 from infera_worker_agent.recipes import engine_env
 from infera_worker_agent.settings import AgentSettings
 from infera_worker_agent.worker import RequestWorker, StopReason
@@ -78,7 +89,7 @@ class Agent:
         self._started_at = time.time()
         self._kv_block_size: int | None = None
         self._kv_sources: tuple[KvSource, ...] = ()
-        self._kv_relayer: KvRelayer | None = None
+        self._kv_relayer: KvRelayer | KvBlockSizeProbe | None = None
         assert plan.pd is not None, "plan_engine reads the role from the engine's flags"
         self._pd_plan: PdPlan = plan.pd
         self._pd: PdState = planned_state(self._pd_plan, plan.advertise_host)
@@ -124,20 +135,7 @@ class Agent:
             log.info("recipe", note=note)
         if self.plan.env_changes:
             log.info("engine_env", set=dict(self.plan.env_changes))
-        try:
-            self._nc = await connect(self.s.nats_url, name=f"worker-agent-{self.worker_id}")
-        except ConnectionError as exc:
-            log.error("nats_unreachable", error=str(exc))
-            return 1
-        js = self._nc.jetstream()
-        discovery = discovery_for(self.s, js)
-        log.info("discovery", worker_id=self.worker_id, nats_url=self.s.nats_url, **discovery.log_fields())
-        self._registrar = discovery.registrar(self._record(self._model, WorkerStatus.STARTING))
-        try:
-            await self._registrar.start()
-        except ConnectionError as exc:  # etcd unreachable: before the engine starts, not after its cold start
-            self._registrar = None
-            log.error("discovery_unreachable", error=discovery.start_failed(exc, self.s.nats_url))
+        if not await self._join_planes():
             return 1
 
         self._session = aiohttp.ClientSession(
@@ -157,15 +155,10 @@ class Agent:
         info = info if isinstance(info, dict) else None
         await self._learn_kv(info)
         await self._learn_pd(info)
+        js = self._nc.jetstream() if self._nc is not None else None
         await self._start_kv_relay(js)
-        self._stream = await ensure_request_stream(js, self.worker_id, self.s.max_pending, self.s.request_max_age)
-        self._worker = RequestWorker(
-            nc=self._nc, js=js, worker_id=self.worker_id, max_pending=self.s.max_pending,
-            relay=Relay(self._session, self.plan.local_url),
-            abort=EngineAborter(self._session, self.plan.local_url, self.plan.abort_path),
-            metrics=self.metrics,
-        )
-        await self._worker.start()
+        if self.s.request_transport == "nats":
+            await self._start_request_worker(js)
         self._model = model
         self._registrar.record = self._record(model, WorkerStatus.STARTING)
         await self._registrar.set_status(WorkerStatus.ACTIVE)
@@ -188,6 +181,44 @@ class Agent:
         engine_exit.cancel()
         return await self._drain_and_stop()
 
+    async def _join_planes(self) -> bool:
+        """Connect to NATS if a plane uses it, and put the ``starting`` record; False (logged) on failure."""
+        log.info("planes", request_transport=self.s.request_transport, kv_event_transport=self.s.kv_event_transport,
+                 url=self.plan.url)
+        for warning in plane_warnings(self.s, self.plan.advertise_host):
+            log.warning("advertise_host_local_only", note=warning)
+        uses = nats_uses(self.s)  # none on etcd + http + zmq: NATS is never dialled
+        nats_url = self.s.nats_url if uses else ""
+        if uses:
+            try:
+                self._nc = await connect(self.s.nats_url, name=f"worker-agent-{self.worker_id}")
+            except ConnectionError as exc:
+                log.error("nats_unreachable", error=str(exc), needed_by=list(uses))
+                return False
+        discovery = discovery_for(self.s, self._nc.jetstream() if self._nc is not None else None)
+        log.info("discovery", worker_id=self.worker_id, **({"nats_url": nats_url} if uses else {}),
+                 **discovery.log_fields())
+        self._registrar = discovery.registrar(self._record(self._model, WorkerStatus.STARTING))
+        try:
+            await self._registrar.start()
+        except ConnectionError as exc:  # etcd unreachable: before the engine starts, not after its cold start
+            self._registrar = None
+            log.error("discovery_unreachable", error=discovery.start_failed(exc, nats_url))
+            return False
+        return True
+
+    async def _start_request_worker(self, js) -> None:
+        """The NATS request plane: this worker's work-queue stream and its durable consumer."""
+        assert self._nc is not None and js is not None and self._session is not None
+        self._stream = await ensure_request_stream(js, self.worker_id, self.s.max_pending, self.s.request_max_age)
+        self._worker = RequestWorker(
+            nc=self._nc, js=js, worker_id=self.worker_id, max_pending=self.s.max_pending,
+            relay=Relay(self._session, self.plan.local_url),
+            abort=EngineAborter(self._session, self.plan.local_url, self.plan.abort_path),
+            metrics=self.metrics,
+        )
+        await self._worker.start()
+
     def _record(self, model: str, status: WorkerStatus) -> WorkerRecord:
         return WorkerRecord(
             worker_id=self.worker_id, model=model, engine=self.s.engine, role=self._pd.role, pd=self._pd.pd,
@@ -198,6 +229,8 @@ class Agent:
             version=_version(), ttl=self.s.discovery_ttl, started_at=self._started_at,
             kv_block_size=self._kv_block_size,
             kv_events_endpoints=[advertised_endpoint(s.endpoint, self.plan.advertise_host) for s in self._kv_sources],
+            kv_replay_endpoints=[advertised_endpoint(s.replay_endpoint, self.plan.advertise_host)
+                                 if s.replay_endpoint else "" for s in self._kv_sources],
         )
 
     # --- KV events -----------------------------------------------------------------------------
@@ -233,7 +266,14 @@ class Agent:
                  engine_id=pd.engine_id if pd else None)
 
     async def _start_kv_relay(self, js) -> None:
-        if not self._kv_sources or self.s.kv_event_transport != "nats":
+        if not self._kv_sources:
+            return
+        if self.s.kv_event_transport == "zmq":  # the kv-indexer reads the publishers the record advertises
+            self._kv_relayer = KvBlockSizeProbe(
+                self.worker_id, self._kv_sources, self._kv_block_size,
+                replay_timeout=self.s.kv_replay_timeout, on_block_size=self._on_engine_block_size,
+            )
+            await self._kv_relayer.start()
             return
         await ensure_kv_event_stream(js)
         self._kv_relayer = KvRelayer(
@@ -280,45 +320,81 @@ class Agent:
         return 1
 
     async def _engine_died(self) -> int:
-        assert self._engine is not None and self._registrar is not None and self._worker is not None
+        assert self._engine is not None and self._registrar is not None
         code = self._engine.returncode
         self.metrics.engine_up.set(0)
         self.metrics.engine_exit_code.set(exit_status(code))
         log.error("engine_exited", exit_code=code, output_tail=self._engine.tail())
         await self._deregister()
-        self._worker.begin_drain(ENGINE_GONE_REFUSAL)
-        self._worker.stop_all(ENGINE_GONE)
-        await self._worker.wait_idle(SETTLE_TIMEOUT)
+        if self._worker is not None:  # NATS request plane: answer what was in flight
+            self._worker.begin_drain(ENGINE_GONE_REFUSAL)
+            self._worker.stop_all(ENGINE_GONE)
+            await self._worker.wait_idle(SETTLE_TIMEOUT)
         await self._close_worker()
         await self._delete_stream()
         await self._engine.stop(self.s.engine_stop_timeout)  # its children, if any are left
         return exit_status(code)
 
     async def _drain_and_stop(self) -> int:
-        assert self._registrar is not None and self._worker is not None
-        log.info("draining", worker_id=self.worker_id, in_flight=self._worker.in_flight,
+        assert self._registrar is not None
+        log.info("draining", worker_id=self.worker_id, in_flight=self._worker.in_flight if self._worker else None,
                  drain_timeout_s=self.s.drain_timeout)
         try:
             await self._registrar.set_status(WorkerStatus.DRAINING)
         except Exception as exc:
             log.warning("draining_status_not_published", error=str(exc))
-        self._worker.begin_drain(DRAIN_REFUSAL)
-        idle = self._worker.wait_idle(self.s.drain_timeout)
-        forced = asyncio.create_task(self._force.wait())
-        idle_task = asyncio.create_task(idle)
-        await asyncio.wait({idle_task, forced}, return_when=asyncio.FIRST_COMPLETED)
-        forced.cancel()
-        if not (idle_task.done() and idle_task.result()):
-            idle_task.cancel()
-            stopped = self._worker.stop_all(DRAIN_CANCEL)
-            log.warning("drain_incomplete_cancelled", cancelled=stopped)
-            await self._worker.wait_idle(SETTLE_TIMEOUT)
+        if self._worker is not None:
+            await self._drain_requests(self._worker)
+        else:
+            await self._drain_engine()
         await self._deregister()
         await self._close_worker()
         await self._delete_stream()
         await self._stop_engine()
         log.info("stopped", worker_id=self.worker_id)
         return 0
+
+    async def _drain_requests(self, worker: RequestWorker) -> None:
+        """NATS request plane: refuse new envelopes, let the running ones finish, cancel the rest."""
+        worker.begin_drain(DRAIN_REFUSAL)
+        idle = worker.wait_idle(self.s.drain_timeout)
+        forced = asyncio.create_task(self._force.wait())
+        idle_task = asyncio.create_task(idle)
+        await asyncio.wait({idle_task, forced}, return_when=asyncio.FIRST_COMPLETED)
+        forced.cancel()
+        if not (idle_task.done() and idle_task.result()):
+            idle_task.cancel()
+            stopped = worker.stop_all(DRAIN_CANCEL)
+            log.warning("drain_incomplete_cancelled", cancelled=stopped)
+            await worker.wait_idle(SETTLE_TIMEOUT)
+
+    async def _drain_engine(self) -> None:
+        """HTTP request plane: the routers stop sending once they see ``draining``; wait for the engine's
+        own counts to reach zero (or the drain timeout, or a second signal). What is left is cut off
+        when the engine stops."""
+        assert self._session is not None and self._engine is not None
+        session, url = self._session, f"{self.plan.local_url}/metrics"
+        drained = asyncio.create_task(wait_engine_idle(lambda: scrape_engine(session, url, 2.0), self.s.drain_timeout))
+        forced = asyncio.create_task(self._force.wait())
+        engine_exit = asyncio.create_task(self._engine.wait())
+        await asyncio.wait({drained, forced, engine_exit}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (forced, engine_exit):
+            task.cancel()
+        if not drained.done():
+            drained.cancel()
+            await asyncio.gather(drained, return_exceptions=True)
+            if self._force.is_set():
+                log.warning("drain_skipped_by_second_signal")
+            else:
+                log.warning("engine_exited_while_draining", exit_code=self._engine.returncode)
+            return
+        result = drained.result()
+        if result.idle:
+            log.info("engine_idle")
+        else:
+            last = result.last
+            log.warning("drain_timeout_engine_busy", drain_timeout_s=self.s.drain_timeout,
+                        engine_running=last.running if last else None, engine_waiting=last.waiting if last else None)
 
     async def _deregister(self) -> None:
         if self._registrar is not None:
@@ -363,7 +439,8 @@ class Agent:
 
     # --- load ----------------------------------------------------------------------------------
     async def _publish_load(self, report: LoadReport) -> None:
-        assert self._nc is not None
+        if self._nc is None:  # no plane on NATS: the scrape only feeds the agent's own metrics
+            return
         # say where this worker is registered: a service that does not list it can name the plane mix
         report.model, report.discovery_backend = self._model, self.s.discovery_backend
         report.etcd_endpoint = self.s.etcd_endpoint if self.s.discovery_backend == "etcd" else ""

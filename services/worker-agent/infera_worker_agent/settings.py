@@ -18,12 +18,14 @@ from infera_common.subjects import TOKEN_RE
 
 PROG = "infera-worker-agent"
 DESCRIPTION = (
-    "Launch one inference engine (mock, sglang or vllm), register it in discovery and relay its "
-    "requests from NATS. Unrecognised arguments, and everything after `--`, go to the engine."
+    "Launch one inference engine (mock, sglang or vllm), register it in discovery, and relay its requests "
+    "from NATS (--request-transport nats) or let routers call it directly (http). Unrecognised arguments, "
+    "and everything after `--`, go to the engine."
 )
 
 
 class AgentSettings(PlaneSettings, LogSettings):
+
     engine: Literal["mock", "sglang", "vllm"] = Field(
         description="Engine to launch: the mock engine, SGLang (sglang.launch_server) or vLLM "
         "(vllm.entrypoints.openai.api_server)."
@@ -53,17 +55,21 @@ class AgentSettings(PlaneSettings, LogSettings):
     )
     max_pending: int = Field(
         512, ge=1, le=1_000_000,
-        description="Requests this worker may hold unfinished (queued + running); the broker refuses more.",
+        description="Requests this worker may hold unfinished (queued + running): with --request-transport nats "
+        "the broker refuses more; with http the routers keep the worker's in-flight requests under it.",
     )
     request_max_age: float = Field(
         600.0, gt=0,
-        description="Seconds a request may stay in this worker's queue before the broker discards it.",
+        description="Seconds a request may stay in this worker's queue before the broker discards it "
+        "(--request-transport nats).",
     )
     health_timeout: float = Field(
         1800.0, gt=0, description="Seconds to wait for the engine to become healthy before giving up."
     )
     drain_timeout: float = Field(
-        30.0, ge=0, description="On SIGTERM, seconds in-flight requests may take to finish before they are cancelled."
+        30.0, ge=0,
+        description="On SIGTERM, seconds in-flight requests may take to finish (with --request-transport http: "
+        "until the engine reports nothing running or waiting) before they are cancelled and the engine stopped."
     )
     engine_stop_timeout: float = Field(
         10.0, ge=0, description="Seconds between SIGTERM and SIGKILL when stopping the engine's process group."
@@ -74,7 +80,7 @@ class AgentSettings(PlaneSettings, LogSettings):
     enable_kv_events: bool = Field(
         True,
         description="Turn on the engine's ZMQ KV events (--kv-events-config on free ports, one per DP rank) "
-        "and relay them; --no-enable-kv-events turns them off: SWA models such as DeepSeek-V4 need it off. "
+        "and relay them (--kv-event-transport nats) or advertise them to the kv-indexer (zmq); --no-enable-kv-events turns them off: SWA models such as DeepSeek-V4 need it off. "
         "A --kv-events-config given to the engine is always kept as is.",
     )
     disaggregation_allow_tcp: bool = Field(
@@ -87,7 +93,7 @@ class AgentSettings(PlaneSettings, LogSettings):
     print_command: bool = Field(
         False,
         description="Print the engine command line and the environment changes the agent would make (with notes "
-        "on each recipe rule), then exit 0 without launching anything or connecting to NATS.",
+        "on each recipe rule), then exit 0 without launching anything or connecting to anything.",
     )
     kv_replay_timeout: float = Field(
         3.0, gt=0, le=60,

@@ -1,0 +1,74 @@
+"""KV events on ``--kv-event-transport zmq``: the kv-indexer reads the engine's publishers itself
+(the record advertises them) and the agent relays nothing. It still listens until the first
+stored block, whose ``block_size`` is the engine's real one (the ``KvRelayer``'s
+``on_block_size`` re-registers it when it differs from what /server_info or the flags said),
+then stops listening.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+
+from infera_common.kv_wire import BlockStored, KvWireError, decode_batch
+from infera_common.logs import get_logger
+from infera_common.schemas import KvRelay
+from infera_worker_agent.kv_config import KvSource
+from infera_worker_agent.kv_relay import KvRelayer
+from infera_worker_agent.metrics import AgentMetrics
+
+log = get_logger("worker_agent.kv_probe")
+
+
+def stores_blocks(payload: bytes) -> bool:
+    """Whether an engine batch holds a ``BlockStored`` event (an undecodable one does not)."""
+    try:
+        return any(isinstance(e, BlockStored) for e in decode_batch(payload).events)
+    except KvWireError:
+        return False
+
+
+class KvBlockSizeProbe:
+    """A ``KvRelayer`` whose publish sends nothing; closed once a stored block has been seen."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        sources: Sequence[KvSource],
+        block_size: int | None,
+        *,
+        replay_timeout: float,
+        on_block_size: Callable[[int], Awaitable[None]],
+    ) -> None:
+        # its own metrics, not served: the agent's kv counters are about relaying to the bus
+        self._relayer = KvRelayer(worker_id, sources, block_size, self._publish, AgentMetrics(),
+                                  replay_timeout=replay_timeout, on_block_size=on_block_size)
+        self._seen = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def block_size(self) -> int | None:
+        return self._relayer.block_size
+
+    async def start(self) -> None:
+        log.info("kv_events_for_the_indexer", note="the kv-indexer reads the advertised publishers; the agent reads "
+                 "only the block size of the first stored block, then stops listening")
+        await self._relayer.start()
+        self._task = asyncio.create_task(self._close_when_settled(), name="kv-block-size-probe")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        await self._relayer.close()
+
+    async def _publish(self, relay: KvRelay) -> None:
+        # the relayer settles (and re-registers) the block size before it hands the batch on
+        if relay.kind == "batch" and relay.payload and not self._seen.is_set() and stores_blocks(relay.payload):
+            self._seen.set()
+
+    async def _close_when_settled(self) -> None:
+        await self._seen.wait()
+        await self._relayer.close()
+        log.info("kv_block_size_settled", block_size=self._relayer.block_size)

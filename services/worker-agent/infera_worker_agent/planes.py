@@ -1,0 +1,86 @@
+"""Which planes the agent serves on, and what each mix needs: pure rules, no I/O.
+
+- ``nats_uses``: the flags that put something of this worker on NATS. The agent connects to NATS
+  only when one does (``--discovery-backend etcd --request-transport http --kv-event-transport zmq``
+  runs with no NATS server at all, and never tries one).
+- ``plane_problems``: mixes that cannot work, refused before anything starts (exit 2), each naming
+  the flag and what to change. On ``--request-transport http`` and ``--kv-event-transport zmq`` other
+  hosts dial what the record advertises, so it has to be an address they can dial.
+- ``plane_warnings``: mixes that work on one host only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from infera_common.kv_endpoints import split_tcp, subscriber_binds
+from infera_worker_agent.kv_config import KvSource
+
+_WILDCARD_HOSTS = {"", "*", "0.0.0.0", "::", "[::]"}
+
+
+class Planes(Protocol):
+    discovery_backend: str
+    request_transport: str
+    kv_event_transport: str
+
+
+def nats_uses(planes: Planes) -> tuple[str, ...]:
+    """The plane flags (as typed on the command line) that need a NATS connection; empty: none."""
+    uses = []
+    if planes.discovery_backend == "nats":
+        uses.append("--discovery-backend nats")
+    if planes.request_transport == "nats":
+        uses.append("--request-transport nats")
+    if planes.kv_event_transport == "nats":
+        uses.append("--kv-event-transport nats")
+    return tuple(uses)
+
+
+def _dialled_planes(planes: Planes) -> list[str]:
+    """The plane flags on which other hosts dial the engine at what the record advertises."""
+    flags = []
+    if planes.request_transport == "http":
+        flags.append("--request-transport http")
+    if planes.kv_event_transport == "zmq":
+        flags.append("--kv-event-transport zmq")
+    return flags
+
+
+def _loopback(host: str) -> bool:
+    host = host.strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def plane_problems(planes: Planes, advertise_host: str, kv_sources: Sequence[KvSource] = ()) -> list[str]:
+    """Why this plane mix cannot work (empty: it can). ``kv_sources``: the publishers the engine
+    is configured with (none when it publishes no KV events)."""
+    problems = []
+    if _dialled_planes(planes) and advertise_host.strip("[]") in _WILDCARD_HOSTS:
+        flags = " and ".join(_dialled_planes(planes))
+        problems.append(
+            f"--advertise-host {advertise_host!r} is a wildcard, not an address: with {flags} other hosts dial "
+            "the engine at the advertise host; pass --advertise-host <this host's IP or name>"
+        )
+    if planes.kv_event_transport == "zmq":
+        for source in kv_sources:
+            if split_tcp(source.endpoint) is None or subscriber_binds(source.endpoint):
+                problems.append(
+                    f"--kv-event-transport zmq: the kv-indexer dials each engine's KV-event publisher, but DP rank "
+                    f"{source.dp_rank} publishes on {source.endpoint!r}, which the engine does not bind on TCP (it "
+                    "connects out, or it is not tcp://); in --kv-events-config use \"endpoint\":\"tcp://*:PORT\" "
+                    "(or leave --kv-events-config out and let the agent pick ports), or use --kv-event-transport nats"
+                )
+                break
+    return problems
+
+
+def plane_warnings(planes: Planes, advertise_host: str) -> list[str]:
+    """What works on this host only."""
+    if _dialled_planes(planes) and _loopback(advertise_host):
+        return [
+            f"advertise host {advertise_host} is a loopback address: routers and kv-indexers on other hosts cannot "
+            "reach this engine; pass --advertise-host <this host's IP or name> for a fleet across hosts"
+        ]
+    return []
