@@ -39,6 +39,11 @@ PD_ARGS: dict[str, tuple[list[str], list[str]]] = {
 }
 
 
+def no_broker(etcd_endpoint: str | None, request_transport: str, kv_event_transport: str) -> bool:
+    """True when no plane goes over NATS: discovery in etcd, requests over HTTP, KV events from ZMQ."""
+    return bool(etcd_endpoint) and request_transport == "http" and kv_event_transport == "zmq"
+
+
 def plan_fleet(
     *,
     nats_url: str,
@@ -53,11 +58,15 @@ def plan_fleet(
     decode_workers: int = 0,
     pd_protocol: str = "sglang-bootstrap",
     etcd_endpoint: str | None = None,
+    request_transport: str = "nats",
+    kv_event_transport: str = "nats",
 ) -> list[ProcSpec]:
     """kv-indexer, router, frontend, ``workers`` aggregated mock worker-agents and
     ``prefill_workers`` + ``decode_workers`` disaggregated ones (SGLang bootstrap protocol), all on
     the NATS plane; with ``etcd_endpoint`` every one of them discovers the fleet in that etcd
-    instead (requests and KV events still go over NATS).
+    instead, and the transports are passed to every process. On the no-broker plane (etcd, http,
+    zmq: ``no_broker``) the kv-indexer, router and frontend are one ``infera.server`` and nothing
+    is given a NATS URL.
 
     ``metrics_ports`` holds one free port per kv-indexer, router and worker-agent, in that order
     (the frontend serves /metrics on its own HTTP port).
@@ -68,18 +77,20 @@ def plan_fleet(
         raise ValueError("disaggregated serving needs both pools: give --prefill-workers and --decode-workers together")
     if len(metrics_ports) < workers + prefill_workers + decode_workers + 2:
         raise ValueError("need one metrics port for the kv-indexer, the router and each worker")
-    common = ["--nats-url", nats_url, "--log-format", log_format]
+    broker_free = no_broker(etcd_endpoint, request_transport, kv_event_transport)
+    common = ([] if broker_free else ["--nats-url", nats_url]) + ["--log-format", log_format]
     if etcd_endpoint:
         common += ["--discovery-backend", "etcd", "--etcd-endpoint", etcd_endpoint]
-    indexer_args = [*common, "--metrics-port", str(metrics_ports[0])]
-    router_args = [*common, "--metrics-port", str(metrics_ports[1])]
-    if router_policy:
-        router_args += ["--router-policy", router_policy]
-    procs = [
-        ProcSpec("kv-indexer", "kv-indexer", "infera_kv_indexer", indexer_args),
-        ProcSpec("router", "router", "infera_router", router_args),
-        ProcSpec("frontend", "frontend", "infera_frontend", [*common, "--host", host, "--port", str(port)]),
-    ]
+    common += ["--request-transport", request_transport, "--kv-event-transport", kv_event_transport]
+    policy = ["--router-policy", router_policy] if router_policy else []
+    if broker_free:
+        procs = [ProcSpec("server", "server", "infera.server", [*common, "--host", host, "--port", str(port), *policy])]
+    else:
+        procs = [
+            ProcSpec("kv-indexer", "kv-indexer", "infera_kv_indexer", [*common, "--metrics-port", str(metrics_ports[0])]),
+            ProcSpec("router", "router", "infera_router", [*common, "--metrics-port", str(metrics_ports[1]), *policy]),
+            ProcSpec("frontend", "frontend", "infera_frontend", [*common, "--host", host, "--port", str(port)]),
+        ]
     if pd_protocol not in PD_ARGS:
         raise ValueError(f"unknown PD protocol {pd_protocol!r}; choose one of {', '.join(PD_ARGS)}")
     prefill_args, decode_args = PD_ARGS[pd_protocol]

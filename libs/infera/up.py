@@ -1,7 +1,9 @@
 """`infera up`: start nats-server, kv-indexer, router, frontend and N mock workers as local processes.
 
 With ``--discovery-backend etcd`` it also starts a one-member etcd and every service discovers the
-fleet there (requests and KV events still go over NATS).
+fleet there. ``--request-transport`` and ``--kv-event-transport`` go to every process; with etcd,
+http and zmq together (the runbooks' no-broker plane) no nats-server is started and the
+kv-indexer, router and frontend run as one ``python -m infera.server``.
 
 Ctrl-C or SIGTERM stops everything it started (each child runs in its own process group and is
 stopped TERM-then-KILL), leaving no process behind.
@@ -23,9 +25,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from infera.fleet_plan import ProcSpec, plan_fleet
+from infera.fleet_plan import ProcSpec, no_broker, plan_fleet
 from infera.procs import free_port, start_etcd, start_nats, stop_process, wait_port
 from infera_common.models import BUNDLED_MODEL_NAME
+from infera_common.schemas import KvEventTransport, RequestTransport
 from infera_common.settings import InferaSettings, parse_cli
 from infera_router.settings import PolicyName
 
@@ -56,7 +59,15 @@ class UpSettings(InferaSettings):
     nats_port: int = Field(0, ge=0, le=65535, description="nats-server port (0: a free port).")
     discovery_backend: Literal["nats", "etcd"] = Field(
         "nats", description="Where the workers register: the NATS JetStream KV bucket, or an etcd that "
-        "infera up starts (requests and KV events go over NATS either way).",
+        "infera up starts.",
+    )
+    request_transport: RequestTransport = Field(
+        "nats", description="How requests reach the engines, given to every process: the workers' JetStream "
+        "queues, or the router calling each engine's HTTP API.",
+    )
+    kv_event_transport: KvEventTransport = Field(
+        "nats", description="How the engines' KV events reach the index, given to every process: relayed into "
+        "JetStream by the agents, or read by the index from the engines' ZMQ publishers.",
     )
     etcd_port: int = Field(0, ge=0, le=65535, description="etcd client port with --discovery-backend etcd "
                            "(0: a free port).")
@@ -85,6 +96,8 @@ def main(argv: list[str]) -> int:
             decode_workers=settings.decode_workers,
             pd_protocol=settings.pd_protocol,
             etcd_endpoint=etcd_endpoint,
+            request_transport=settings.request_transport,
+            kv_event_transport=settings.kv_event_transport,
         )
     except ValueError as exc:
         print(f"infera up: error: {exc}", file=sys.stderr)
@@ -103,8 +116,10 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     try:
-        with open(logs / "nats-server.log", "ab") as f:
-            running.append(("nats-server", start_nats(nats_port, state / "jetstream", log_file=f)))
+        broker_free = no_broker(etcd_endpoint, settings.request_transport, settings.kv_event_transport)
+        if not broker_free:
+            with open(logs / "nats-server.log", "ab") as f:
+                running.append(("nats-server", start_nats(nats_port, state / "jetstream", log_file=f)))
         if etcd_port:
             try:
                 with open(logs / "etcd.log", "ab") as f:
@@ -117,17 +132,20 @@ def main(argv: list[str]) -> int:
             if spec.role == "worker" and not any(name in worker_names for name, _ in running):
                 # the frontend holds its port before any worker-agent picks free ports for its engine:
                 # a port chosen for the frontend but not yet bound could otherwise go to an engine
-                frontend = next(proc for name, proc in running if name == "frontend")
+                front = "server" if broker_free else "frontend"
+                frontend = next(proc for name, proc in running if name == front)
                 try:
                     wait_port(_client_host(settings.host), settings.port, settings.ready_timeout, frontend)
                 except (RuntimeError, TimeoutError) as exc:
-                    print(f"infera up: frontend did not start: {exc}; see {logs / 'frontend.log'}", file=sys.stderr)
-                    _tail(logs / "frontend.log")
+                    print(f"infera up: {front} did not start: {exc}; see {logs / (front + '.log')}", file=sys.stderr)
+                    _tail(logs / f"{front}.log")
                     return 1
             running.append((spec.name, _spawn(spec, logs)))
         if not _wait_ready(url, total, settings.ready_timeout, running, lambda: stopping):
             return 1
-        _print_banner(url, nats_url + (f", etcd {etcd_endpoint}" if etcd_endpoint else ""), logs)
+        where = [] if broker_free else [f"NATS {nats_url}"]
+        where += [f"etcd {etcd_endpoint}"] if etcd_endpoint else []
+        _print_banner(url, ", ".join(where), logs)
         reported: set[str] = set()
         while not stopping:
             for name, proc in running:
@@ -193,9 +211,9 @@ def _tail(path: Path, lines: int = 20) -> None:
         pass
 
 
-def _print_banner(url: str, nats_url: str, logs: Path) -> None:
+def _print_banner(url: str, where: str, logs: Path) -> None:
     body = json.dumps({"model": BUNDLED_MODEL_NAME, "messages": [{"role": "user", "content": "Hello!"}],
                        "max_tokens": 16})
-    print(f"Infera is up: OpenAI endpoint {url}/v1  (NATS {nats_url}; logs in {logs})")
+    print(f"Infera is up: OpenAI endpoint {url}/v1  ({where}; logs in {logs})")
     print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
     print("Ctrl-C stops the fleet.", flush=True)

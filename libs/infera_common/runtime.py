@@ -86,7 +86,6 @@ def service_main(argv: list[str] | None, settings_cls: type, make_service: Calla
     from infera_common.settings import parse_cli
 
     settings, _ = parse_cli(settings_cls, argv, prog=prog, description=description)
-    settings.require_supported()
 
     async def run() -> None:
         log = configure_logging(settings.log_level, settings.log_format, name)

@@ -73,24 +73,6 @@ class PlaneSettings(NatsSettings):
             raise ValueError("at most 30 s with --discovery-backend etcd (it is the etcd lease TTL)")
         return value
 
-    def require_supported(self) -> None:
-        """Refuse plane choices this build cannot serve yet, naming the flag to change.
-
-        Discovery works on both backends; requests and KV events go over NATS whichever discovery
-        backend is chosen (so ``--nats-url`` is needed with ``--discovery-backend etcd`` too).
-        """
-        unsupported = {
-            "request_transport": ("http",),
-            "kv_event_transport": ("zmq",),
-        }
-        for name, values in unsupported.items():
-            value = getattr(self, name)
-            if value in values:
-                flag = "--" + name.replace("_", "-")
-                raise SystemExit(
-                    f"error: {flag} {value} is not available in this build yet; use {flag} nats"
-                )
-
 
 S = TypeVar("S", bound=BaseSettings)
 

@@ -17,7 +17,6 @@ def _plane(role: str, args: list[str]):
         settings, _ = parse_agent_cli(args)
     else:
         settings, _ = parse_cli(SETTINGS[role], args, prog=role)
-    settings.require_supported()  # etcd discovery is not refused any more
     return settings.discovery_backend, settings.etcd_endpoint, settings.nats_url
 
 
@@ -32,3 +31,34 @@ def test_the_default_fleet_stays_on_nats_discovery():
     plan = plan_fleet(nats_url="nats://127.0.0.1:4222", host="127.0.0.1", port=8000, workers=1, router_policy=None,
                       engine_args=[], metrics_ports=[1, 2, 3])
     assert {_plane(p.role, p.args)[0] for p in plan} == {"nats"}
+
+
+def _planes(role: str, args: list[str]) -> tuple[str, str, str]:
+    if role == "server":
+        from infera.server_settings import ServerSettings
+
+        settings, _ = parse_cli(ServerSettings, args, prog=role)
+    elif role == "worker":
+        settings, _ = parse_agent_cli(args)
+    else:
+        settings, _ = parse_cli(SETTINGS[role], args, prog=role)
+    return settings.discovery_backend, settings.request_transport, settings.kv_event_transport
+
+
+def test_the_no_broker_plane_is_one_server_and_workers_with_no_nats_url():
+    plan = plan_fleet(nats_url="nats://127.0.0.1:4222", host="127.0.0.1", port=8000, workers=2,
+                      router_policy="round-robin", engine_args=[], metrics_ports=[1, 2, 3, 4],
+                      etcd_endpoint="127.0.0.1:23790", request_transport="http", kv_event_transport="zmq")
+    assert sorted(p.role for p in plan) == ["server", "worker", "worker"]
+    assert {_planes(p.role, p.args) for p in plan} == {("etcd", "http", "zmq")}
+    assert not any("--nats-url" in p.args for p in plan)
+    server = next(p for p in plan if p.role == "server")
+    assert server.module == "infera.server" and "--router-policy" in server.args
+
+
+def test_a_transport_on_http_with_nats_discovery_keeps_the_separate_services_on_nats():
+    plan = plan_fleet(nats_url="nats://127.0.0.1:4222", host="127.0.0.1", port=8000, workers=1, router_policy=None,
+                      engine_args=[], metrics_ports=[1, 2, 3], request_transport="http")
+    assert sorted(p.role for p in plan) == ["frontend", "kv-indexer", "router", "worker"]
+    assert {_planes(p.role, p.args) for p in plan} == {("nats", "http", "nats")}
+    assert all("--nats-url" in p.args for p in plan)

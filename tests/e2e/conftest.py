@@ -1,22 +1,23 @@
 import pytest
 
-from tests.e2e.fleet import Fleet, env_with
+from tests.e2e.fleet import PLANES, Fleet, env_with
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    """Two mock workers behind router and frontend, on a real nats-server, started by `infera up`."""
-    f = Fleet(tmp_path_factory.mktemp("fleet"), workers=2,
+@pytest.fixture(scope="module", params=list(PLANES))
+def fleet(tmp_path_factory, request):
+    """Two mock workers behind router and frontend, started by `infera up`: on a real nats-server, and
+    on the no-broker plane (etcd, infera.server calling the engines over HTTP, KV events from ZMQ)."""
+    f = Fleet(tmp_path_factory.mktemp("fleet"), workers=2, plane=request.param,
               extra=["--engine-arg=--speedup 20"], env=env_with(INFERA_DISCOVERY_TTL="2")).start()
     yield f
     f.stop()
 
 
-@pytest.fixture(scope="module")
-def rr_fleet(tmp_path_factory):
-    """The same fleet with --router-policy round-robin (the default is kv-aware)."""
-    f = Fleet(tmp_path_factory.mktemp("rr-fleet"), workers=2,
+@pytest.fixture(scope="module", params=list(PLANES))
+def rr_fleet(tmp_path_factory, request):
+    """The same fleet with --router-policy round-robin (the default is kv-aware) and session affinity on."""
+    f = Fleet(tmp_path_factory.mktemp("rr-fleet"), workers=2, plane=request.param,
               extra=["--engine-arg=--speedup 20", "--router-policy", "round-robin"],
-              env=env_with(INFERA_DISCOVERY_TTL="2")).start()
+              env=env_with(INFERA_DISCOVERY_TTL="2", INFERA_SESSION_AFFINITY="both")).start()
     yield f
     f.stop()

@@ -15,9 +15,17 @@ from pathlib import Path
 from infera.procs import free_port, stop_process, wait_port
 
 
+#: ``infera up`` flags of each plane the end-to-end tests run on.
+PLANES = {
+    "nats": [],
+    "no-broker": ["--discovery-backend", "etcd", "--request-transport", "http", "--kv-event-transport", "zmq"],
+}
+
+
 class Fleet:
     def __init__(self, state_dir: Path, workers: int = 2, extra: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, plane: str = "nats") -> None:
+        self.plane = plane
         self.state_dir = state_dir
         self.port = free_port()
         self.nats_port = free_port()
@@ -25,7 +33,8 @@ class Fleet:
         self.nats_url = f"nats://127.0.0.1:{self.nats_port}"
         self.workers = workers
         self.argv = [sys.executable, "-m", "infera.cli", "up", "--port", str(self.port), "--nats-port",
-                     str(self.nats_port), "--workers", str(workers), "--state-dir", str(state_dir), *(extra or [])]
+                     str(self.nats_port), "--workers", str(workers), "--state-dir", str(state_dir), *PLANES[plane],
+                     *(extra or [])]
         self.env = env
         self.proc: subprocess.Popen | None = None
         self.banner = ""
@@ -138,11 +147,14 @@ def env_with(**values: str) -> dict[str, str]:
     return env
 
 
-__all__ = ["Fleet", "engine_pid", "scrape", "process_tree", "descendants_alive", "env_with", "wait_port"]
+__all__ = ["PLANES", "Fleet", "engine_pid", "scrape", "process_tree", "descendants_alive", "env_with", "wait_port"]
 
 
 def router_metrics_url(fleet: Fleet) -> str:
-    """The /metrics URL of the router `infera up` started (its --metrics-port argument)."""
+    """The /metrics URL of the router `infera up` started (its --metrics-port argument; on the
+    no-broker plane the router runs inside infera.server, whose /metrics is on the API port)."""
+    if fleet.plane == "no-broker":
+        return fleet.url
     for pid in process_tree(fleet.proc.pid):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")

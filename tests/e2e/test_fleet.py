@@ -1,4 +1,5 @@
-"""The whole path on real processes: client -> frontend -> router -> worker-agent -> mock engine, on NATS."""
+"""The whole path on real processes: client -> frontend -> router -> worker-agent -> mock engine, on the
+NATS plane and on the no-broker plane (etcd, ``infera.server`` calling the engines over HTTP, ZMQ KV events)."""
 
 from __future__ import annotations
 
@@ -87,6 +88,8 @@ async def test_same_seed_same_text_through_the_fleet(fleet):
 
 
 async def test_nats_client_chat_and_stream(fleet):
+    if fleet.plane != "nats":
+        pytest.skip("the NATS API needs a NATS server")
     client = InferaClient(fleet.nats_url)
     await client.connect()
     try:
@@ -130,6 +133,27 @@ async def test_round_robin_sends_traffic_to_both_workers(rr_fleet):
     after = [scrape(w["url"]).get("sglang:prompt_tokens_total", 0.0) for w in workers]
     assert all(a - b >= 35 * 2 for a, b in zip(after, before)), (before, after)
 
+
+
+async def test_session_affinity_keeps_each_sessions_turns_on_one_worker(rr_fleet):
+    """Round-robin spreads requests without a session; with X-Dynamo-Session-ID each session's turns
+    all land on the worker of its first turn (the engines' prompt counters tell where they ran)."""
+    fleet = rr_fleet
+    workers = fleet.workers_list()
+
+    def counts() -> list[float]:
+        return [scrape(w["url"]).get("sglang:prompt_tokens_total", 0.0) for w in workers]
+
+    for session in ("alpha", "beta", "gamma"):
+        before = counts()
+        for turn in range(4):
+            status, _, raw = await _post(fleet, "/v1/chat/completions", CHAT, {"X-Dynamo-Session-ID": session})
+            assert status == 200, raw
+        moved = [a - b for a, b in zip(counts(), before)]
+        assert sorted(m > 0 for m in moved) == [False, True], (session, moved)  # one worker took all four
+    status, _, raw = await _post(fleet, "/v1/chat/completions", CHAT,
+                                 {"X-Dynamo-Session-ID": "x" * 1025})
+    assert status == 400 and b"1024" in raw
 
 @pytest.mark.parametrize(
     "path, body, status",
@@ -228,13 +252,10 @@ async def test_kv_aware_routing_sends_a_follow_up_turn_to_the_engine_holding_its
     assert all(h >= 576 for h in hits), hits
 
 
-async def test_engine_events_reach_the_index_through_agent_and_stream(fleet):
-    """agent -> JetStream -> kv-indexer: the engine that served a prompt holds its full blocks in the index."""
-    import nats
-
+async def test_engine_events_reach_the_index_and_route_to_the_engine_that_cached(fleet):
+    """Engine -> index (NATS plane: agent -> JetStream -> kv-indexer; no-broker: the server's index reads the
+    engine's ZMQ publisher): a prompt sent straight to one engine is then routed there, from its cache."""
     from infera_common.block_hash import block_hashes
-    from infera_common.schemas import OverlapQuery, OverlapReply, decode, encode
-    from infera_common.subjects import KV_QUERY
 
     workers = fleet.workers_list()
     target, other = workers[0], workers[1]
@@ -245,18 +266,28 @@ async def test_engine_events_reach_the_index_through_agent_and_stream(fleet):
         async with s.post(target["url"] + "/v1/completions",
                           json={"model": MODEL, "prompt": prompt, "max_tokens": 1}) as r:
             assert r.status == 200
-    nc = await nats.connect(fleet.nats_url)
-    try:
-        query = encode(OverlapQuery(model=MODEL, hashes={block: block_hashes(prompt, block)}))
-        depths: dict[str, int] = {}
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            reply = decode(OverlapReply, (await nc.request(KV_QUERY, query, timeout=2)).data)
-            depths = {o.worker_id: o.blocks for o in reply.overlaps}
-            if depths.get(target["worker_id"]) == 10:
-                break
-            await asyncio.sleep(0.1)
-    finally:
-        await nc.close()
-    assert depths.get(target["worker_id"]) == 10
-    assert depths.get(other["worker_id"], 0) == 0
+    if fleet.plane == "nats":  # ask the kv-indexer itself
+        import nats
+
+        from infera_common.schemas import OverlapQuery, OverlapReply, decode, encode
+        from infera_common.subjects import KV_QUERY
+
+        nc = await nats.connect(fleet.nats_url)
+        try:
+            query = encode(OverlapQuery(model=MODEL, hashes={block: block_hashes(prompt, block)}))
+            depths: dict[str, int] = {}
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                reply = decode(OverlapReply, (await nc.request(KV_QUERY, query, timeout=2)).data)
+                depths = {o.worker_id: o.blocks for o in reply.overlaps}
+                if depths.get(target["worker_id"]) == 10:
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            await nc.close()
+        assert depths.get(target["worker_id"]) == 10 and depths.get(other["worker_id"], 0) == 0
+    await asyncio.sleep(0.5)  # the events reach the index
+    for _ in range(3):  # through the fleet: every time on the engine that holds the prompt
+        status, _, raw = await _post(fleet, "/v1/completions", {"model": MODEL, "prompt": prompt + [7], "max_tokens": 1})
+        assert status == 200, raw
+        assert json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"] == 10 * block

@@ -24,12 +24,15 @@ CHAT = {"model": BUNDLED_MODEL_NAME, "messages": [{"role": "user", "content": "T
 BANDWIDTH = 4_000_000
 
 
-@pytest.fixture(scope="module", params=[("sglang-bootstrap", 1), ("sglang-bootstrap", 8), ("vllm-mooncake", 1)],
-                ids=["sglang-dp1", "sglang-dp8", "vllm-dp1"])
+@pytest.fixture(scope="module", params=[("sglang-bootstrap", 1, "nats"), ("sglang-bootstrap", 8, "nats"),
+                                        ("vllm-mooncake", 1, "nats"), ("sglang-bootstrap", 1, "no-broker"),
+                                        ("vllm-mooncake", 1, "no-broker")],
+                ids=["sglang-dp1", "sglang-dp8", "vllm-dp1", "sglang-dp1-no-broker", "vllm-dp1-no-broker"])
 def pd_fleet(tmp_path_factory, request):
-    """1P1D; the same with 8 DP-attention ranks on each side; and with vLLM's Mooncake handshake."""
-    protocol, dp = request.param
-    f = Fleet(tmp_path_factory.mktemp("pd-fleet"), workers=0,
+    """1P1D; the same with 8 DP-attention ranks on each side; and with vLLM's Mooncake handshake; the
+    first and the last also on the no-broker plane (the router's own HTTP calls carry both legs)."""
+    protocol, dp, plane = request.param
+    f = Fleet(tmp_path_factory.mktemp("pd-fleet"), workers=0, plane=plane,
               extra=["--prefill-workers", "1", "--decode-workers", "1", "--pd-protocol", protocol,
                      f"--engine-arg=--dp-size {dp}",
                      "--engine-arg=--speedup 20", f"--engine-arg=--kv-transfer-bandwidth {BANDWIDTH}"],

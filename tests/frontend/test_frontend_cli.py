@@ -48,12 +48,6 @@ def test_bad_flags_exit_2_naming_the_flag(argv, capsys):
     assert argv[0] in capsys.readouterr().err
 
 
-def test_unsupported_plane_is_refused_at_once(subprocess_env):
-    out = subprocess.run([sys.executable, "-m", "infera_frontend", "--request-transport", "http"],
-                         capture_output=True, text=True, timeout=30, env=subprocess_env)
-    assert out.returncode != 0 and "--request-transport" in out.stderr
-
-
 def test_process_serves_and_stops_on_sigterm(nats_server, subprocess_env):
     port = free_port()
     proc = subprocess.Popen(

@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import random
 
-import pytest
 
 from infera_common.schemas import OverlapReply, WorkerOverlap
 
 from infera_router.core import RouterCore
-from infera_router.kv_view import KvView, kv_query, kv_view
+from infera_router.kv_view import kv_query, kv_view
 from infera_router.policy_kv_aware import KvAware
 from infera_router.policy_least_loaded import LeastLoaded
 from infera_router.policy_round_robin import RoundRobin

@@ -39,7 +39,6 @@ async def serve(settings: FrontendSettings) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     settings, _ = parse_cli(FrontendSettings, argv, prog="infera-frontend", description=__doc__)
-    settings.require_supported()
     configure_logging(settings.log_level, settings.log_format, service="frontend")
     with event_loop_runner() as runner:
         return runner.run(serve(settings))

@@ -12,9 +12,9 @@ UNKNOWN_MODEL = "_unknown"
 
 
 class FrontendMetrics:
-    def __init__(self) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self._children: dict[int, dict[tuple[str, ...], object]] = {}
-        self.registry = CollectorRegistry()
+        self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter(
             "infera_frontend_requests", "Requests answered, by transport (http|nats), endpoint, HTTP status and model.",

@@ -35,13 +35,17 @@ NATS_CONNECT_TIMEOUT = 10.0
 
 
 class Frontend:
-    def __init__(self, settings: FrontendSettings) -> None:
+    def __init__(self, settings: FrontendSettings, nc: NATS | None = None,
+                 metrics: FrontendMetrics | None = None) -> None:
+        """``nc``: an already connected client (e.g. ``python -m infera.server``'s in-process bus) that the
+        frontend uses and does not close; by default it connects to ``--nats-url`` itself."""
         self.settings = settings
         self.frontend_id = settings.frontend_id or f"fe-{uuid.uuid4().hex[:12]}"
-        self.metrics = FrontendMetrics()
+        self.metrics = metrics or FrontendMetrics()
+        self._own_nc = nc is None
         self.discovery = discovery_for(settings)
         self.models = ModelTable(self.discovery.describe())
-        self.nc: NATS | None = None
+        self.nc: NATS | None = nc
         self.watcher: FleetWatcher | None = None
         self._load_sub = None
         self.inbox: Inbox | None = None
@@ -63,9 +67,12 @@ class Frontend:
         tokenizer = await asyncio.to_thread(ChatTokenizer.from_dir, s.model_path)
         if not tokenizer.has_chat_template:
             log.warning("no_chat_template", model_path=s.model_path)
-        self.nc = await connect(s.nats_url, f"infera-frontend-{self.frontend_id}", NATS_CONNECT_TIMEOUT)
-        self.discovery = discovery_for(s, self.nc.jetstream())
-        log.info("discovery", frontend_id=self.frontend_id, nats_url=s.nats_url, **self.discovery.log_fields())
+        if self.nc is None:
+            self.nc = await connect(s.nats_url, f"infera-frontend-{self.frontend_id}", NATS_CONNECT_TIMEOUT)
+        js = self.nc.jetstream() if s.discovery_backend == "nats" else None  # etcd needs no JetStream
+        self.discovery = discovery_for(s, js)
+        log.info("discovery", frontend_id=self.frontend_id, **({"nats_url": s.nats_url} if self._own_nc else {}),
+                 **self.discovery.log_fields())
         self.watcher = self.discovery.watcher(on_change=self.models.apply)
         try:
             await self.watcher.start()
@@ -131,6 +138,6 @@ class Frontend:
             await self.watcher.stop()
         if self.inbox is not None:
             await self.inbox.stop()
-        if self.nc is not None:
+        if self.nc is not None and self._own_nc:
             await close_connection(self.nc)
         log.info("frontend_stopped", frontend_id=self.frontend_id)

@@ -49,8 +49,10 @@ class Plan:
 class RouterCore:
     def __init__(self, policy: Policy, lease_prefix: str, lease_max_age: float,
                  sessions: SessionTable | None = None, breaker: CircuitBreaker | None = None,
-                 discovery_backend: str | None = None, discovery: str = "") -> None:
+                 discovery_backend: str | None = None, discovery: str = "",
+                 request_transport: str | None = None) -> None:
         self.policy = policy
+        self.request_transport = request_transport  # this router's; workers on the other one are not candidates
         self.discovery_backend = discovery_backend  # this router's; a request from another plane is refused
         self.discovery = discovery  # where it looks, named in refusals
         self.router_id = lease_prefix
@@ -83,6 +85,15 @@ class RouterCore:
                 f"no active worker for model {model!r} "
                 f"({counts['starting']} starting, {counts['draining']} draining)",
             )
+        if self.request_transport is not None:
+            reachable = [w for w in active if w.record.request_transport == self.request_transport]
+            if not reachable:
+                theirs = sorted({w.record.request_transport for w in active})
+                return Plan(503, f"the {len(active)} active workers of model {model!r} take requests over "
+                                 f"--request-transport {'/'.join(theirs)} but router {self.router_id} uses "
+                                 f"--request-transport {self.request_transport}: give the workers and the "
+                                 "router (or infera.server) the same --request-transport")
+            active = reachable
         if request.exclude:
             excluded = set(request.exclude)
             remaining = [w for w in active if w.base_id not in excluded]

@@ -175,6 +175,11 @@ class RouterMetrics:
         self.http_cancels = Counter(
             "infera_router_http_cancels", "Cancel messages received for requests this router runs itself.", registry=r,
         )
+        self.plane_mismatches = Counter(
+            "infera_router_plane_mismatches", "Workers that joined on another request or KV-event plane than this "
+            "router's, by flag (--request-transport: not routed to; --kv-event-transport: cache-blind).",
+            ["flag"], registry=r,
+        )
         self._session_seen: dict[tuple[str, str], int] = {}  # (role, counter) -> value already exported
         self._blind: dict[str, str] = {}  # worker -> reason currently set to 1
         self._lease_gauges: dict[str, Gauge] = {}

@@ -22,7 +22,7 @@ from infera_common.discovery_select import FleetWatcher, discovery_for
 from infera_common.fleet import Change
 from infera_common.logs import get_logger
 from infera_common.nats_conn import close_connection, connect, unsubscribe_quietly
-from infera_common.schemas import LoadReport, Prefilled, Release, decode
+from infera_common.schemas import LoadReport, Prefilled, Release, WorkerRecord, decode
 from infera_common.subjects import (
     LOAD_SUBJECTS,
     ROUTER_QUEUE,
@@ -38,6 +38,7 @@ from infera_router.kv_client import KvClient
 from infera_router.leases import Lease
 from infera_router.metrics import RouterMetrics
 from infera_router.pd_flow import PdFlow
+from infera_router.planes import plane_mismatches
 from infera_router.pd_pairs import PdPairs
 from infera_router.routing import RoutePath
 from infera_router.policies import create_policy
@@ -67,7 +68,8 @@ class RouterService(RoutePath):
                                SessionTable(settings.session_affinity, settings.session_affinity_ttl_seconds),
                                CircuitBreaker(settings.breaker_failure_threshold, settings.breaker_cooldown_s,
                                               settings.breaker_max_cooldown_s),
-                               discovery_backend=settings.discovery_backend, discovery=self.discovery.describe())
+                               discovery_backend=settings.discovery_backend, discovery=self.discovery.describe(),
+                               request_transport=settings.request_transport)
         self.pairs = PdPairs(settings.pd_prefill_guard_release)
         self._pd: PdFlow | None = None
         self._kv: KvClient | None = None
@@ -87,7 +89,7 @@ class RouterService(RoutePath):
             self.nc = await connect(self.settings.nats_url, f"infera-router-{self.router_id}", NATS_CONNECT_TIMEOUT)
         js = self.nc.jetstream() if self.settings.discovery_backend == "nats" else None  # etcd needs no JetStream
         self.discovery = discovery_for(self.settings, js)
-        log.info("discovery", router_id=self.router_id, nats_url=self.settings.nats_url,
+        log.info("discovery", router_id=self.router_id, **({"nats_url": self.settings.nats_url} if self._own_nc else {}),
                  **self.discovery.log_fields())
         self._watcher = self.discovery.watcher(on_change=self._on_change)
         try:
@@ -177,8 +179,18 @@ class RouterService(RoutePath):
         else:
             log.info("worker_" + change.kind, worker_id=record.worker_id, model=record.model,
                      status=record.status.value, engine=record.engine, role=record.role.value)
+            if before is None:
+                self._check_planes(record)
         for model in {record.model, before[0] if before else None} - {None}:
             self.metrics.set_live(model, self.core.fleet.status_counts(model))
+
+    def _check_planes(self, record: WorkerRecord) -> None:
+        """Say once, when a worker joins, which of its planes this router cannot work with."""
+        for problem in plane_mismatches(record, self.settings):
+            self.metrics.plane_mismatches.labels(problem.flag).inc()
+            log.warning("worker_plane_mismatch", worker_id=record.worker_id, model=record.model, flag=problem.flag,
+                        worker_value=problem.worker, router_value=problem.ours, effect=problem.effect,
+                        hint=f"give every service the same {problem.flag}")
 
     # --- load reports and releases ---------------------------------------------------------
     def _decoded(self, schema: type[T], msg: Msg, kind: str) -> T | None:

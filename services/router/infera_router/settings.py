@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import secrets
 import socket
-from typing import ClassVar, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -22,8 +22,6 @@ PolicyName = Literal[POLICY_NAMES]  # type: ignore[valid-type]  # the registry's
 
 
 class RouterSettings(PlaneSettings, LogSettings):
-    #: the router calls engines over HTTP itself; KV events reach it through the kv-indexer either way
-    plane_support: ClassVar[dict[str, tuple[str, ...]]] = {"request_transport": ("http",), "kv_event_transport": ("zmq",)}
 
     router_policy: PolicyName = Field(  # type: ignore[valid-type]
         DEFAULT_POLICY,

@@ -1,0 +1,124 @@
+"""``python -m infera.server``: the frontend, the router and the KV index as one command (the runbooks' server).
+
+The three are the same services that run as separate processes on the NATS plane, started in one
+process. They keep talking in NATS's shape (route request/reply, reply inboxes, index queries):
+
+- on the no-broker plane (``--discovery-backend etcd --request-transport http --kv-event-transport
+  zmq``) through an in-process bus (``infera_common.local_bus``): no NATS server is needed. The
+  router calls the engines' HTTP APIs itself, the index reads the engines' ZMQ publishers itself,
+  discovery is etcd;
+- when any plane is ``nats``, each connects to ``--nats-url`` as its stand-alone process would.
+
+``/metrics`` on ``--port`` shows the series of all three (and ``--metrics-port`` N also serves them
+there). A wrong flag exits 2 at once, naming it; etcd or NATS unreachable exits 1 within seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from infera_common.local_bus import LocalBus
+from infera_common.logs import configure_logging
+from infera_common.metrics import start_metrics_server
+from infera_common.runtime import event_loop_runner
+from infera_common.settings import parse_cli
+from infera_frontend.metrics import FrontendMetrics
+from infera_frontend.service import Frontend
+from infera_kv_indexer.metrics import KvIndexerMetrics
+from infera_kv_indexer.service import KvIndexerService
+from infera_router.metrics import RouterMetrics
+from infera_router.service import RouterService
+
+from infera.server_settings import ServerSettings
+
+#: The in-process bus carries whole request bodies (with their token ids): no broker limit applies.
+BUS_MAX_PAYLOAD = 256 << 20
+
+
+class Server:
+    """The three services in start order (index, router, frontend) and the bus between them."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.registry = CollectorRegistry()
+        self.bus: LocalBus | None = None
+        if not settings.needs_nats():
+            self.bus = LocalBus(max_payload=BUS_MAX_PAYLOAD, name="infera-server", registry=self.registry)
+            # nobody outside this process can reach the NATS API of an in-process bus
+            settings = settings.model_copy(update={"enable_nats_api": False})
+        self.indexer = KvIndexerService(settings, KvIndexerMetrics(self.registry), nc=self._client("kv-indexer"))
+        self.router = RouterService(settings, RouterMetrics(self.registry), nc=self._client("router"))
+        self.frontend = Frontend(settings, nc=self._client("frontend"), metrics=FrontendMetrics(self.registry))
+        self._metrics_runner: Any = None
+
+    def _client(self, name: str):
+        return self.bus.connect(name) if self.bus is not None else None
+
+    @property
+    def port(self) -> int | None:
+        return self.frontend.port
+
+    async def start(self) -> None:
+        await self.indexer.start()
+        await self.router.start()
+        await self.frontend.start()
+        if self.settings.metrics_port:
+            self._metrics_runner, _ = await start_metrics_server(
+                self.registry, self.settings.metrics_host, self.settings.metrics_port)
+
+    async def stop(self) -> None:
+        """Frontend first (its open requests are cancelled), then router, then index."""
+        for part in (self.frontend, self.router, self.indexer):
+            try:
+                await part.stop()
+            except Exception as exc:  # one part failing to stop must not keep the others running
+                print(f"infera.server: stopping {type(part).__name__} failed: {exc!r}", file=sys.stderr)
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+        if self.bus is not None:
+            await self.bus.close()
+
+
+def describe(settings: ServerSettings, port: int | None) -> str:
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    planes = (f"discovery {settings.discovery_backend}"
+              + (f" at {settings.etcd_endpoint}" if settings.discovery_backend == "etcd" else "")
+              + f", requests over {settings.request_transport}, KV events over {settings.kv_event_transport}")
+    return (f"infera.server: serving the OpenAI API on http://{host}:{port} ({planes}; router "
+            f"{settings.router_policy})\n  curl http://{host}:{port}/v1/workers")
+
+
+async def serve(settings: ServerSettings) -> int:
+    server = Server(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start()
+    except Exception as exc:  # etcd or NATS unreachable, port taken, bad tokenizer, ...
+        print(f"infera.server: cannot start: {exc}", file=sys.stderr)
+        await server.stop()
+        return 1
+    print(describe(settings, server.port), flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings, _ = parse_cli(ServerSettings, argv, prog="python -m infera.server", description=__doc__)
+    configure_logging(settings.log_level, settings.log_format, service="server")
+    with event_loop_runner() as runner:
+        return runner.run(serve(settings))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
