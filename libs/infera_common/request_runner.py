@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from infera_common.engine_relay import Abort, FrameSink, Outcome, Publish, Relay
 from infera_common.logs import get_logger
@@ -58,6 +58,27 @@ class RunnerHooks(Protocol):
     def in_flight(self, count: int) -> None: ...
     def cancel_received(self) -> None: ...
     def bad_cancel(self) -> None: ...
+
+
+class SeriesHooks:
+    """``RunnerHooks`` over a service's Prometheus series: requests by outcome (a counter labelled
+    ``outcome``), the in-flight gauge, and the counters of Cancel messages received and unreadable."""
+
+    def __init__(self, requests: Any, in_flight: Any, cancels: Any, bad_cancels: Any) -> None:
+        self._outcomes = {o: requests.labels(o) for o in ("ok", "error", "cancelled", "expired")}
+        self._in_flight, self._cancels, self._bad_cancels = in_flight, cancels, bad_cancels
+
+    def finished(self, outcome: Outcome) -> None:
+        self._outcomes[outcome].inc()
+
+    def in_flight(self, count: int) -> None:
+        self._in_flight.set(count)
+
+    def cancel_received(self) -> None:
+        self._cancels.inc()
+
+    def bad_cancel(self) -> None:
+        self._bad_cancels.inc()
 
 
 @dataclass(frozen=True, slots=True)

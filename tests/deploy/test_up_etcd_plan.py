@@ -12,11 +12,19 @@ from infera_worker_agent.settings import parse_agent_cli
 SETTINGS = {"kv-indexer": KvIndexerSettings, "router": RouterSettings, "frontend": FrontendSettings}
 
 
-def _plane(role: str, args: list[str]):
+def _settings(role: str, args: list[str]):
+    """The settings a process of the plan parses from its arguments."""
+    if role == "server":
+        from infera.server_settings import ServerSettings
+
+        return parse_cli(ServerSettings, args, prog=role)[0]
     if role == "worker":
-        settings, _ = parse_agent_cli(args)
-    else:
-        settings, _ = parse_cli(SETTINGS[role], args, prog=role)
+        return parse_agent_cli(args)[0]
+    return parse_cli(SETTINGS[role], args, prog=role)[0]
+
+
+def _plane(role: str, args: list[str]):
+    settings = _settings(role, args)
     return settings.discovery_backend, settings.etcd_endpoint, settings.nats_url
 
 
@@ -34,14 +42,7 @@ def test_the_default_fleet_stays_on_nats_discovery():
 
 
 def _planes(role: str, args: list[str]) -> tuple[str, str, str]:
-    if role == "server":
-        from infera.server_settings import ServerSettings
-
-        settings, _ = parse_cli(ServerSettings, args, prog=role)
-    elif role == "worker":
-        settings, _ = parse_agent_cli(args)
-    else:
-        settings, _ = parse_cli(SETTINGS[role], args, prog=role)
+    settings = _settings(role, args)
     return settings.discovery_backend, settings.request_transport, settings.kv_event_transport
 
 

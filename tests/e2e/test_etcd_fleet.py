@@ -24,6 +24,7 @@ import pytest
 from infera.procs import free_port, stop_process
 from infera_common.models import BUNDLED_MODEL_NAME
 from tests.e2e.fleet import Fleet, env_with, process_tree
+from tests.e2e.runbook import wait_for
 
 TTL = 2.0  # --discovery-ttl: the etcd lease TTL of every worker
 
@@ -57,16 +58,6 @@ def _start_worker(fleet: Fleet, worker_id: str, *plane: str, model: str = BUNDLE
          "--metrics-port", "0", "--served-model-name", model, "--speedup", "20"],
         stdout=log, stderr=subprocess.STDOUT, env=env_with(INFERA_DISCOVERY_TTL=str(TTL)), start_new_session=True,
     )
-
-
-def _wait(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"{what} not within {timeout:.0f}s")
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +98,7 @@ def test_workers_register_in_etcd_serve_leave_within_the_lease_ttl_and_join(etcd
     # a third worker started by hand with the runbook's plane flags joins the fleet
     third = _start_worker(fleet, "mock-3", "--discovery-backend", "etcd", "--etcd-endpoint", fleet.etcd_endpoint)
     try:
-        _wait(lambda: any(w["worker_id"] == "mock-3" and w["status"] == "active" for w in fleet.workers_list()),
+        wait_for(lambda: any(w["worker_id"] == "mock-3" and w["status"] == "active" for w in fleet.workers_list()),
               20, "mock-3 active in /v1/workers")
         assert all(_chat(fleet.url)[0] == 200 for _ in range(4))
     finally:
@@ -124,7 +115,7 @@ def test_a_worker_registered_on_nats_discovery_is_named_not_waited_for(etcd_flee
             status, body = _chat(fleet.url, model="only-on-nats", timeout=5)
             return body["error"] if status == 503 and body["error"]["code"] == "discovery_mismatch" else None
 
-        err = _wait(refused, 20, "the discovery mismatch error")
+        err = wait_for(refused, 20, "the discovery mismatch error")
         assert "stray-1" in err["message"] and "registered in nats" in err["message"]
         assert f"etcd at {fleet.etcd_endpoint}" in err["message"] and "--discovery-backend" in err["message"]
         listing = fleet.get_json("/v1/workers")

@@ -3,9 +3,7 @@ route RPC and the frames, a scripted engine over real HTTP)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 
 import pytest
 
@@ -18,15 +16,8 @@ from infera_router.service import RouterService
 from infera_router.settings import RouterSettings
 
 from router_helpers import record, route_request
+from test_router_service import eventually
 from tests.worker_agent.fake_engine import FakeEngine
-
-
-async def eventually(check, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 class Rig:

@@ -23,7 +23,7 @@ import aiohttp
 from infera_common.engine_relay import ABORT_PATHS, EngineAborter, Relay
 from infera_common.logs import get_logger
 from infera_common.nats_conn import unsubscribe_quietly
-from infera_common.request_runner import Engine, RequestRunner, StopReason
+from infera_common.request_runner import Engine, RequestRunner, SeriesHooks, StopReason
 from infera_common.schemas import WorkEnvelope, WorkerRecord, encode
 from infera_common.subjects import CANCEL_SUBJECTS, work_subject, worker_of_cancel_subject
 
@@ -65,31 +65,14 @@ class JetStreamDispatcher:
         await self._publisher.stop()
 
 
-class _Hooks:
-    def __init__(self, metrics: RouterMetrics) -> None:
-        self._m = metrics
-        self._outcomes = {o: metrics.http_requests.labels(o) for o in ("ok", "error", "cancelled", "expired")}
-
-    def finished(self, outcome: str) -> None:
-        self._outcomes[outcome].inc()
-
-    def in_flight(self, count: int) -> None:
-        self._m.http_in_flight.set(count)
-
-    def cancel_received(self) -> None:
-        self._m.http_cancels.inc()
-
-    def bad_cancel(self) -> None:
-        self._m.bad_messages.labels("cancel").inc()
-
-
 class HttpDispatcher:
     """The HTTP request plane: this router calls the engine (see the module doc)."""
 
     def __init__(self, nc: Any, record_of: Callable[[str], WorkerRecord | None], metrics: RouterMetrics) -> None:
         self._nc = nc
         self._record_of = record_of
-        self._runner = RequestRunner(nc.publish, _Hooks(metrics))
+        self._runner = RequestRunner(nc.publish, SeriesHooks(metrics.http_requests, metrics.http_in_flight,
+                                                             metrics.http_cancels, metrics.bad_messages.labels("cancel")))
         self._session: aiohttp.ClientSession | None = None
         self._engines: dict[str, tuple[str, Engine]] = {}  # worker id -> (url, engine)
         self._cancel_sub = None

@@ -22,7 +22,7 @@ from nats.js.client import JetStreamContext
 from infera_common.engine_relay import Abort, Relay
 from infera_common.logs import get_logger
 from infera_common.nats_conn import unsubscribe_quietly
-from infera_common.request_runner import CLOSING, Engine, RequestRunner, StopReason, quietly
+from infera_common.request_runner import CLOSING, Engine, RequestRunner, SeriesHooks, StopReason, quietly
 from infera_common.schemas import WorkEnvelope, decode
 from infera_common.subjects import cancel_subject, request_stream, work_consumer, work_subject
 from infera_worker_agent.metrics import AgentMetrics
@@ -48,26 +48,6 @@ def consumer_config(worker_id: str, max_pending: int, deliver_subject: str, ack_
     )
 
 
-class AgentRunnerHooks:
-    """The request runner's counts, as the agent's metrics."""
-
-    def __init__(self, metrics: AgentMetrics) -> None:
-        self._m = metrics
-        self._outcomes = {o: metrics.requests.labels(o) for o in ("ok", "error", "cancelled", "expired")}
-
-    def finished(self, outcome: str) -> None:
-        self._outcomes[outcome].inc()
-
-    def in_flight(self, count: int) -> None:
-        self._m.in_flight.set(count)
-
-    def cancel_received(self) -> None:
-        self._m.cancels.inc()
-
-    def bad_cancel(self) -> None:
-        self._m.bad_cancels.inc()
-
-
 class RequestWorker:
     def __init__(
         self,
@@ -88,7 +68,8 @@ class RequestWorker:
         self._engine = Engine(relay, abort)
         self._metrics = metrics
         self._ack_wait = ack_wait
-        self._runner = RequestRunner(nc.publish, AgentRunnerHooks(metrics))
+        self._runner = RequestRunner(nc.publish, SeriesHooks(metrics.requests, metrics.in_flight, metrics.cancels,
+                                                             metrics.bad_cancels))
         self._work_sub = None
         self._cancel_sub = None
         self._tasks: dict[str, asyncio.Task] = {}
