@@ -1,5 +1,6 @@
-"""Starting a local fleet for a benchmark, as processes: nats-server plus the `infera up` topology,
-or (for comparison) bare mock engines behind the public sglang-router."""
+"""Starting a local fleet for a benchmark, as processes: nats-server plus the `infera up` topology (or,
+on the no-broker plane, etcd plus one `infera.server`), or (for comparison) bare mock engines behind
+the public sglang-router."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from infera.fleet_plan import default_engine_args, plan_fleet
-from infera.procs import free_port, start_nats, stop_process, wait_port
+from infera.procs import free_port, start_etcd, start_nats, stop_process, wait_port
 from infera_common.models import default_model_path
 
 
@@ -38,23 +39,30 @@ def _get_json(url: str, timeout: float = 1.0):
 def start_fleet(tmp: Path, *, workers: int, policy: str | None, engine_args: list[str],
                 need_block_size: bool = False, metrics_ports: list[int] | None = None,
                 prefill_workers: int = 0, decode_workers: int = 0, env: dict[str, str] | None = None,
-                ) -> tuple[list[subprocess.Popen], str, list[dict]]:
+                plane: str = "nats") -> tuple[list[subprocess.Popen], str, list[dict]]:
     """Start the fleet with logs in ``tmp``; returns (processes, frontend URL, active worker records).
 
     ``workers`` aggregated worker-agents, plus ``prefill_workers`` and ``decode_workers``
     disaggregated ones (both or neither, as `infera up`); ready when all of them are active.
     ``metrics_ports`` (kv-indexer, router, then one per worker: aggregated, prefill, decode) lets the
     caller read their /metrics. ``env`` is added to every process's environment (e.g. a router
-    setting as INFERA_*)."""
+    setting as INFERA_*). ``plane`` "no-broker": etcd discovery, HTTP requests, ZMQ KV events, no
+    nats-server (the router's /metrics are then the server's, on the frontend URL)."""
     _stop_on_sigterm()
     nats_port, http_port = free_port(), free_port()
     total = workers + prefill_workers + decode_workers
-    procs = [start_nats(nats_port, tmp / "js")]
+    planes: dict = {}
+    if plane == "no-broker":
+        etcd_port = free_port()
+        procs = [start_etcd(etcd_port, tmp / "etcd")]
+        planes = {"etcd_endpoint": f"127.0.0.1:{etcd_port}", "request_transport": "http", "kv_event_transport": "zmq"}
+    else:
+        procs = [start_nats(nats_port, tmp / "js")]
     plan = plan_fleet(
         nats_url=f"nats://127.0.0.1:{nats_port}", host="127.0.0.1", port=http_port, workers=workers,
         router_policy=policy, engine_args=engine_args,
         metrics_ports=metrics_ports or [free_port() for _ in range(total + 2)],
-        prefill_workers=prefill_workers, decode_workers=decode_workers,
+        prefill_workers=prefill_workers, decode_workers=decode_workers, **planes,
     )
     for spec in plan:
         procs.append(_spawn(spec.argv(sys.executable), tmp / f"{spec.name}.log", env))

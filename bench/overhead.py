@@ -1,11 +1,12 @@
 """Overhead of the Infera path (frontend -> router -> worker-agent -> engine) over calling the engine directly.
 
-Starts its own fleet (nats-server, router, frontend, one worker-agent over one mock engine), then
+Starts its own fleet per plane (``nats``: nats-server, router, frontend, one worker-agent over one
+mock engine; ``no-broker``: etcd and one ``infera.server`` calling the engine over HTTP), then
 drives the SAME engine two ways in one run: through the frontend, and straight at the engine's
 URL. For each concurrency it measures short non-streaming requests (p50/p99 latency, requests/s)
 and streamed tokens/s, and prints each Infera figure as a ratio of the direct one.
 
-    .venv/bin/python bench/overhead.py [--concurrency 1 32 128] [--seconds 8] [--speedup 1]
+    .venv/bin/python bench/overhead.py [--concurrency 1 32 128] [--seconds 8] [--speedup 1] [--planes nats no-broker]
 
 The mock engine keeps its GPU-like timing model (the published Dynamo curves, divided by
 --speedup), so the direct path is a realistic engine, not a no-op.
@@ -92,28 +93,32 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8, help="completion length of the short requests")
     ap.add_argument("--router-policy", default=None, help="router policy (default: the router's, kv-aware)")
     ap.add_argument("--stream-tokens", type=int, default=64, help="completion length of the streamed requests")
+    ap.add_argument("--planes", nargs="+", choices=["nats", "no-broker"], default=["nats", "no-broker"],
+                    help="nats: the services apart on NATS; no-broker: etcd + infera.server (HTTP to the engine)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="infera-bench-"))
-    procs, frontend, workers = start_fleet(tmp, workers=1, policy=args.router_policy,
-                                           engine_args=["--speedup", str(args.speedup)])
-    engine = workers[0]["url"]
     rows = []
-    try:
-        for c in args.concurrency:
-            for label, stream, mt in (("short", False, args.max_tokens), ("stream", True, args.stream_tokens)):
-                direct = asyncio.run(drive(f"{engine}/v1/chat/completions", c, args.seconds, stream, mt))
-                infera = asyncio.run(drive(f"{frontend}/v1/chat/completions", c, args.seconds, stream, mt))
-                rows.append((c, label, direct, infera))
-    finally:
-        stop_fleet(procs)
+    for plane in args.planes:
+        (tmp / plane).mkdir()
+        procs, frontend, workers = start_fleet(tmp / plane, workers=1, policy=args.router_policy,
+                                               engine_args=["--speedup", str(args.speedup)], plane=plane)
+        engine = workers[0]["url"]
+        try:
+            for c in args.concurrency:
+                for label, stream, mt in (("short", False, args.max_tokens), ("stream", True, args.stream_tokens)):
+                    direct = asyncio.run(drive(f"{engine}/v1/chat/completions", c, args.seconds, stream, mt))
+                    infera = asyncio.run(drive(f"{frontend}/v1/chat/completions", c, args.seconds, stream, mt))
+                    rows.append((plane, c, label, direct, infera))
+        finally:
+            stop_fleet(procs)
     print(f"\nrouter policy {args.router_policy or 'default (kv-aware)'}; mock engine speedup {args.speedup}; short = non-streaming, max_tokens {args.max_tokens}; "
           f"stream = max_tokens {args.stream_tokens}; {args.seconds:.0f}s per cell; logs {tmp}\n")
-    hdr = (f"{'conc':>4} {'kind':<6} | {'direct p50':>10} {'p99':>8} {'req/s':>8} {'tok/s':>8} | "
+    hdr = (f"{'plane':<9} {'conc':>4} {'kind':<6} | {'direct p50':>10} {'p99':>8} {'req/s':>8} {'tok/s':>8} | "
            f"{'infera p50':>10} {'p99':>8} {'req/s':>8} {'tok/s':>8} | {'+p50 ms':>7} {'req/s %':>7} {'tok/s %':>7}")
     print(hdr)
     print("-" * len(hdr))
-    for c, label, d, i in rows:
-        print(f"{c:>4} {label:<6} | {d['p50_ms']:>10.2f} {d['p99_ms']:>8.2f} {d['rps']:>8.1f} {d['tok_s']:>8.0f} | "
+    for plane, c, label, d, i in rows:
+        print(f"{plane:<9} {c:>4} {label:<6} | {d['p50_ms']:>10.2f} {d['p99_ms']:>8.2f} {d['rps']:>8.1f} {d['tok_s']:>8.0f} | "
               f"{i['p50_ms']:>10.2f} {i['p99_ms']:>8.2f} {i['rps']:>8.1f} {i['tok_s']:>8.0f} | "
               f"{i['p50_ms'] - d['p50_ms']:>7.2f} {100 * i['rps'] / d['rps']:>6.0f}% "
               f"{100 * i['tok_s'] / max(d['tok_s'], 1e-9):>6.0f}%")

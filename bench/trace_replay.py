@@ -253,14 +253,16 @@ def router_counters(metrics_url: str) -> dict[str, float]:
     return out
 
 
-def run_infera(policy: str, engine_args: list[str], trace, prompts, offsets, args) -> dict:
+def run_infera(row: str, engine_args: list[str], trace, prompts, offsets, args) -> dict:
+    """One Infera row: ``policy`` or ``policy@no-broker`` (etcd, HTTP requests, ZMQ events, infera.server)."""
+    policy, _, plane = row.partition("@")
     tmp = Path(tempfile.mkdtemp(prefix=f"infera-trace-{policy}-"))
     ports = [free_port() for _ in range(args.workers + 2)]
     procs, url, _ = start_fleet(tmp, workers=args.workers, policy=policy, engine_args=engine_args,
-                                need_block_size=True, metrics_ports=ports)
+                                need_block_size=True, metrics_ports=ports, plane=plane or "nats")
     try:
         result = measure(one_completion, url, fleet_engines(url), trace, prompts, offsets, args)
-        result["router"] = router_counters(f"http://127.0.0.1:{ports[1]}/metrics")
+        result["router"] = router_counters(f"{url}/metrics" if plane else f"http://127.0.0.1:{ports[1]}/metrics")
         return result
     finally:
         stop_fleet(procs)
@@ -320,7 +322,8 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=16384, help="truncate prompts at this many tokens")
     ap.add_argument("--max-tokens", type=int, default=256, help="cap on the trace's output lengths")
     ap.add_argument("--policies", nargs="+", default=["round-robin", "least-loaded", "kv-aware", SGLANG_ROW],
-                    help=f"rows to run, in order: Infera --router-policy names, and {SGLANG_ROW} "
+                    help=f"rows to run, in order: Infera --router-policy names (NAME@no-broker: on etcd, HTTP and "
+                    f"ZMQ with one infera.server), and {SGLANG_ROW} "
                     "(the public sglang-router, policy cache_aware, in front of bare mock engines)")
     ap.add_argument("--trace", type=Path, default=TRACE)
     args = ap.parse_args()
