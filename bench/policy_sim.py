@@ -42,6 +42,7 @@ from infera_common.fleet import Change  # noqa: E402
 from infera_common.schemas import WorkerRecord  # noqa: E402
 
 import trace_replay as tr  # noqa: E402
+from sglang_cache_aware import SglangCacheAwareModel  # noqa: E402
 
 
 def chain_hashes(hasher: BlockHasher, ids: list[int], bs: int) -> list[int]:
@@ -61,10 +62,18 @@ def prefix_depth(cached: set[int], chain: list[int]) -> int:
     return n
 
 
+def make_policy(name: str, overlap_weight: float, decode_weight: float):
+    """A router policy by name, or the model of the public sglang-router's cache_aware policy."""
+    if name == SglangCacheAwareModel.name:
+        return SglangCacheAwareModel()
+    return create_policy(name, overlap_weight, decode_weight)
+
+
 def simulate(policy_name: str, prompts: list[list[int]], outputs: list[int], arrivals_ms: list[float], *,
              workers: int, kv_blocks: int, block_size: int, overlap_weight: float = 1.0,
-             decode_weight: float = 0.25, seed: int = 1, index_lag_ms: float = 0.0, slowdown: float = 1.0) -> dict:
-    policy = create_policy(policy_name, overlap_weight, decode_weight)
+             decode_weight: float = 0.25, seed: int = 1, index_lag_ms: float = 0.0, slowdown: float = 1.0,
+             policy: object | None = None) -> dict:
+    policy = policy if policy is not None else make_policy(policy_name, overlap_weight, decode_weight)
     if hasattr(policy, "_rng"):
         policy._rng = random.Random(seed)
     core = RouterCore(policy, "sim", 1e12)
@@ -86,8 +95,11 @@ def simulate(policy_name: str, prompts: list[list[int]], outputs: list[int], arr
     busy: dict[str, bool] = dict.fromkeys(engines, False)
     live: dict[int, tuple[Sequence, str, str, float]] = {}  # key -> (seq, worker, lease, arrival)
     ttft: list[float] = []
+    ttft_by: dict[int, float] = {}  # request index -> TTFT (for per-request comparisons)
     e2e: list[float] = []
     split = dict.fromkeys(engines, 0)
+    worker_of: dict[int, str] = {}
+    cached_by: dict[int, int] = {}  # request index -> prompt tokens reused from the engine's cache
     cached = prompt = 0
 
     def kick(wid: str, now: float) -> None:
@@ -117,6 +129,7 @@ def simulate(policy_name: str, prompts: list[list[int]], outputs: list[int], arr
             seq = Sequence(str(i), prompts[i], outputs[i], "length", lambda: rng.randrange(100, tr.VOCAB))
             live[seq.key] = (seq, worker.worker_id, lease.lease_id, now)
             split[worker.worker_id] += 1
+            worker_of[i] = worker.worker_id
             engines[worker.worker_id].add(seq)
             kick(worker.worker_id, now)
         elif kind == "index":
@@ -138,11 +151,13 @@ def simulate(policy_name: str, prompts: list[list[int]], outputs: list[int], arr
                 seq, _, lease_id, t0 = live.get(key, (None, None, None, 0.0))
                 if seq is not None and gen == 0 and seq.generated > 0:
                     ttft.append(now - t0)
+                    ttft_by[int(seq.rid)] = now - t0
                     core.prefilled(lease_id)
             for key in [k for k, (s, w, _, _) in live.items() if w == wid and s.state == FINISHED]:
                 seq, _, lease_id, t0 = live.pop(key)
                 e2e.append(now - t0)
                 cached += seq.cached_tokens
+                cached_by[int(seq.rid)] = seq.cached_tokens
                 prompt += seq.prompt_len
                 core.release(lease_id)
             busy[wid] = False
@@ -151,7 +166,8 @@ def simulate(policy_name: str, prompts: list[list[int]], outputs: list[int], arr
     shares = list(split.values())
     return {"hit": cached / max(1, prompt), "ttft_mean": statistics.fmean(ttft), "ttft_p50": statistics.median(ttft),
             "ttft_p90": q[8], "e2e_p50": statistics.median(e2e), "max_share": max(shares) / statistics.fmean(shares),
-            "split": shares}
+            "split": shares, "ttft_p99": statistics.quantiles(ttft, n=100)[98], "ttft_by": ttft_by,
+            "worker_of": worker_of, "cached_by": cached_by, "policy": policy}
 
 
 def main() -> None:

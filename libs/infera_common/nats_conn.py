@@ -184,3 +184,9 @@ async def close_connection(nc: NATS, timeout: float = 5.0) -> None:
             await asyncio.wait_for(nc.close(), timeout)
         except Exception:  # nothing more can be done: the process is exiting
             log.warning("nats_close_timed_out")
+
+
+def nats_log_fields(nats_url: str, used: bool) -> dict[str, str]:
+    """``{"nats_url": ...}`` for a start-up log line when this process dials NATS, else nothing (a
+    service on an in-process bus, or a worker on the no-broker plane, never mentions a NATS URL)."""
+    return {"nats_url": nats_url} if used else {}

@@ -12,7 +12,7 @@ from nats.aio.client import Client as NATS
 
 from infera_common.discovery_select import FleetWatcher, discovery_for
 from infera_common.logs import get_logger
-from infera_common.nats_conn import close_connection, connect, unsubscribe_quietly
+from infera_common.nats_conn import close_connection, connect, nats_log_fields, unsubscribe_quietly
 from infera_common.schemas import LoadReport, decode
 from infera_common.subjects import LOAD_SUBJECTS
 from infera_common.tokenizer import ChatTokenizer
@@ -71,7 +71,7 @@ class Frontend:
             self.nc = await connect(s.nats_url, f"infera-frontend-{self.frontend_id}", NATS_CONNECT_TIMEOUT)
         js = self.nc.jetstream() if s.discovery_backend == "nats" else None  # etcd needs no JetStream
         self.discovery = discovery_for(s, js)
-        log.info("discovery", frontend_id=self.frontend_id, **({"nats_url": s.nats_url} if self._own_nc else {}),
+        log.info("discovery", frontend_id=self.frontend_id, **nats_log_fields(s.nats_url, self._own_nc),
                  **self.discovery.log_fields())
         self.watcher = self.discovery.watcher(on_change=self.models.apply)
         try:

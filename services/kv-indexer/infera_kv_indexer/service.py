@@ -30,7 +30,7 @@ from nats.aio.msg import Msg
 from infera_common.discovery_select import FleetWatcher, discovery_for
 from infera_common.fleet import Change
 from infera_common.logs import get_logger
-from infera_common.nats_conn import close_connection, connect, unsubscribe_quietly
+from infera_common.nats_conn import close_connection, connect, nats_log_fields, unsubscribe_quietly
 from infera_common.subjects import KV_INDEXER_QUEUE, KV_QUERY
 
 from infera_kv_indexer.index import KvIndex
@@ -87,7 +87,8 @@ class KvIndexerService:
             self._stream = StreamFollower(js, self._on_stream_message, self.metrics)
             await self._stream.prepare(s.kv_event_max_age, s.kv_event_max_bytes)
         discovery = discovery_for(s, js)
-        log.info("discovery", nats_url=s.nats_url, kv_event_transport=s.kv_event_transport, **discovery.log_fields())
+        log.info("discovery", **nats_log_fields(s.nats_url, self._owns_nc), kv_event_transport=s.kv_event_transport,
+                 **discovery.log_fields())
         self._watcher = discovery.watcher(on_change=self._on_change)
         try:
             await self._watcher.start()

@@ -21,7 +21,7 @@ from nats.aio.subscription import Subscription
 from infera_common.discovery_select import FleetWatcher, discovery_for
 from infera_common.fleet import Change
 from infera_common.logs import get_logger
-from infera_common.nats_conn import close_connection, connect, unsubscribe_quietly
+from infera_common.nats_conn import close_connection, connect, nats_log_fields, unsubscribe_quietly
 from infera_common.schemas import LoadReport, Prefilled, Release, WorkerRecord, decode
 from infera_common.subjects import (
     LOAD_SUBJECTS,
@@ -89,7 +89,7 @@ class RouterService(RoutePath):
             self.nc = await connect(self.settings.nats_url, f"infera-router-{self.router_id}", NATS_CONNECT_TIMEOUT)
         js = self.nc.jetstream() if self.settings.discovery_backend == "nats" else None  # etcd needs no JetStream
         self.discovery = discovery_for(self.settings, js)
-        log.info("discovery", router_id=self.router_id, **({"nats_url": self.settings.nats_url} if self._own_nc else {}),
+        log.info("discovery", router_id=self.router_id, **nats_log_fields(self.settings.nats_url, self._own_nc),
                  **self.discovery.log_fields())
         self._watcher = self.discovery.watcher(on_change=self._on_change)
         try:

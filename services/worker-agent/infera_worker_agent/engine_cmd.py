@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from infera_common.engine_relay import ABORT_PATHS
+from infera_common.kv_endpoints import url_host
 
 if TYPE_CHECKING:
     from infera_worker_agent.kv_config import KvEventsPlan
@@ -86,11 +87,6 @@ def vllm_flag_view(args: Sequence[str]) -> list[str]:
             arg = "--" + head.replace("_", "-") + dot + tail + eq + value
         out.append(arg)
     return out
-
-
-def url_host(host: str) -> str:
-    """A host as it appears in a URL (IPv6 literals in brackets)."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _port(value: str) -> int:

@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from infera_common.kv_endpoints import url_host
 from infera_common.schemas import PdParams, Role
-from infera_worker_agent.engine_cmd import url_host
 from infera_worker_agent.pd_role import PROTOCOLS, SGLANG_MODES, PdPlan
 
 REPORTED_MODES = {**SGLANG_MODES, "both": None}  # the mock's vLLM kv_both: either role, keep the plan's

@@ -30,7 +30,9 @@ from infera_common.discovery_select import FleetRegistrar, discovery_for
 from infera_common.engine_relay import EngineAborter, Relay
 from infera_common.logs import get_logger
 from infera_common.metrics import start_metrics_server
-from infera_common.nats_conn import connect, delete_stream_quietly, ensure_kv_event_stream, ensure_request_stream
+from infera_common.nats_conn import (
+    connect, delete_stream_quietly, ensure_kv_event_stream, ensure_request_stream, nats_log_fields,
+)
 from infera_common.schemas import KvRelay, LoadReport, WorkerRecord, WorkerStatus, encode
 from infera_common.subjects import kv_event_subject, load_subject
 from infera_worker_agent.engine_cmd import EnginePlan
@@ -196,7 +198,7 @@ class Agent:
                 log.error("nats_unreachable", error=str(exc), needed_by=list(uses))
                 return False
         discovery = discovery_for(self.s, self._nc.jetstream() if self._nc is not None else None)
-        log.info("discovery", worker_id=self.worker_id, **({"nats_url": nats_url} if uses else {}),
+        log.info("discovery", worker_id=self.worker_id, **nats_log_fields(nats_url, bool(uses)),
                  **discovery.log_fields())
         self._registrar = discovery.registrar(self._record(self._model, WorkerStatus.STARTING))
         try:
