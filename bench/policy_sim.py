@@ -13,7 +13,12 @@ trace requests 2000-2999, token-id prompts <= 16,384 tokens, outputs <= 256, 4 e
 blocks of 64. Simulated time runs at the trace's own pace (trace_replay compresses arrivals 4x and
 speeds the engines up 4x: the same thing in simulated ms).
 
-    .venv/bin/python bench/policy_sim.py [--decode-weights 0 0.25 1] [--overlap-weights 1 2]
+    .venv/bin/python bench/policy_sim.py [--policies round-robin sglang-cache-aware kv-aware]
+                                         [--decode-weights 0 0.25 1] [--overlap-weights 1 2] [--slowdown 2]
+
+`sglang-cache-aware` is not an Infera policy: it is our model of the public sglang-router's
+`cache_aware` policy (bench/sglang_cache_aware.py), run in the same simulated fleet so that the two
+routers' decisions compare without their processes.
 """
 
 from __future__ import annotations
@@ -37,12 +42,13 @@ from infera_mock_engine.scheduler import FINISHED, Scheduler, SchedulerConfig, S
 from infera_mock_engine.timing import TimingModel  # noqa: E402
 from infera_router.core import RouterCore  # noqa: E402
 from infera_router.kv_view import KvView  # noqa: E402
-from infera_router.policies import create_policy  # noqa: E402
+from infera_router.policies import POLICY_NAMES, create_policy  # noqa: E402
+from infera_router.policy_kv_aware import DEFAULT_DECODE_WEIGHT, DEFAULT_OVERLAP_WEIGHT  # noqa: E402
 from infera_common.fleet import Change  # noqa: E402
 from infera_common.schemas import WorkerRecord  # noqa: E402
 
 import trace_replay as tr  # noqa: E402
-from sglang_cache_aware import SglangCacheAwareModel  # noqa: E402
+from sglang_cache_aware import MAX_TREE_SIZE, SglangCacheAwareModel  # noqa: E402
 
 
 def chain_hashes(hasher: BlockHasher, ids: list[int], bs: int) -> list[int]:
@@ -62,6 +68,16 @@ def prefix_depth(cached: set[int], chain: list[int]) -> int:
     return n
 
 
+def idle_ttft_ms(timing: TimingModel, budget: int, uncached: int) -> float:
+    """A request's TTFT alone on an idle engine: its uncached prompt prefilled in chunks of ``budget``."""
+    left, total = max(1, uncached), 0.0
+    while left > 0:
+        chunk = min(left, budget)
+        total += timing.prefill_ms(chunk)
+        left -= chunk
+    return total
+
+
 def make_policy(name: str, overlap_weight: float, decode_weight: float):
     """A router policy by name, or the model of the public sglang-router's cache_aware policy."""
     if name == SglangCacheAwareModel.name:
@@ -73,6 +89,9 @@ def simulate(policy_name: str, prompts: list[list[int]], outputs: list[int], arr
              workers: int, kv_blocks: int, block_size: int, overlap_weight: float = 1.0,
              decode_weight: float = 0.25, seed: int = 1, index_lag_ms: float = 0.0, slowdown: float = 1.0,
              policy: object | None = None) -> dict:
+    """Replay the window through one policy (``policy``, if given, instead of ``policy_name``: an
+    experimental policy object). Returns the summary figures plus per-request TTFT / cache hit /
+    worker (``ttft_by``, ``cached_by``, ``worker_of``, keyed by request index) and the policy."""
     policy = policy if policy is not None else make_policy(policy_name, overlap_weight, decode_weight)
     if hasattr(policy, "_rng"):
         policy._rng = random.Random(seed)
@@ -163,11 +182,17 @@ def simulate(policy_name: str, prompts: list[list[int]], outputs: list[int], arr
             busy[wid] = False
             kick(wid, now)
     q = statistics.quantiles(ttft, n=10)
+    timing, budget = TimingModel(), SchedulerConfig().max_num_batched_tokens
+    floor = [idle_ttft_ms(timing, budget, len(prompts[i]) - c) * slowdown for i, c in cached_by.items()]
     shares = list(split.values())
     return {"hit": cached / max(1, prompt), "ttft_mean": statistics.fmean(ttft), "ttft_p50": statistics.median(ttft),
             "ttft_p90": q[8], "e2e_p50": statistics.median(e2e), "max_share": max(shares) / statistics.fmean(shares),
             "split": shares, "ttft_p99": statistics.quantiles(ttft, n=100)[98], "ttft_by": ttft_by,
-            "worker_of": worker_of, "cached_by": cached_by, "policy": policy}
+            "worker_of": worker_of, "cached_by": cached_by, "policy": policy,
+            "floor_p90": statistics.quantiles(floor, n=10)[8]}
+
+
+DEFAULT_POLICIES = ("round-robin", "least-loaded", SglangCacheAwareModel.name, "kv-aware")
 
 
 def main() -> None:
@@ -179,8 +204,13 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--max-prompt", type=int, default=16384)
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--decode-weights", type=float, nargs="+", default=[0.0, 0.25, 1.0])
-    ap.add_argument("--overlap-weights", type=float, nargs="+", default=[1.0, 2.0])
+    ap.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES),
+                    choices=[*POLICY_NAMES, SglangCacheAwareModel.name],
+                    help="policies to run, in this order (kv-aware: once per overlap x decode weight); "
+                         f"{SglangCacheAwareModel.name} is a model of the public sglang-router's cache_aware "
+                         "policy with its default thresholds (bench/sglang_cache_aware.py)")
+    ap.add_argument("--decode-weights", type=float, nargs="+", default=[DEFAULT_DECODE_WEIGHT])
+    ap.add_argument("--overlap-weights", type=float, nargs="+", default=[DEFAULT_OVERLAP_WEIGHT])
     ap.add_argument("--load", type=float, default=1.0,
                     help="compress the trace's arrivals by this factor on top of the standard pace (2 = twice the load)")
     ap.add_argument("--index-lag-ms", type=float, default=0.0,
@@ -196,25 +226,38 @@ def main() -> None:
     arrivals_ms = [t * 1000.0 for t in tr.arrivals(trace, args.load)]
     common = dict(workers=args.workers, kv_blocks=args.kv_blocks, block_size=args.block_size,
                   index_lag_ms=args.index_lag_ms, slowdown=args.slowdown)
-    runs: list[tuple[str, dict]] = [(p, simulate(p, prompts, outputs, arrivals_ms, **common))
-                                    for p in ("round-robin", "least-loaded")]
-    for ow in args.overlap_weights:
-        for dw in args.decode_weights:
-            runs.append((f"kv-aware o={ow:g} d={dw:g}", simulate(
-                "kv-aware", prompts, outputs, arrivals_ms, overlap_weight=ow, decode_weight=dw, **common)))
-    rr = runs[0][1]
+    runs: list[tuple[str, dict]] = []
+    for p in args.policies:
+        if p != "kv-aware":
+            label = "sglang cache_aware (model)" if p == SglangCacheAwareModel.name else p
+            runs.append((label, simulate(p, prompts, outputs, arrivals_ms, **common)))
+            continue
+        for ow in args.overlap_weights:
+            for dw in args.decode_weights:
+                runs.append((f"kv-aware o={ow:g} d={dw:g}", simulate(
+                    "kv-aware", prompts, outputs, arrivals_ms, overlap_weight=ow, decode_weight=dw, **common)))
+    base = runs[0]
     print(f"policy simulation: Mooncake requests {args.start}-{args.start + args.count - 1}, {args.workers} engines x "
-          f"{args.kv_blocks} blocks of {args.block_size}; load x{args.load:g}; index lag {args.index_lag_ms:g} ms; slowdown {args.slowdown:g}; "
-          "simulated ms\n")
-    print(f"{'policy':<26} {'hit':>6} {'TTFT mean':>9} {'p50':>7} {'p90':>7} {'e2e p50':>8} {'max/mean':>8} "
-          f"| vs round-robin: {'hit':>5} {'TTFT p90':>8}")
-    print("-" * 110)
+          f"{args.kv_blocks} blocks of {args.block_size}; load x{args.load:g}; index lag {args.index_lag_ms:g} ms; "
+          f"slowdown {args.slowdown:g}; simulated ms\n")
+    print(f"{'policy':<27} {'hit':>6} {'TTFT mean':>9} {'p50':>6} {'p90':>6} {'p99':>6} {'floor p90':>9} "
+          f"{'e2e p50':>8} {'max/mean':>8} | vs {base[0][:12]}: {'hit':>5} {'p90':>6}")
+    print("-" * 122)
     for name, r in runs:
-        print(f"{name:<26} {r['hit']:>6.3f} {r['ttft_mean']:>9.0f} {r['ttft_p50']:>7.0f} {r['ttft_p90']:>7.0f} "
-              f"{r['e2e_p50']:>8.0f} {r['max_share']:>8.2f} | {'':>15} {r['hit'] / rr['hit']:>5.2f}x "
-              f"{r['ttft_p90'] / rr['ttft_p90']:>7.2f}x")
-    print(f"{'fleet LRU (reference)':<26} "
+        print(f"{name:<27} {r['hit']:>6.3f} {r['ttft_mean']:>9.0f} {r['ttft_p50']:>6.0f} {r['ttft_p90']:>6.0f} "
+              f"{r['ttft_p99']:>6.0f} {r['floor_p90']:>9.0f} {r['e2e_p50']:>8.0f} {r['max_share']:>8.2f} | "
+              f"{'':>16} {r['hit'] / base[1]['hit']:>5.2f}x {r['ttft_p90'] / base[1]['ttft_p90']:>5.2f}x")
+    print(f"{'fleet LRU (reference)':<27} "
           f"{tr.reference_hits(prompts, args.block_size, args.workers * args.kv_blocks):>6.3f}")
+    print("\nfloor p90: the p90 of each request's TTFT alone on an idle engine with the cache hit it got "
+          "(its own chunked prefill): no routing can go below it without more cache hits.")
+    for name, r in runs:
+        model = r["policy"]
+        if isinstance(model, SglangCacheAwareModel):
+            st = model.stats
+            print(f"{name}: {st.tree} requests to the holder of a match > {model.cache_threshold:g} of their text, "
+                  f"{st.low_match} below it (least in flight), {st.imbalanced} in imbalanced mode; largest tree "
+                  f"{model.max_tenant_chars:,} characters per worker (its bound: {MAX_TREE_SIZE:,})")
 
 
 if __name__ == "__main__":

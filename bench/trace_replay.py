@@ -50,7 +50,7 @@ from infera_common.models import BUNDLED_MODEL_NAME
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_fast25_conversation_trace.jsonl.gz"
 TRACE_BLOCK = 512
-SGLANG_ROW = "sglang-router"  # --policies name of the sglang-router cache_aware row
+SGLANG_ROW = "sglang-router"  # --policies name of the sglang-router rows: cache_aware, or sglang-router@POLICY
 VOCAB = 49152
 
 
@@ -268,11 +268,16 @@ def run_infera(row: str, engine_args: list[str], trace, prompts, offsets, args) 
         stop_fleet(procs)
 
 
-def run_sglang_router(engine_args: list[str], trace, prompts, offsets, args) -> dict:
+def sglang_policy(row: str) -> str:
+    """The sglang-router policy of a row: ``sglang-router`` is cache_aware, ``sglang-router@round_robin`` ..."""
+    return row.partition("@")[2] or "cache_aware"
+
+
+def run_sglang_router(row: str, engine_args: list[str], trace, prompts, offsets, args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="infera-trace-sglang-router-"))
     procs, engines = start_engines(tmp, workers=args.workers, engine_args=engine_args)
     try:
-        router, url = start_sglang_router(tmp, engines, policy="cache_aware")
+        router, url = start_sglang_router(tmp, engines, policy=sglang_policy(row))
         procs.append(router)
         return measure(one_generate, url, engines, trace, prompts, offsets, args)
     finally:
@@ -280,7 +285,7 @@ def run_sglang_router(engine_args: list[str], trace, prompts, offsets, args) -> 
 
 
 def row_label(policy: str) -> str:
-    return f"{SGLANG_ROW} cache_aware" if policy == SGLANG_ROW else policy
+    return f"{SGLANG_ROW} {sglang_policy(policy)}" if policy.startswith(SGLANG_ROW) else policy
 
 
 def print_table(rows: dict[str, dict], args, n: int, infinite: float, fleet_lru: float) -> None:
@@ -323,11 +328,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256, help="cap on the trace's output lengths")
     ap.add_argument("--policies", nargs="+", default=["round-robin", "least-loaded", "kv-aware", SGLANG_ROW],
                     help=f"rows to run, in order: Infera --router-policy names (NAME@no-broker: on etcd, HTTP and "
-                    f"ZMQ with one infera.server), and {SGLANG_ROW} "
+                    f"ZMQ with one infera.server), and {SGLANG_ROW} (or {SGLANG_ROW}@round_robin, ...: another of its policies) "
                     "(the public sglang-router, policy cache_aware, in front of bare mock engines)")
     ap.add_argument("--trace", type=Path, default=TRACE)
     args = ap.parse_args()
-    if SGLANG_ROW in args.policies and not sglang_router_installed():
+    if any(p.startswith(SGLANG_ROW) for p in args.policies) and not sglang_router_installed():
         ap.error(f"the {SGLANG_ROW} row needs the sglang-router package: `make bench` installs it (or "
                  f"`.venv/bin/pip install -e '.[test,bench]'`); or leave {SGLANG_ROW} out of --policies")
     trace = load_trace(args.trace, args.start, args.count)
@@ -338,8 +343,8 @@ def main() -> None:
                    "--page-size", str(args.block_size), "--context-length", "131072"]
     rows = {}
     for policy in args.policies:
-        if policy == SGLANG_ROW:
-            rows[policy] = run_sglang_router(engine_args, trace, prompts, offsets, args)
+        if policy.startswith(SGLANG_ROW):
+            rows[policy] = run_sglang_router(policy, engine_args, trace, prompts, offsets, args)
         else:
             rows[policy] = run_infera(policy, engine_args, trace, prompts, offsets, args)
     infinite = reference_hits(prompts, args.block_size, None)
