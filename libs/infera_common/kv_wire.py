@@ -66,6 +66,17 @@ class EventBatch:
     malformed: list[str] = field(default_factory=list)
 
 
+def replay_reply(frames: list[bytes]) -> tuple[int, bytes]:
+    """(seq, payload) of one message a DEALER receives from an engine's replay ROUTER.
+
+    SGLang answers ``[b"", seq, payload]``; vLLM (0.32) ``[b"", topic, seq, payload]``, its end
+    marker ``[b"", b"", END_SEQ, b""]``. Either way the seq and the payload are the last two frames.
+    """
+    if len(frames) not in (3, 4) or frames[0]:
+        raise KvWireError(f"replay reply of {len(frames)} frames, expected [b'', (topic,) seq, payload]")
+    return decode_seq(frames[-2]), frames[-1]
+
+
 def decode_seq(raw: bytes) -> int:
     if len(raw) != 8:
         raise KvWireError(f"sequence frame is {len(raw)} bytes, expected 8")

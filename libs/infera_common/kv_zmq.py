@@ -30,7 +30,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from infera_common.kv_seq import RankSeq, Verdict, fill_plan
-from infera_common.kv_wire import END_SEQ, KvWireError, decode_seq, encode_seq
+from infera_common.kv_wire import END_SEQ, KvWireError, decode_seq, encode_seq, replay_reply
 from infera_common.logs import get_logger
 
 _log = get_logger("kv_zmq")
@@ -268,18 +268,14 @@ class KvZmqReader:
                     self._log.warning("kv_replay_timeout", dp_rank=source.dp_rank, start=start, got=len(out),
                                       timeout_s=self.replay_timeout)
                     return out
-                frames = await dealer.recv_multipart()
-                if len(frames) != 3:
-                    self._malformed(source, f"replay: {len(frames)} frames, expected 3")
-                    continue
                 try:
-                    seq = decode_seq(frames[1])
+                    seq, payload = replay_reply(await dealer.recv_multipart())
                 except KvWireError as exc:
                     self._malformed(source, f"replay: {exc}")
                     continue
                 if seq == END_SEQ:
                     return out
-                out[seq] = frames[2]
+                out[seq] = payload
         except zmq.ZMQError as exc:
             self._log.warning("kv_replay_failed", dp_rank=source.dp_rank, start=start, error=str(exc))
             return out

@@ -4,7 +4,8 @@ import msgpack
 import pytest
 
 from infera_common.kv_wire import (
-    AllBlocksCleared, BlockRemoved, BlockStored, KvWireError, decode_batch, decode_seq, encode_seq,
+    END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, KvWireError, decode_batch, decode_seq, encode_seq,
+    replay_reply,
 )
 
 TOKENS = list(range(100, 108))  # two blocks of 4
@@ -95,3 +96,12 @@ def test_lenient_fields_fall_back_and_extra_or_missing_optional_fields_are_fine(
     assert (long.parent_block_hash, long.lora_id, long.medium) == (9, None, None)
     assert (short.block_hashes, short.token_ids, short.lora_id, short.medium) == ([8], [3, 4], None, None)
     assert (removed.block_hashes, removed.medium) == ([7], None) and batch.malformed == []
+
+
+def test_replay_replies_are_read_in_both_engines_framings():
+    assert replay_reply([b"", encode_seq(7), b"batch"]) == (7, b"batch")  # SGLang
+    assert replay_reply([b"", b"kv", encode_seq(7), b"batch"]) == (7, b"batch")  # vLLM 0.32 repeats the topic
+    assert replay_reply([b"", b"", encode_seq(END_SEQ), b""]) == (END_SEQ, b"")  # vLLM's end marker
+    for bad in ([b"", encode_seq(7)], [b"x", encode_seq(7), b"batch"], [b"", b"", b"", encode_seq(7), b""]):
+        with pytest.raises(KvWireError):
+            replay_reply(bad)

@@ -211,12 +211,13 @@ async def test_replay_returns_buffered_batches_from_a_start_seq_then_the_end_mar
     async def replay(start: int) -> list[tuple[int, bytes]]:
         await dealer.send_multipart([b"", start.to_bytes(8, "big")])
         got = []
-        while True:
-            empty, seq, payload = await asyncio.wait_for(dealer.recv_multipart(), 5)
+        while True:  # vLLM 0.32's framing: [b"", topic, seq, payload]; its end marker [b"", b"", -1, b""]
+            empty, topic, seq, payload = await asyncio.wait_for(dealer.recv_multipart(), 5)
             assert empty == b""
             if decode_seq(seq) == END_SEQ:
-                assert payload == b""
+                assert (topic, payload) == (b"", b"")
                 return got
+            assert topic == sources[0]["topic"].encode()
             got.append((decode_seq(seq), payload))
 
     try:

@@ -10,6 +10,9 @@ engine's, and that its real KV events reach the kv-indexer so that a repeated pr
 cache hit (router ``infera_router_kv_hit_blocks``) and served from vLLM's prefix cache
 (``usage.prompt_tokens_details.cached_tokens``).
 
+The same runs on the no-broker plane: etcd, one ``python -m infera.server`` whose router calls vLLM's
+HTTP API itself and whose index reads vLLM's ZMQ publisher directly (no nats-server at all).
+
 Skipped when the vLLM interpreter (``INFERA_TEST_VLLM_PYTHON``, default ``.venv-vllm/bin/python``)
 is missing or cannot import vllm. ``make test-slow`` runs it; it takes about a minute or two.
 """
@@ -172,7 +175,8 @@ def wait_for(predicate, timeout: float, what: str, procs: Procs, watch: list[str
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n" + procs.tails())
 
 
-def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cache_hit(nats_server, tmp_path):
+@pytest.mark.parametrize("plane", ["nats", "no-broker"])
+def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cache_hit(plane, request, tmp_path):
     python = vllm_python()
     model = write_tiny_model(tmp_path / "tiny-llama")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("INFERA_", "VLLM_"))}
@@ -180,22 +184,32 @@ def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cac
                DO_NOT_TRACK="1")
     procs = Procs(tmp_path, env)
     indexer_port, router_port, frontend_port, agent_port = (free_port() for _ in range(4))
-    common = ["--nats-url", nats_server, "--log-format", "json"]
     started = time.monotonic()
     try:
-        procs.start("kv-indexer", [sys.executable, "-m", "infera_kv_indexer", *common,
-                                   "--metrics-port", str(indexer_port)])
-        procs.start("router", [sys.executable, "-m", "infera_router", *common, "--router-policy", "kv-aware",
-                               "--metrics-port", str(router_port)])
-        procs.start("frontend", [sys.executable, "-m", "infera_frontend", *common, "--host", "127.0.0.1",
-                                 "--port", str(frontend_port), "--model-path", str(model)])
+        if plane == "nats":
+            common = ["--nats-url", request.getfixturevalue("nats_server"), "--log-format", "json"]
+            procs.start("kv-indexer", [sys.executable, "-m", "infera_kv_indexer", *common,
+                                       "--metrics-port", str(indexer_port)])
+            procs.start("router", [sys.executable, "-m", "infera_router", *common, "--router-policy", "kv-aware",
+                                   "--metrics-port", str(router_port)])
+            procs.start("frontend", [sys.executable, "-m", "infera_frontend", *common, "--host", "127.0.0.1",
+                                     "--port", str(frontend_port), "--model-path", str(model)])
+            services = {"kv-indexer": indexer_port, "router": router_port, "frontend": frontend_port}
+        else:  # the runbooks' plane: one server (frontend, router and index share its /metrics)
+            common = ["--etcd-endpoint", request.getfixturevalue("etcd_server").endpoint, "--log-format", "json",
+                      "--discovery-backend", "etcd", "--request-transport", "http", "--kv-event-transport", "zmq"]
+            procs.start("server", [sys.executable, "-m", "infera.server", *common, "--host", "127.0.0.1",
+                                   "--port", str(frontend_port), "--router-tokenizer-path", str(model),
+                                   "--router-policy", "kv-aware"])
+            indexer_port = router_port = frontend_port
+            services = {"server": frontend_port}
         engine_env = {
             **env,
             "VLLM_HOST_IP": "127.0.0.1",
             "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache: plenty for a 2-layer model
         }
         procs.start("worker-agent", [
-            sys.executable, "-m", "infera_worker_agent", *common, "--engine", "vllm",
+            sys.executable, "-m", "infera_worker_agent", *common, "--advertise-host", "127.0.0.1", "--engine", "vllm",
             "--engine-python", python, "--worker-id", WORKER_ID, "--metrics-port", str(agent_port),
             "--health-timeout", str(START_TIMEOUT), "--engine-stop-timeout", "15",
             "--",
@@ -204,7 +218,7 @@ def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cac
             "--max-num-seqs", "8", "--enable-prefix-caching", "--enable-prompt-tokens-details",
             *kv_cache_dtype_args(),
         ], env=engine_env)
-        for name, port in (("kv-indexer", indexer_port), ("router", router_port), ("frontend", frontend_port)):
+        for name, port in services.items():
             wait_port("127.0.0.1", port, 30, procs.procs[name])
         frontend = f"http://127.0.0.1:{frontend_port}"
 
@@ -214,7 +228,7 @@ def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cac
             return rows[0] if rows and rows[0].get("status") == "active" else None
 
         worker = wait_for(active_worker, START_TIMEOUT + 30, "the vLLM worker to be active", procs,
-                          ["worker-agent", "frontend", "router", "kv-indexer"])
+                          ["worker-agent", *services])
         startup_s = time.monotonic() - started
         assert worker["model"] == MODEL_NAME
         assert worker.get("kv_block_size") == BLOCK_SIZE
@@ -262,17 +276,19 @@ def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cac
         def indexed():
             s = scrape(indexer)
             return total(s, "infera_kv_indexer_worker_blocks", worker=WORKER_ID) - blocks_before >= full_blocks and s
-        samples = wait_for(indexed, 30, "the kv-indexer to hold the prompt's blocks", procs, ["kv-indexer"], 0.2)
+        samples = wait_for(indexed, 30, "the kv-indexer to hold the prompt's blocks", procs, list(services)[:1], 0.2)
         assert total(samples, "infera_kv_indexer_events_applied_total") > 0
         # real vLLM batches decode cleanly, and every stored block chains to a known parent
         assert total(samples, "infera_kv_indexer_malformed_total") == 0
         assert total(samples, "infera_kv_indexer_orphaned_blocks_total") == 0
         print("kv-indexer:", {k: v for k, v in samples.items() if "events_applied" in k or "worker_blocks" in k})
-        assert total(samples, "infera_kv_indexer_workers", state="seen") == 1
+        # the worker counts as seen once its first events arrived (a gauge refreshed every second)
+        wait_for(lambda: total(scrape(indexer), "infera_kv_indexer_workers", state="seen") == 1, 10,
+                 "the kv-indexer to count the worker as seen", procs, list(services)[:1], 0.2)
         # the first request's lease is released: the router's own in-flight view no longer holds the
         # prompt, so a hit on the second send can only come from the kv-indexer
         wait_for(lambda: total(scrape(router), "infera_router_active_leases", worker=WORKER_ID) == 0, 30,
-                 "the router to release the first request's lease", procs, ["router"], 0.2)
+                 "the router to release the first request's lease", procs, list(services)[-1:], 0.2)
 
         # 3. the same prompt again: the router sees the cached prefix on the worker, vLLM serves it from cache
         status, second = http_json(frontend + "/v1/chat/completions", prompt)

@@ -23,7 +23,7 @@ from nats.js.errors import NotFoundError
 
 from infera.procs import free_port
 from infera_common.discovery_etcd import EtcdWatcher
-from infera_common.kv_wire import END_SEQ, BlockStored, decode_batch, decode_seq, encode_seq
+from infera_common.kv_wire import END_SEQ, BlockStored, decode_batch, decode_seq, encode_seq, replay_reply
 from infera_common.schemas import WorkerStatus
 from infera_common.subjects import request_stream
 
@@ -134,8 +134,7 @@ async def replayed_seqs(endpoint: str, ctx: zmq.asyncio.Context) -> list[int]:
         await dealer.send_multipart([b"", encode_seq(0)])
         seqs = []
         while await dealer.poll(10_000, zmq.POLLIN):
-            frames = await dealer.recv_multipart()
-            seq = decode_seq(frames[1])
+            seq, _ = replay_reply(await dealer.recv_multipart())
             if seq == END_SEQ:
                 return seqs
             seqs.append(seq)

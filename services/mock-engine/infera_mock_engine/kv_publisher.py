@@ -5,9 +5,10 @@
   dropped by ZMQ at the high-water mark, like any PUB socket). Bound when the endpoint has `*`/`::`
   (or is ipc/inproc), connected otherwise.
 - Optional ROUTER replay socket (always bound): a DEALER sends `[b"", start_seq]`; every buffered
-  batch with seq >= start_seq is answered as `[b"", seq, payload]` (ROUTER adds the identity), then
-  the end marker `[b"", -1, b""]`. The last `buffer_steps` batches are kept. Served by an asyncio
-  task (zmq.asyncio), never by polling.
+  batch with seq >= start_seq is answered (ROUTER adds the identity), then an end marker (seq -1),
+  framed as each engine frames it: SGLang `[b"", seq, payload]` / `[b"", -1, b""]`; vLLM (0.32)
+  `[b"", topic, seq, payload]` / `[b"", b"", -1, b""]`. The last `buffer_steps` batches are kept.
+  Served by an asyncio task (zmq.asyncio), never by polling.
 
 The endpoint of DP rank r is the configured one with its port offset by r.
 """
@@ -139,13 +140,14 @@ class KvEventPublisher:
                 client, _, start = frames
                 start_seq = int.from_bytes(start, "big")  # unsigned, as the engines read it
                 sent = 0
+                topic = [self._topic] if self.flavor == "vllm" else []  # vLLM repeats the topic
                 for seq, payload in list(self._buffer):
                     if seq >= start_seq:
-                        await self._replay.send_multipart([client, b"", encode_seq(seq), payload])
+                        await self._replay.send_multipart([client, b"", *topic, encode_seq(seq), payload])
                         sent += 1
                         if sent % _REPLAY_YIELD_EVERY == 0:
                             await asyncio.sleep(0)
-                await self._replay.send_multipart([client, b"", END_SEQ, b""])
+                await self._replay.send_multipart([client, b"", *([b""] if topic else []), END_SEQ, b""])
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as e:
