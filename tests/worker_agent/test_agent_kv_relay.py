@@ -3,61 +3,27 @@
 import asyncio
 
 import msgpack
-import zmq
-import zmq.asyncio
 
-from infera.procs import free_port
-from infera_common.kv_wire import END_SEQ, decode_seq, encode_seq
+from infera_common.kv_wire import encode_seq
 from infera_worker_agent.kv_config import KvSource
 from infera_worker_agent.kv_relay import KvRelayer
 from infera_worker_agent.metrics import AgentMetrics
+from tests.kv_indexer.zmq_helpers import FakePublisher as ZmqFakePublisher
 
 
 def batch(seq: int) -> bytes:
     return msgpack.packb([float(seq), [["AllBlocksCleared"]], 0])
 
 
-class FakePublisher:
-    """PUB on one port, replay ROUTER on another; ``history`` is what replay answers from."""
-
-    def __init__(self) -> None:
-        self.ctx = zmq.asyncio.Context()
-        self.port, self.replay_port = free_port(), free_port()
-        self.pub = self.ctx.socket(zmq.PUB)
-        self.pub.bind(f"tcp://127.0.0.1:{self.port}")
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.bind(f"tcp://127.0.0.1:{self.replay_port}")
-        self.history: dict[int, bytes] = {}
-        self.replay_requests: list[int] = []
-        self._task = asyncio.create_task(self._serve_replay())
+class FakePublisher(ZmqFakePublisher):
+    """The kv-indexer tests' hand-driven publisher, with every batch made from its seq and the agent's source."""
 
     @property
     def source(self) -> KvSource:
         return KvSource(0, f"tcp://*:{self.port}", f"tcp://*:{self.replay_port}")
 
-    async def _serve_replay(self) -> None:
-        while True:
-            ident, _, start = await self.router.recv_multipart()
-            first = decode_seq(start)
-            self.replay_requests.append(first)
-            for seq in sorted(self.history):
-                if seq >= first:
-                    await self.router.send_multipart([ident, b"", encode_seq(seq), self.history[seq]])
-            await self.router.send_multipart([ident, b"", encode_seq(END_SEQ), b""])
-
-    def record(self, seq: int) -> bytes:
-        self.history[seq] = batch(seq)
-        return self.history[seq]
-
     async def publish(self, seq: int, *, skip: bool = False) -> None:
-        payload = self.record(seq)
-        if not skip:
-            await self.pub.send_multipart([b"", encode_seq(seq), payload])
-
-    async def close(self) -> None:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        self.ctx.destroy(linger=0)
+        await self.send(seq, batch(seq), skip=skip)
 
 
 async def wait_for(predicate, timeout: float = 10.0) -> bool:
