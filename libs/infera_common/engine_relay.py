@@ -20,7 +20,7 @@ from typing import Literal
 import aiohttp
 
 from infera_common.logs import get_logger
-from infera_common.schemas import EngineKind, Frame, FrameKind, WorkEnvelope, encode
+from infera_common.schemas import EngineKind, FrameKind, WorkEnvelope, encode_frame
 from infera_common.sse import SseDecoder, is_done
 
 log = get_logger("engine_relay")
@@ -54,11 +54,11 @@ class FrameSink:
     async def send(
         self, kind: FrameKind, *, status: int = 200, body: bytes = b"", message: str = "", final: bool = False,
     ) -> None:
-        frame = Frame(kind=kind, seq=self.seq, status=status, body=body, message=message, final=final)
+        data = encode_frame(kind, self.seq, status, body, message, final)
         self.seq += 1
         if final or kind == "end" or kind == "error":
             self.closed = True
-        await self._publish(self._subject, encode(frame))
+        await self._publish(self._subject, data)
         if kind == "data" and self._on_first_data is not None:
             first, self._on_first_data = self._on_first_data, None
             await first()

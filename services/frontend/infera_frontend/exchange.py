@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from infera_common.logs import get_logger
 from infera_common.openai_errors import normalize_error
-from infera_common.schemas import Endpoint, Frame, decode
+from infera_common.schemas import Endpoint, Frame, decode_frame
 
 from infera_frontend.failover import UPSTREAM_TIMEOUT, RetryableError, worker_error_reason
 from infera_frontend.inbox import Mailbox
@@ -90,7 +90,7 @@ class Exchange:
         else:
             msg = box.get_nowait()
         try:
-            return decode(Frame, msg.data)
+            return decode_frame(msg.data)
         except ValueError as exc:
             self._relay.metrics.bad_frames.inc()
             self.cancel("bad_frame")

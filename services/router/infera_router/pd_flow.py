@@ -21,7 +21,7 @@ from nats.aio.subscription import Subscription
 
 from infera_common.logs import get_logger
 from infera_common.nats_conn import unsubscribe_quietly
-from infera_common.schemas import Cancel, Frame, RouteRequest, WorkEnvelope, decode, encode
+from infera_common.schemas import Cancel, RouteRequest, WorkEnvelope, decode_frame, encode
 from infera_common.subjects import cancel_subject, router_pd_subject, router_pd_subjects
 
 from infera_router.core import Plan, RouterCore
@@ -181,7 +181,7 @@ class PdFlow:
     async def _on_frame(self, msg: Msg) -> None:
         lease_id = msg.subject.rsplit(".", 1)[-1]
         try:
-            frame = decode(Frame, msg.data)
+            frame = decode_frame(msg.data)
         except ValueError as exc:
             self._metrics.bad_messages.labels("pd_frame").inc()
             log.warning("bad_pd_frame", error=str(exc)[:300])

@@ -1,0 +1,27 @@
+"""Response frames on the hot path: the fast encoder and decoder give exactly what the models give."""
+
+import msgpack
+import pytest
+
+from infera_common.schemas import Frame, decode, decode_frame, encode, encode_frame
+
+
+@pytest.mark.parametrize("fields", [
+    {"kind": "head", "seq": 0, "status": 200},
+    {"kind": "data", "seq": 7, "body": b'{"choices": []}'},
+    {"kind": "head", "seq": 0, "status": 400, "body": b"{}", "final": True},
+    {"kind": "error", "seq": 3, "status": 502, "message": "engine gone"},
+    {"kind": "end", "seq": 9},
+])
+def test_the_fast_path_matches_the_model_both_ways(fields):
+    data = encode_frame(**fields)
+    assert data == encode(Frame(**fields))  # the same bytes on the bus
+    assert decode_frame(data) == decode(Frame, data) == Frame(**fields)
+
+
+def test_anything_unusual_is_still_validated():
+    loose = msgpack.packb({"kind": "data", "seq": "3", "body": b"x"}, use_bin_type=True)  # a str seq: coerced
+    assert decode_frame(loose) == Frame(kind="data", seq=3, body=b"x")
+    for bad in (msgpack.packb({"kind": "nope", "seq": 1}), msgpack.packb([1, 2]), b"\xc1"):
+        with pytest.raises(ValueError):
+            decode_frame(bad)
