@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from infera_common.models import BUNDLED_MODEL_NAME
+from infera_common.settings import nats_planes
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ PD_ARGS: dict[str, tuple[list[str], list[str]]] = {
 
 def no_broker(etcd_endpoint: str | None, request_transport: str, kv_event_transport: str) -> bool:
     """True when no plane goes over NATS: discovery in etcd, requests over HTTP, KV events from ZMQ."""
-    return bool(etcd_endpoint) and request_transport == "http" and kv_event_transport == "zmq"
+    return not nats_planes("etcd" if etcd_endpoint else "nats", request_transport, kv_event_transport)
 
 
 def plan_fleet(

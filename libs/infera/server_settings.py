@@ -47,4 +47,4 @@ class ServerSettings(FrontendSettings, RouterSettings, KvIndexerSettings):
     def needs_nats(self) -> bool:
         """True when a plane goes over NATS: then the services connect to --nats-url; otherwise they talk
         through an in-process bus and no NATS server is needed."""
-        return "nats" in (self.discovery_backend, self.request_transport, self.kv_event_transport)
+        return bool(self.nats_uses())

@@ -139,10 +139,9 @@ class RequestRunner:
         except TimeoutError:
             return False
 
-    def stop_all(self, reason: StopReason, worker_id: str | None = None) -> int:
-        """Stop every in-flight request (of ``worker_id``, or all) with ``reason``; how many were stopped."""
-        return sum(self._stop(entry, reason) for entry in list(self._inflight.values())
-                   if worker_id is None or entry.worker_id == worker_id)
+    def stop_all(self, reason: StopReason) -> int:
+        """Stop every in-flight request with ``reason``; how many were stopped."""
+        return sum(self._stop(entry, reason) for entry in list(self._inflight.values()))
 
     def refuse_new(self, reason: StopReason) -> None:
         """Answer submitted envelopes with ``reason`` at once, unless a drain refusal is already set."""

@@ -36,6 +36,14 @@ class NatsSettings(InferaSettings):
     nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated.")
 
 
+def nats_planes(discovery_backend: str, request_transport: str, kv_event_transport: str) -> tuple[str, ...]:
+    """The plane flags (as typed on the command line) that need a NATS connection; empty: none (the
+    no-broker plane: etcd discovery, HTTP requests, ZMQ KV events)."""
+    planes = (("--discovery-backend", discovery_backend), ("--request-transport", request_transport),
+              ("--kv-event-transport", kv_event_transport))
+    return tuple(f"{flag} nats" for flag, value in planes if value == "nats")
+
+
 class PlaneSettings(NatsSettings):
     """The three planes; every service takes the same flags (DESIGN.md, 'Planes')."""
 
@@ -72,6 +80,10 @@ class PlaneSettings(NatsSettings):
         if info.data.get("discovery_backend") == "etcd" and value > 30:
             raise ValueError("at most 30 s with --discovery-backend etcd (it is the etcd lease TTL)")
         return value
+
+    def nats_uses(self) -> tuple[str, ...]:
+        """This process's plane flags that need NATS (``nats_planes``); empty: it never dials NATS."""
+        return nats_planes(self.discovery_backend, self.request_transport, self.kv_event_transport)
 
 
 S = TypeVar("S", bound=BaseSettings)

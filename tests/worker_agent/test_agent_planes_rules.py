@@ -14,7 +14,7 @@ from infera_worker_agent.kv_probe import stores_blocks
 from infera_worker_agent.load import EngineLoad
 from infera_worker_agent.main import build_plan, main
 from infera_worker_agent.host_probe import HostFacts
-from infera_worker_agent.planes import nats_uses, plane_problems, plane_warnings
+from infera_worker_agent.planes import plane_problems, plane_warnings
 from infera_worker_agent.service import Agent
 from infera_worker_agent.settings import parse_agent_cli
 
@@ -33,13 +33,13 @@ def test_nats_is_used_exactly_when_one_plane_is_on_it(discovery, requests, kv):
     expected = tuple(f"--{flag} nats" for flag, value in
                      (("discovery-backend", discovery), ("request-transport", requests), ("kv-event-transport", kv))
                      if value == "nats")
-    assert nats_uses(s) == expected
+    assert s.nats_uses() == expected
 
 
 def test_the_no_broker_plane_needs_no_nats_and_discovery_alone_on_nats_is_fine():
-    assert nats_uses(settings(*NO_BROKER)) == ()
+    assert settings(*NO_BROKER).nats_uses() == ()
     only_discovery = settings("--request-transport", "http", "--kv-event-transport", "zmq")
-    assert nats_uses(only_discovery) == ("--discovery-backend nats",)
+    assert only_discovery.nats_uses() == ("--discovery-backend nats",)
     assert plane_problems(only_discovery, "10.0.0.5", [KvSource(0, "tcp://*:5557", "tcp://*:5558")]) == []
 
 

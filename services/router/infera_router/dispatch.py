@@ -111,10 +111,6 @@ class HttpDispatcher:
         if not self._runner.in_flight_of(worker_id):
             self._engines.pop(worker_id, None)
 
-    @property
-    def in_flight(self) -> int:
-        return self._runner.in_flight
-
     async def _on_cancel(self, msg) -> None:
         worker_id = worker_of_cancel_subject(msg.subject)
         if worker_id is not None:

@@ -1,8 +1,7 @@
 """Which planes the agent serves on, and what each mix needs: pure rules, no I/O.
 
-- ``nats_uses``: the flags that put something of this worker on NATS. The agent connects to NATS
-  only when one does (``--discovery-backend etcd --request-transport http --kv-event-transport zmq``
-  runs with no NATS server at all, and never tries one).
+- (``PlaneSettings.nats_uses``, shared: the flags that put something of this worker on NATS. The
+  agent connects to NATS only when one does; the no-broker plane never tries one.)
 - ``plane_problems``: mixes that cannot work, refused before anything starts (exit 2), each naming
   the flag and what to change. On ``--request-transport http`` and ``--kv-event-transport zmq`` other
   hosts dial what the record advertises, so it has to be an address they can dial.
@@ -24,18 +23,6 @@ class Planes(Protocol):
     discovery_backend: str
     request_transport: str
     kv_event_transport: str
-
-
-def nats_uses(planes: Planes) -> tuple[str, ...]:
-    """The plane flags (as typed on the command line) that need a NATS connection; empty: none."""
-    uses = []
-    if planes.discovery_backend == "nats":
-        uses.append("--discovery-backend nats")
-    if planes.request_transport == "nats":
-        uses.append("--request-transport nats")
-    if planes.kv_event_transport == "nats":
-        uses.append("--kv-event-transport nats")
-    return tuple(uses)
 
 
 def _dialled_planes(planes: Planes) -> list[str]:

@@ -50,7 +50,7 @@ from infera_worker_agent.pd_report import (
     PdState, bootstrap_query_url, needs_bootstrap_query, planned_state, reported_state,
 )
 from infera_worker_agent.pd_role import PdPlan
-from infera_worker_agent.planes import nats_uses, plane_warnings
+from infera_worker_agent.planes import plane_warnings
 from infera_worker_agent.recipes import engine_env
 from infera_worker_agent.settings import AgentSettings
 from infera_worker_agent.worker import RequestWorker, StopReason
@@ -189,7 +189,7 @@ class Agent:
                  url=self.plan.url)
         for warning in plane_warnings(self.s, self.plan.advertise_host):
             log.warning("advertise_host_local_only", note=warning)
-        uses = nats_uses(self.s)  # none on etcd + http + zmq: NATS is never dialled
+        uses = self.s.nats_uses()  # none on etcd + http + zmq: NATS is never dialled
         nats_url = self.s.nats_url if uses else ""
         if uses:
             try:
