@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from infera_common.block_hash import block_hashes  # noqa: E402
+from infera_common.block_hash import block_hashes, pack_tokens  # noqa: E402
 from infera_common.schemas import Endpoint, RouteRequest  # noqa: E402
 from infera_mock_engine.block_hasher import BlockHasher  # noqa: E402
 from infera_mock_engine.kv_events import BlockRemoved, BlockStored  # noqa: E402
@@ -137,7 +137,7 @@ def simulate(policy_name: str, prompts: list[list[int]], outputs: list[int], arr
             i = payload
             req = RouteRequest(request_id=str(i), model="m", endpoint=Endpoint.COMPLETIONS, body=b"{}",
                                stream=True, reply_subject="sim", deadline=0, prompt_tokens=len(prompts[i]),
-                               token_ids=prompts[i])
+                               tokens=pack_tokens(prompts[i]))
             chain = chain_hashes(hasher, prompts[i], block_size)
             depth = {wid: prefix_depth(index[wid], chain) for wid in engines}
             router_chain = block_hashes(prompts[i], block_size)  # what the router hashes (the indexer's hash)

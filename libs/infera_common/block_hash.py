@@ -28,6 +28,36 @@ assert array(_TOKEN).itemsize == 4, "no 32-bit unsigned array type on this platf
 _SWAP = sys.byteorder != "little"
 
 
+def token_array(token_ids: Sequence[int]) -> array:
+    """``token_ids`` as a C array of unsigned 32-bit integers, converted in one C pass.
+
+    Raises ``TypeError`` for an element that is not an integer, ``OverflowError`` for one outside
+    ``0..2**32-1``. An array of this type is returned as it is.
+    """
+    if isinstance(token_ids, array) and token_ids.typecode == _TOKEN:
+        return token_ids
+    return array(_TOKEN, token_ids)
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as bytes: each a little-endian unsigned 32-bit integer (``unpack_tokens`` reverses)."""
+    words = array(_TOKEN, token_ids)
+    if _SWAP:  # pragma: no cover - big-endian hosts
+        words.byteswap()
+    return words.tobytes()
+
+
+def unpack_tokens(data: bytes) -> array:
+    """The token ids ``pack_tokens`` wrote; ``ValueError`` if ``data`` is not whole 4-byte words."""
+    if len(data) % 4:
+        raise ValueError(f"packed token ids must be whole 4-byte words, got {len(data)} bytes")
+    words = array(_TOKEN)
+    words.frombytes(data)
+    if _SWAP:  # pragma: no cover - big-endian hosts
+        words.byteswap()
+    return words
+
+
 def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT) -> list[int]:
     """Hashes of every full block of ``token_ids`` (a trailing partial block has none)."""
     if block_size <= 0:
@@ -36,10 +66,13 @@ def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT) 
     if not n:
         return []
     full = n * block_size
-    words = array(_TOKEN, token_ids if full == len(token_ids) else token_ids[:full])
-    if _SWAP:  # pragma: no cover - big-endian hosts
-        words.byteswap()
-    data = words.tobytes()
+    if isinstance(token_ids, array) and token_ids.typecode == _TOKEN and not _SWAP:
+        data = memoryview(token_ids)[:full].cast("B")  # already the hashed layout: no copy
+    else:
+        words = array(_TOKEN, token_ids if full == len(token_ids) else token_ids[:full])
+        if _SWAP:  # pragma: no cover - big-endian hosts
+            words.byteswap()
+        data = words.tobytes()
     step = block_size * 4
     out = [0] * n
     start = 0

@@ -8,12 +8,14 @@ re-serialises them.
 from __future__ import annotations
 
 import time
+from array import array
 from enum import StrEnum
 from typing import Literal, TypeVar, get_args
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from infera_common.block_hash import unpack_tokens
 from infera_common.subjects import TOKEN_RE
 
 EngineKind = Literal["sglang", "vllm", "mock"]
@@ -116,7 +118,10 @@ class RouteRequest(_Msg):
     stream: bool = False
     reply_subject: str  # where the worker streams response frames
     prompt_tokens: int = 0
-    token_ids: list[int] | None = None
+    #: the prompt's token ids for routing, packed by ``block_hash.pack_tokens`` (``None``: the frontend
+    #: could not reproduce the engine's ids). Bytes, not a list: as a list, a 16k-token prompt cost
+    #: ~0.5 ms of validation on each side of the bus. Read them as ``token_ids``.
+    tokens: bytes | None = None
     deadline: float  # unix time after which nobody waits for the answer
     exclude: list[str] = Field(default_factory=list)  # worker ids not to pick (retries)
     #: every value of the client's X-Dynamo-Session-ID header, in order, unmodified (empty: no header);
@@ -125,6 +130,19 @@ class RouteRequest(_Msg):
     #: the frontend's discovery backend: a router watching another one refuses (503) rather than
     #: route on a different fleet (``None``: not said, no check)
     discovery_backend: DiscoveryBackend | None = None
+
+
+    @field_validator("tokens")
+    @classmethod
+    def _whole_words(cls, v: bytes | None) -> bytes | None:
+        if v is not None and len(v) % 4:
+            raise ValueError(f"tokens must be whole 4-byte token ids, got {len(v)} bytes")
+        return v
+
+    @property
+    def token_ids(self) -> array | None:
+        """The prompt's token ids (a C array of unsigned 32-bit integers), or ``None``."""
+        return None if self.tokens is None else unpack_tokens(self.tokens)
 
 
 class RouteReply(_Msg):

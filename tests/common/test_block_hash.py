@@ -6,7 +6,7 @@ from array import array
 import pytest
 from xxhash import xxh3_64_intdigest
 
-from infera_common.block_hash import ROOT, block_hashes, chain
+from infera_common.block_hash import ROOT, block_hashes, chain, pack_tokens, token_array, unpack_tokens
 
 
 def test_the_definition_and_its_pinned_values():
@@ -40,6 +40,17 @@ def test_an_event_continues_its_parents_chain_as_the_router_hashes_the_whole_pro
 def test_any_sequence_of_token_ids_hashes_the_same():
     tokens = [3, 1 << 20, 70000, 5]
     assert block_hashes(tokens, 2) == block_hashes(tuple(tokens), 2) == block_hashes(array("q", tokens), 2)
+    assert block_hashes(tokens, 2) == block_hashes(token_array(tokens), 2)  # the zero-copy path
+    assert block_hashes(tokens + [9], 2) == block_hashes(token_array(tokens + [9]), 2)  # and its partial tail
+
+
+def test_packed_token_ids_round_trip_as_little_endian_words():
+    tokens = [0, 1, 2**32 - 1, 70000]
+    packed = pack_tokens(tokens)
+    assert packed == struct.pack("<4I", *tokens)
+    assert list(unpack_tokens(packed)) == tokens
+    with pytest.raises(ValueError, match="4-byte"):
+        unpack_tokens(packed[:-1])
 
 
 @pytest.mark.parametrize("bad, error", [([-1, 2], OverflowError), ([2**32, 2], OverflowError),
@@ -47,6 +58,10 @@ def test_any_sequence_of_token_ids_hashes_the_same():
 def test_token_ids_outside_32_bits_or_not_integers_raise(bad, error):
     with pytest.raises(error):
         block_hashes(bad, 2)
+    with pytest.raises(error):
+        token_array(bad)
+    with pytest.raises(error):
+        pack_tokens(bad)
 
 
 def test_block_size_must_be_positive():

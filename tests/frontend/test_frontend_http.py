@@ -53,7 +53,7 @@ async def test_non_streaming_chat_returns_engine_body_verbatim(frontend, fleet, 
     [req] = fleet.routed
     assert req.request_id == rid and req.model == MODEL and req.endpoint == Endpoint.CHAT and not req.stream
     assert req.body == raw  # the client's bytes, never re-serialised
-    assert req.token_ids == tok_ids_1plus1 and req.prompt_tokens == 35
+    assert list(req.token_ids) == tok_ids_1plus1 and req.prompt_tokens == 35
     # a non-streaming answer is awaited for --route-timeout + --upstream-timeout (1 + 2 s here)
     assert time.time() < req.deadline < time.time() + 3.5
 
@@ -86,10 +86,10 @@ async def test_streaming_chat_is_sse_ending_with_done(frontend, fleet):
 async def test_completions_with_text_and_token_prompts(frontend, fleet):
     status, _, _ = await post(frontend, "/v1/completions", {"model": MODEL, "prompt": "Hello, world"})
     assert status == 200
-    assert fleet.routed[-1].token_ids == [19556, 28, 905] and fleet.routed[-1].endpoint == Endpoint.COMPLETIONS
+    assert list(fleet.routed[-1].token_ids) == [19556, 28, 905] and fleet.routed[-1].endpoint == Endpoint.COMPLETIONS
     status, _, body = await post(frontend, "/v1/completions", {"model": MODEL, "prompt": [9, 8, 7], "stream": True})
     assert status == 200 and sse_payloads(body)[-1] == b"[DONE]"
-    assert fleet.routed[-1].token_ids == [9, 8, 7] and fleet.routed[-1].prompt_tokens == 3
+    assert list(fleet.routed[-1].token_ids) == [9, 8, 7] and fleet.routed[-1].prompt_tokens == 3
 
 
 async def test_openai_sdk_streams_through_the_frontend(frontend, fleet):

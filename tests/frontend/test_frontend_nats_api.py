@@ -57,7 +57,7 @@ async def test_client_chat_and_stream(client, fleet):
 
 async def test_client_completions_and_listings(client, fleet):
     await client.completions({"model": MODEL, "prompt": "Hello, world", "max_tokens": 2})
-    assert fleet.routed[-1].endpoint == Endpoint.COMPLETIONS and fleet.routed[-1].token_ids == [19556, 28, 905]
+    assert fleet.routed[-1].endpoint == Endpoint.COMPLETIONS and list(fleet.routed[-1].token_ids) == [19556, 28, 905]
     chunks = [c async for c in client.stream_completions({"model": MODEL, "prompt": [1, 2]})]
     assert len(chunks) == len(STREAM_TEXTS)
     assert [m["id"] for m in (await client.models())["data"]] == [MODEL]

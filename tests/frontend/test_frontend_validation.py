@@ -78,7 +78,8 @@ def test_completion_prompt_shapes_accepted(prompt):
     parse_body(Endpoint.COMPLETIONS, json.dumps({"model": "m", "prompt": prompt}).encode())
 
 
-@pytest.mark.parametrize("prompt", [[], 5, [1, "a"], [-1], [[]], None])
+@pytest.mark.parametrize("prompt", [[], 5, [1, "a"], [-1], [[]], None, [2**32], [1.5], [[1], [2, "a"]], [[1], 2],
+                                    ["a", 1], {"a": 1}])
 def test_completion_prompt_shapes_rejected(prompt):
     assert rejected(Endpoint.COMPLETIONS, json.dumps({"model": "m", "prompt": prompt}).encode()).param == "prompt"
 

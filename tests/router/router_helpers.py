@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from infera_common.fleet import Change
+from infera_common.block_hash import pack_tokens
 from infera_common.schemas import Endpoint, LoadReport, RouteRequest, WorkerRecord, WorkerStatus
 
 
@@ -26,10 +27,12 @@ def leave(wid: str, model: str = "m") -> Change:
 
 
 def route_request(model: str = "m", request_id: str = "r", prompt_tokens: int = 0,
-                  exclude: list[str] | None = None, body: bytes = b'{"x":1}', **kw) -> RouteRequest:
+                  exclude: list[str] | None = None, body: bytes = b'{"x":1}',
+                  token_ids: list[int] | None = None, **kw) -> RouteRequest:
     return RouteRequest(request_id=request_id, model=model, endpoint=Endpoint.CHAT, body=body,
                         reply_subject="_INBOX.test.1", deadline=time.time() + 60,
-                        prompt_tokens=prompt_tokens, exclude=exclude or [], **kw)
+                        prompt_tokens=prompt_tokens, exclude=exclude or [],
+                        tokens=None if token_ids is None else pack_tokens(token_ids), **kw)
 
 
 def load(wid: str, in_flight: int = 0, waiting: int = 0, kv: float = 0.0) -> LoadReport:

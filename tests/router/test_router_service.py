@@ -171,14 +171,16 @@ async def test_exclude_is_honoured(bench):
 
 async def test_garbage_gets_400_and_the_router_keeps_serving(bench):
     await bench.worker("a")
-    for junk in (b"", b"\xc1garbage", msgpack.packb({"model": "m"}), msgpack.packb([1, 2, 3]), b"{}"):
+    torn_tokens = route_request(token_ids=[1, 2]).model_dump() | {"tokens": b"\x01\x00\x00"}  # not whole ids
+    for junk in (b"", b"\xc1garbage", msgpack.packb({"model": "m"}), msgpack.packb([1, 2, 3]), b"{}",
+                 msgpack.packb(torn_tokens, use_bin_type=True)):
         reply = await bench.raw(junk)
         assert reply.status == 400 and "RouteRequest" in reply.message
     await bench.nc.publish(router_release_subject("rt1"), b"\xc1")
     await bench.nc.publish(load_subject("a"), b"not msgpack")
     await bench.nc.flush()
     await eventually(lambda: bench.metric("infera_router_bad_messages_total", kind="load") == 1)
-    assert bench.metric("infera_router_bad_messages_total", kind="route") == 5
+    assert bench.metric("infera_router_bad_messages_total", kind="route") == 6
     assert bench.metric("infera_router_bad_messages_total", kind="release") == 1
     assert (await bench.route()).status == 200
 

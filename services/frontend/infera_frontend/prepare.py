@@ -101,7 +101,9 @@ def prompt_chars(parsed: Parsed) -> int:
     prompt = data["prompt"]
     if isinstance(prompt, str):
         return len(prompt)
-    return sum(len(p) for p in prompt if isinstance(p, str))
+    if not isinstance(prompt[0], str):  # token ids (validated: all ids, or all lists of ids)
+        return 0
+    return sum(map(len, prompt))  # validated: a list of strings
 
 
 def tokenize(tok: ChatTokenizer, parsed: Parsed) -> Tokens:

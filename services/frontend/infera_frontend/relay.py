@@ -16,6 +16,7 @@ import msgpack
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from infera_common.block_hash import pack_tokens
 from infera_common.logs import get_logger
 from infera_common.schemas import Cancel, DiscoveryBackend, Endpoint, RouteReply, RouteRequest, encode
 from infera_common.subjects import ROUTER_ROUTE, cancel_subject
@@ -138,7 +139,8 @@ class Relay:
         subject, box = self.inbox.open()
         data = encode(RouteRequest(
             request_id=request_id, model=model, endpoint=endpoint, body=body, stream=stream,
-            reply_subject=subject, prompt_tokens=prompt_tokens, token_ids=token_ids,
+            reply_subject=subject, prompt_tokens=prompt_tokens,
+            tokens=None if token_ids is None else pack_tokens(token_ids),
             deadline=time.time() + self.deadline_in(stream), exclude=list(exclude or ()),
             session_ids=list(session_ids or ()), discovery_backend=self.discovery_backend,
         ))

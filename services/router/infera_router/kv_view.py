@@ -38,14 +38,15 @@ class KvView:
 
 def kv_query(candidates: list[WorkerState], request: RouteRequest) -> OverlapQuery | None:
     """The overlap query for ``request`` (None when there is nothing to ask: no tokens or block sizes)."""
-    if not request.token_ids:
+    if not request.tokens:
         return None
     sizes = sorted({w.record.kv_block_size for w in candidates if w.record.kv_block_size})
     if not sizes:
         return None
+    ids = request.token_ids
     return OverlapQuery(
         model=request.model,
-        hashes={bs: block_hashes(request.token_ids, bs) for bs in sizes},
+        hashes={bs: block_hashes(ids, bs) for bs in sizes},
         workers=list(dict.fromkeys(w.base_id for w in candidates)),
     )
 

@@ -80,7 +80,7 @@ class WorkerCost:
 
 
 def request_tokens(request: RouteRequest) -> int:
-    return len(request.token_ids) if request.token_ids else request.prompt_tokens
+    return len(request.tokens) // 4 if request.tokens else request.prompt_tokens  # packed: 4 bytes an id
 
 
 def unseen_requests(worker: WorkerState) -> int:

@@ -66,7 +66,7 @@ class RoutePath:
                 return
             kv = None
             if getattr(self.core.policy, "needs_kv", False):
-                kv = KvView.failed("no_tokens" if not request.token_ids else "no_block_size")
+                kv = KvView.failed("no_tokens" if not request.tokens else "no_block_size")
             await self._route(request, msg.reply, t0, kv)
         except Exception as exc:  # never leave a requester without an answer
             log.exception("route_failed")
