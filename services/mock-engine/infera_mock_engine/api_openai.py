@@ -14,9 +14,12 @@ from aiohttp import web
 
 from infera_mock_engine.engine import Engine, GenerationFailed, GenerationParams, GenerationStream, Output, RequestError
 from infera_mock_engine.errors import stream_error_event
-from infera_mock_engine.http_common import SseWriter, engine_of, json_response, parse_body, request_id, require_ready
+from infera_mock_engine.http_common import (
+    SseWriter, dumps, engine_of, json_response, parse_body, request_id, require_ready,
+)
 from infera_mock_engine.pd_request import routing
 from infera_mock_engine.protocol import ChatCompletionRequest, CompletionRequest, _OpenAIRequest
+from infera_mock_engine.sse_frames import TEXT_SLOT, TextSplice
 
 
 @dataclass(frozen=True)
@@ -158,16 +161,17 @@ async def _stream(request: web.Request, engine: Engine, body: _OpenAIRequest, st
         return {"id": head["id"], "object": shape.chunk_object, "created": head["created"],
                 "model": head["model"], "choices": [choice], **extra}
 
+    delta = TextSplice(dumps(chunk(shape.delta_choice(TEXT_SLOT, None))))  # the frame of each text delta
     try:
         await sse.start()
         if shape.chat:
             await sse.send(chunk(shape.delta_choice("", None, role=True)))
         elif echo:
-            await sse.send(chunk(shape.delta_choice(echo, None)))
+            await sse.send_json(delta(echo))
         async for out in stream:
             if out.finish_reason is None:
                 if out.text:
-                    await sse.send(chunk(shape.delta_choice(out.text, None)))
+                    await sse.send_json(delta(out.text))
                 continue
             final = shape.delta_choice(out.text or None, out.finish_reason)
             final.update(_stop_fields(engine, out))

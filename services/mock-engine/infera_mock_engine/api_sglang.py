@@ -12,9 +12,12 @@ from typing import Any
 from aiohttp import web
 
 from infera_mock_engine.engine import GenerationFailed, GenerationParams, GenerationStream, Output, RequestError
-from infera_mock_engine.http_common import SseWriter, engine_of, json_response, parse_body, request_id, require_ready
+from infera_mock_engine.http_common import (
+    SseWriter, dumps, engine_of, json_response, parse_body, request_id, require_ready,
+)
 from infera_mock_engine.pd_request import routing
 from infera_mock_engine.protocol import AbortRequest, GenerateRequest
+from infera_mock_engine.sse_frames import CumulativeOutput
 
 
 def finish_reason_object(out: Output, completion_tokens: int) -> dict[str, Any] | None:
@@ -80,21 +83,18 @@ async def generate(request: web.Request) -> web.StreamResponse:
             text, ids, last = await stream.collect()
             return json_response({"text": text, "output_ids": ids, "meta_info": _meta(stream, last, started)}, rid)
         sse = SseWriter(request, rid)
-        text_so_far: list[str] = []
-        ids_so_far: list[int] = []
+        so_far = CumulativeOutput()  # {"text", "output_ids"} so far, kept JSON-encoded
         try:
             await sse.start()
             async for out in stream:
-                text_so_far.append(out.text)
-                ids_so_far.extend(out.token_ids)
-                await sse.send({"text": "".join(text_so_far), "output_ids": list(ids_so_far),
-                                "meta_info": _meta(stream, out, started)})
+                so_far.add(out.text, out.token_ids)
+                await sse.send_json(so_far.frame(dumps(_meta(stream, out, started))))
             return await sse.done()
         except GenerationFailed as e:  # SGLang streams a scheduler abort as a last frame with its status
             meta = _meta(stream, Output("", [], stream.completion_tokens), started)
             meta["finish_reason"] = {"type": "abort", "message": e.message, "status_code": e.status}
             try:
-                await sse.send({"text": "".join(text_so_far), "output_ids": list(ids_so_far), "meta_info": meta})
+                await sse.send_json(so_far.frame(dumps(meta)))
                 return await sse.done()
             except ConnectionError:
                 return sse.response

@@ -20,7 +20,7 @@ from infera_mock_engine.prefix_cache import PrefixCache
 from infera_mock_engine.ranks import EngineRank, Totals, pick_rank, totals
 from infera_mock_engine.scheduler import Finished, Scheduler, SchedulerConfig, Sequence
 from infera_mock_engine.stops import StopMatcher
-from infera_mock_engine.textgen import TokenStream, WordVocab, stream_seed
+from infera_mock_engine.textgen import DecimalIds, TokenStream, WordVocab, stream_seed
 from infera_mock_engine.timing import TimingModel
 from infera_mock_engine.tokenizer import ModelTokenizer
 
@@ -152,6 +152,7 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab = WordVocab(tokenizer.vocab, tokenizer.decode)
+        self._ids_text = DecimalIds(tokenizer.vocab_size)
         eos = tokenizer.special.get("eos_token")
         self.eos_token_id = tokenizer.tokenizer.token_to_id(eos) if eos else None
         self.timing = TimingModel(speedup=config.speedup)
@@ -279,7 +280,7 @@ class Engine:
         """Queue a generation (raises RequestError if invalid); use the result as `async with`."""
         limit, reason = self.validate(params)
         rank = self._rank_for(params.routing)
-        seed = stream_seed(params.prompt_ids, params.seed, params.temperature)
+        seed = stream_seed(params.prompt_ids, params.seed, params.temperature, self._ids_text)
         seq = Sequence(
             rid=params.rid,
             prompt_ids=list(params.prompt_ids),

@@ -44,11 +44,11 @@ def encode_batch(flavor: str, ts: float, events: list[KvEvent], dp_rank: int) ->
 
 def _vllm(e: KvEvent) -> dict[str, Any]:
     if isinstance(e, BlockStored):
-        return {"type": "BlockStored", "block_hashes": list(e.block_hashes), "parent_block_hash": e.parent_block_hash,
-                "token_ids": list(e.token_ids), "block_size": e.block_size, "lora_id": None, "medium": MEDIUM,
+        return {"type": "BlockStored", "block_hashes": e.block_hashes, "parent_block_hash": e.parent_block_hash,
+                "token_ids": e.token_ids, "block_size": e.block_size, "lora_id": None, "medium": MEDIUM,
                 "lora_name": None}
     if isinstance(e, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": list(e.block_hashes), "medium": MEDIUM}
+        return {"type": "BlockRemoved", "block_hashes": e.block_hashes, "medium": MEDIUM}
     if isinstance(e, AllBlocksCleared):
         return {"type": "AllBlocksCleared"}
     raise TypeError(f"not a KV event: {e!r}")
@@ -60,11 +60,11 @@ def _sglang(e: KvEvent) -> list[list[Any]]:
         out = []
         parent = e.parent_block_hash
         for i, h in enumerate(e.block_hashes):
-            out.append(["BlockStored", [h], parent, list(e.token_ids[i * bs:(i + 1) * bs]), bs, None, MEDIUM])
+            out.append(["BlockStored", [h], parent, e.token_ids[i * bs:(i + 1) * bs], bs, None, MEDIUM])
             parent = h
         return out
     if isinstance(e, BlockRemoved):
-        return [["BlockRemoved", list(e.block_hashes), MEDIUM]]
+        return [["BlockRemoved", e.block_hashes, MEDIUM]]
     if isinstance(e, AllBlocksCleared):
         return [["AllBlocksCleared"]]
     raise TypeError(f"not a KV event: {e!r}")

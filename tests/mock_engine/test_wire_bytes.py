@@ -1,0 +1,83 @@
+"""What the engine's fast paths write is what the straightforward code wrote: streamed frames are the JSON
+of the whole object, a seed gives the same text, a KV block the same hash, and request bodies are read
+(and refused) as before."""
+
+import pytest
+
+from infera_mock_engine.api_openai import CHAT, COMPLETION
+from infera_mock_engine.block_hasher import BlockHasher
+from infera_mock_engine.http_common import dumps
+from infera_mock_engine.sse_frames import TEXT_SLOT, CumulativeOutput, TextSplice
+from infera_mock_engine.textgen import DecimalIds, ids_text, stream_seed
+
+TEXTS = ["", " word", 'a "quote"', "back\\slash", "line\nbreak\ttab\r", "\x00\x01\x1f\x7f", "ünïcødé ✓", "😀",
+         TEXT_SLOT, "</script>", "\u2028\u2029"]
+ODD = ['x"y', TEXT_SLOT, f'{TEXT_SLOT}","choices":[', "ü\\"]
+
+
+@pytest.mark.parametrize("shape", [CHAT, COMPLETION])
+@pytest.mark.parametrize("extra", [{}, {"usage": None}])
+@pytest.mark.parametrize("odd", ODD)
+def test_a_text_delta_frame_is_the_json_of_its_whole_chunk(shape, extra, odd):
+    head = {"id": f"cmpl-{odd}", "object": shape.chunk_object, "created": 1700000000, "model": odd}
+
+    def chunk(text: str) -> dict:
+        return {**head, "choices": [shape.delta_choice(text, None)], **extra}
+
+    frame = TextSplice(dumps(chunk(TEXT_SLOT)))
+    for text in TEXTS:
+        assert frame(text) == dumps(chunk(text))
+
+
+def test_a_generate_frame_carries_everything_so_far_as_json_would():
+    so_far = CumulativeOutput()
+    text, ids = "", []
+    for piece, new_ids in [("", []), (" a", [5]), ('"q"\n', [6, 7]), ("", []), ("ü😀\x00\\", [49151]), (" b", [0])]:
+        so_far.add(piece, new_ids)
+        text, ids = text + piece, ids + new_ids
+        meta = {"id": "r", "finish_reason": None, "completion_tokens": len(ids), "e2e_latency": 0.125}
+        assert so_far.frame(dumps(meta)) == dumps({"text": text, "output_ids": ids, "meta_info": meta})
+
+
+def test_seeds_and_block_hashes_keep_their_values():
+    # values of the first implementation (str() of every id, array("q") of every block): the same text for
+    # a seed and the same KV-event hashes (with PYTHONHASHSEED) as before
+    assert stream_seed([5, 6, 7], 42, 0.8) == 7774739076417403041
+    assert stream_seed([5, 6, 7], None, 0.0) == 13498472747610782629
+    table = DecimalIds(49152)
+    assert stream_seed([49150, 49151, 0, 7], None, 0.0, table) == 12449254975309215197
+    for ids in ([], [0], [3, 49151], [49152], [-1, 2], [-49152], [-49153], [2**70], [7] * 100, (1, 2)):
+        assert table(ids) == ids_text(ids)
+    hasher = BlockHasher(b"seed", signed=True)
+    first = hasher.digest(None, [1, 2, 3, 4])
+    assert first.hex() == "fe5941559f258af62ce5e323d0bdc48b"
+    assert hasher.digest(first, [5, 6, 7, 8]).hex() == "4ba007b1f6847cc5a8f2959b64465264"
+    assert hasher.external(first) == -118992079150544138
+
+
+async def test_a_stream_with_odd_names_decodes_to_the_non_streamed_answer(engine):
+    for odd in ODD:
+        req = {"model": odd, "rid": 'r"1', "prompt": "Once upon a time", "max_tokens": 12, "seed": 5}
+        _, full = await engine.post("/v1/completions", req)
+        _, events = await engine.sse("/v1/completions", {**req, "stream": True, "echo": True})
+        chunks = events[:-1]
+        assert all(c["model"] == odd and c["id"] == 'cmpl-r"1' for c in chunks)
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        assert text == "Once upon a time" + full["choices"][0]["text"]
+
+
+async def test_request_bodies_are_read_and_refused_as_before(engine):
+    cases = [
+        (b"{not json", 400, "the request body is not valid JSON"),
+        (b"[1, 2]", 400, "the request body must be a JSON object"),
+        (b"", 400, "the request body must be a JSON object"),
+        (b'{"prompt": [1, 2], "max_tokens": 0}', 400, "max_tokens"),
+        ('{"prompt": [1, 2], "max_tokens": 2}'.encode("utf-16"), 200, None),  # json.loads reads UTF-16 too
+        (b'\xef\xbb\xbf{"prompt": [1, 2], "max_tokens": 2}', 200, None),  # and a UTF-8 byte-order mark
+    ]
+    for raw, status, needle in cases:
+        async with engine.session.post("/v1/completions", data=raw, headers={"Content-Type": "application/json"}) as r:
+            body = await r.json(content_type=None)
+        assert r.status == status, (raw, body)
+        if needle:
+            assert needle in body["message"] or needle == body["param"], (raw, body)
