@@ -3,8 +3,9 @@
 Starts its own fleet per plane (``nats``: nats-server, router, frontend, one worker-agent over one
 mock engine; ``no-broker``: etcd and one ``infera.server`` calling the engine over HTTP), then
 drives the SAME engine two ways in one run: through the frontend, and straight at the engine's
-URL. For each concurrency it measures short non-streaming requests (p50/p99 latency, requests/s)
-and streamed tokens/s, and prints each Infera figure as a ratio of the direct one.
+URL (at concurrency 1 alternating one-second slices between the two). For each concurrency it
+measures short non-streaming requests (p50/p99 latency, requests/s) and streamed tokens/s, and
+prints each Infera figure as a ratio of the direct one.
 
     .venv/bin/python bench/overhead.py [--concurrency 1 32 128] [--seconds 8] [--speedup 1] [--planes nats no-broker]
 
@@ -48,47 +49,59 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: bytes, str
     return time.perf_counter() - t0, tokens
 
 
-async def drive(url: str, concurrency: int, seconds: float, stream: bool, max_tokens: int) -> dict:
+async def drive(urls: dict[str, str], concurrency: int, seconds: float, stream: bool, max_tokens: int,
+                slice_s: float) -> dict[str, dict]:
+    """Drive each of ``urls`` for ``seconds`` in all. At concurrency 1 the paths alternate in
+    ``slice_s``-second slices, so that a slow moment of this noisy machine falls on both alike; at
+    higher concurrency each runs once (a slice's ramp-down would distort its throughput)."""
     body = json.dumps({"model": BUNDLED_MODEL_NAME, "messages": PROMPT, "max_tokens": max_tokens,
                        "stream": stream, "temperature": 0}).encode()
-    latencies: list[float] = []
-    tokens = 0
-    errors = 0
+    acc = {name: {"lat": [], "tokens": 0, "errors": 0, "elapsed": 0.0} for name in urls}
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as session:
-        for _ in range(2):  # warm-up
-            await one_request(session, url, body, stream)
-        stop_at = time.perf_counter() + seconds
+        for url in urls.values():
+            for _ in range(2):  # warm-up
+                await one_request(session, url, body, stream)
+        slices = max(1, round(seconds / slice_s)) if concurrency == 1 else 1
+        for _ in range(slices):
+            for name, url in urls.items():
+                a = acc[name]
+                stop_at = time.perf_counter() + seconds / slices
 
-        async def worker() -> None:
-            nonlocal tokens, errors
-            while time.perf_counter() < stop_at:
-                try:
-                    lat, n = await one_request(session, url, body, stream)
-                except Exception:
-                    errors += 1
-                    continue
-                latencies.append(lat)
-                tokens += n
+                async def worker(a=a, url=url, stop_at=stop_at) -> None:
+                    while time.perf_counter() < stop_at:
+                        try:
+                            lat, n = await one_request(session, url, body, stream)
+                        except Exception:
+                            a["errors"] += 1
+                            continue
+                        a["lat"].append(lat)
+                        a["tokens"] += n
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - t0
-    latencies.sort()
+                t0 = time.perf_counter()
+                await asyncio.gather(*(worker() for _ in range(concurrency)))
+                a["elapsed"] += time.perf_counter() - t0
+    return {name: _summary(a) for name, a in acc.items()}
+
+
+def _summary(a: dict) -> dict:
+    latencies = sorted(a["lat"])
     return {
         "n": len(latencies),
-        "errors": errors,
+        "errors": a["errors"],
         "p50_ms": 1000 * statistics.median(latencies),
         "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-        "rps": len(latencies) / elapsed,
-        "tok_s": tokens / elapsed,
+        "rps": len(latencies) / a["elapsed"],
+        "tok_s": a["tokens"] / a["elapsed"],
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128])
-    ap.add_argument("--seconds", type=float, default=8.0, help="measuring time per cell")
+    ap.add_argument("--seconds", type=float, default=8.0, help="measuring time per cell and path")
+    ap.add_argument("--slice", type=float, default=1.0,
+                    help="at concurrency 1 the two paths alternate in slices of this many seconds (drift hits both alike)")
     ap.add_argument("--speedup", type=float, default=1.0, help="mock engine --speedup")
     ap.add_argument("--max-tokens", type=int, default=8, help="completion length of the short requests")
     ap.add_argument("--router-policy", default=None, help="router policy (default: the router's, kv-aware)")
@@ -106,9 +119,10 @@ def main() -> None:
         try:
             for c in args.concurrency:
                 for label, stream, mt in (("short", False, args.max_tokens), ("stream", True, args.stream_tokens)):
-                    direct = asyncio.run(drive(f"{engine}/v1/chat/completions", c, args.seconds, stream, mt))
-                    infera = asyncio.run(drive(f"{frontend}/v1/chat/completions", c, args.seconds, stream, mt))
-                    rows.append((plane, c, label, direct, infera))
+                    out = asyncio.run(drive({"direct": f"{engine}/v1/chat/completions",
+                                             "infera": f"{frontend}/v1/chat/completions"},
+                                            c, args.seconds, stream, mt, args.slice))
+                    rows.append((plane, c, label, out["direct"], out["infera"]))
         finally:
             stop_fleet(procs)
     print(f"\nrouter policy {args.router_policy or 'default (kv-aware)'}; mock engine speedup {args.speedup}; short = non-streaming, max_tokens {args.max_tokens}; "
