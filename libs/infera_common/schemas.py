@@ -131,7 +131,6 @@ class RouteRequest(_Msg):
     #: route on a different fleet (``None``: not said, no check)
     discovery_backend: DiscoveryBackend | None = None
 
-
     @field_validator("tokens")
     @classmethod
     def _whole_words(cls, v: bytes | None) -> bytes | None:
@@ -143,6 +142,11 @@ class RouteRequest(_Msg):
     def token_ids(self) -> array | None:
         """The prompt's token ids (a C array of unsigned 32-bit integers), or ``None``."""
         return None if self.tokens is None else unpack_tokens(self.tokens)
+
+    @property
+    def token_count(self) -> int:
+        """How many token ids ``tokens`` holds (0 when none), without unpacking them."""
+        return len(self.tokens) // 4 if self.tokens else 0
 
 
 class RouteReply(_Msg):

@@ -80,7 +80,7 @@ class WorkerCost:
 
 
 def request_tokens(request: RouteRequest) -> int:
-    return len(request.tokens) // 4 if request.tokens else request.prompt_tokens  # packed: 4 bytes an id
+    return request.token_count or request.prompt_tokens
 
 
 def unseen_requests(worker: WorkerState) -> int:
