@@ -81,3 +81,17 @@ async def test_request_bodies_are_read_and_refused_as_before(engine):
         assert r.status == status, (raw, body)
         if needle:
             assert needle in body["message"] or needle == body["param"], (raw, body)
+
+
+async def test_a_lone_surrogate_or_a_control_character_in_an_id_is_a_clean_answer(engine):
+    bad_text = [("/v1/completions", b'{"prompt": "\\ud800x", "max_tokens": 2}'),
+                ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800x"}], "max_tokens": 2}')]
+    for path, raw in bad_text:  # JSON may escape half a surrogate pair; the tokenizer takes UTF-8 only
+        async with engine.session.post(path, data=raw, headers={"Content-Type": "application/json"}) as r:
+            body = await r.json(content_type=None)
+        assert r.status == 400 and "lone surrogate" in body["message"], (path, body)
+    for stream in (False, True):  # an rid no header can carry: answered, the id in the body only
+        req = {"text": "hi", "rid": "a\u0001b", "stream": stream, "sampling_params": {"max_new_tokens": 2}}
+        async with engine.session.post("/generate", json=req) as r:
+            raw = await r.read()
+        assert r.status == 200 and "X-Request-Id" not in r.headers and b'"id":"a\\u0001b"' in raw

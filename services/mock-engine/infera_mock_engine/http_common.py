@@ -60,7 +60,7 @@ class SseWriter:
     def __init__(self, request: web.Request, rid: str) -> None:
         self.request = request
         self.response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": rid}
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **id_header(rid)}
         )
 
     async def start(self) -> None:
@@ -79,6 +79,12 @@ class SseWriter:
         return self.response
 
 
+def id_header(rid: str | None) -> dict[str, str]:
+    """The X-Request-Id echo of a request id, when it can be a header value (a body `rid` may hold
+    anything JSON does, control characters included: then the id is in the body only)."""
+    return {"X-Request-Id": rid} if rid and rid.isascii() and rid.isprintable() else {}
+
+
 def json_response(obj: Any, rid: str | None = None, status: int = 200) -> web.Response:
-    headers = {"X-Request-Id": rid} if rid else None
+    headers = id_header(rid) or None
     return web.Response(body=dumps(obj), status=status, content_type="application/json", headers=headers)

@@ -19,6 +19,8 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
+from infera_mock_engine.engine_errors import RequestError
+
 
 class TemplateError(ValueError):
     """The chat template cannot render these messages (a client error)."""
@@ -60,6 +62,14 @@ def flatten_content(content: Any) -> Any:
     return "" if content is None else content
 
 
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class ModelTokenizer:
     def __init__(self, tokenizer_dir: str | Path) -> None:
         d = Path(tokenizer_dir)
@@ -94,7 +104,12 @@ class ModelTokenizer:
         return self._vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # the library takes UTF-8 only: a lone surrogate (JSON "\ud800") has none
+            if not _is_utf8(text):
+                raise RequestError("the prompt is not valid Unicode (it holds a lone surrogate)") from None
+            raise
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
