@@ -9,6 +9,7 @@ from nats.aio.msg import Msg
 
 from infera_common.local_bus import LocalBus
 
+
 class Recorder:
     """A subscription callback that keeps what it received (and wakes waiters)."""
 
@@ -29,6 +30,18 @@ class Recorder:
     @property
     def data(self) -> list[bytes]:
         return [m.data for m in self.msgs]
+
+
+class Gated(Recorder):
+    """A ``Recorder`` whose callback waits until ``gate`` is set: a consumer stuck on its work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def __call__(self, msg: Msg) -> None:
+        await self.gate.wait()
+        await super().__call__(msg)
 
 
 async def settle(bus: LocalBus) -> None:

@@ -11,7 +11,7 @@ from nats.aio.msg import Msg
 from infera_common.local_bus import DEFAULT_MAX_PAYLOAD, LocalBus
 from infera_common.subject_match import subject_error
 from infera_common.subjects import KV_INDEXER_QUEUE, KV_QUERY, ROUTER_QUEUE, ROUTER_ROUTE
-from tests.common.local_bus_helpers import Recorder, bus, settle  # noqa: F401  (the fixture)
+from tests.common.local_bus_helpers import Gated, Recorder, bus, settle  # noqa: F401  (the fixture)
 
 # --- delivery ----------------------------------------------------------------------------------
 
@@ -111,22 +111,16 @@ async def test_a_callback_that_raises_is_counted_and_the_subscription_goes_on(bu
 
 async def test_a_slow_consumer_loses_the_overflow_and_publish_never_waits(bus):
     nc = bus.connect("t")
-    gate = asyncio.Event()
-    got = []
-
-    async def slow(msg: Msg) -> None:
-        await gate.wait()
-        got.append(msg.data)
-
+    slow = Gated()
     sub = await nc.subscribe("s", cb=slow, pending_msgs_limit=5)
     for i in range(20):  # the callback is stuck: publish still returns at once
         await nc.publish("s", str(i).encode())
     assert sub.pending_msgs == 5 and sub.dropped == 15
     assert bus.metrics.registry.get_sample_value("infera_bus_dropped_messages_total",
                                                  {"client": "t", "subject": "s"}) == 15
-    gate.set()
+    slow.gate.set()
     await settle(bus)
-    assert got == [str(i).encode() for i in range(5)]
+    assert slow.data == [str(i).encode() for i in range(5)]
 
 
 async def test_payloads_arrive_as_bytes_and_headers_as_a_copy(bus):

@@ -10,7 +10,7 @@ from nats.aio.msg import Msg
 
 from infera_common.local_bus import JetStreamUnavailableError, LocalBus
 from infera_common.nats_conn import close_connection, unsubscribe_quietly
-from tests.common.local_bus_helpers import Recorder, bus, settle  # noqa: F401  (the fixture)
+from tests.common.local_bus_helpers import Gated, Recorder, bus, settle  # noqa: F401  (the fixture)
 
 # --- unsubscribe, drain, close -----------------------------------------------------------------
 
@@ -65,13 +65,7 @@ async def test_a_callback_can_unsubscribe_its_own_subscription(bus):
 
 async def test_drain_handles_what_was_received_then_stops_interest(bus):
     nc = bus.connect("t")
-    gate = asyncio.Event()
-    got = []
-
-    async def cb(msg: Msg) -> None:
-        await gate.wait()
-        got.append(msg.data)
-
+    cb = Gated()
     sub = await nc.subscribe("s", cb=cb)
     for data in (b"1", b"2", b"3"):
         await nc.publish("s", data)
@@ -79,9 +73,9 @@ async def test_drain_handles_what_was_received_then_stops_interest(bus):
     while bus.subscription_count():
         await asyncio.sleep(0)
     await nc.publish("s", b"late")  # after the drain began: not for this subscription any more
-    gate.set()
+    cb.gate.set()
     await draining
-    assert got == [b"1", b"2", b"3"]
+    assert cb.data == [b"1", b"2", b"3"]
     assert sub.pending_msgs == 0 and bus.subscription_count() == 0
 
 
@@ -140,23 +134,17 @@ async def test_a_callback_can_close_its_own_client(bus):
 
 async def test_close_connection_drains_what_is_in_flight_then_closes(bus):
     nc = bus.connect("t")
-    gate = asyncio.Event()
-    got = []
-
-    async def cb(msg: Msg) -> None:
-        await gate.wait()
-        got.append(msg.data)
-
+    cb = Gated()
     await nc.subscribe("s", cb=cb)
     await nc.publish("s", b"1")
     await nc.publish("s", b"2")
     closing = asyncio.create_task(close_connection(nc))
     while not nc.is_draining:
         await asyncio.sleep(0)
-    assert nc.is_connected and got == []
-    gate.set()
+    assert nc.is_connected and cb.data == []
+    cb.gate.set()
     await closing
-    assert got == [b"1", b"2"] and nc.is_closed
+    assert cb.data == [b"1", b"2"] and nc.is_closed
     with pytest.raises(errors.ConnectionClosedError):
         await nc.publish("s", b"3")
     await close_connection(nc)  # already closed: the helper stays quiet
