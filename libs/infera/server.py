@@ -15,8 +15,6 @@ there). A wrong flag exits 2 at once, naming it; etcd or NATS unreachable exits 
 
 from __future__ import annotations
 
-import asyncio
-import signal
 import sys
 from typing import Any
 
@@ -25,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from infera_common.local_bus import LocalBus
 from infera_common.logs import configure_logging
 from infera_common.metrics import start_metrics_server
-from infera_common.runtime import event_loop_runner
+from infera_common.runtime import event_loop_runner, run_until_signal
 from infera_common.settings import parse_cli
 from infera_frontend.metrics import FrontendMetrics
 from infera_frontend.service import Frontend
@@ -95,22 +93,8 @@ def describe(settings: ServerSettings, port: int | None) -> str:
 
 async def serve(settings: ServerSettings) -> int:
     server = Server(settings)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await server.start()
-    except Exception as exc:  # etcd or NATS unreachable, port taken, bad tokenizer, ...
-        print(f"infera.server: cannot start: {exc}", file=sys.stderr)
-        await server.stop()
-        return 1
-    print(describe(settings, server.port), flush=True)
-    try:
-        await stop.wait()
-    finally:
-        await server.stop()
-    return 0
+    return await run_until_signal(server, name="infera.server",
+                                  on_started=lambda: print(describe(settings, server.port), flush=True))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,11 @@
-"""Process-level helpers every service shares: the event loop and free ports."""
+"""Process-level helpers every service shares: the event loop, running until a signal, free ports."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
 import socket
+import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -16,6 +17,31 @@ def event_loop_runner() -> asyncio.Runner:
     except ImportError:  # optional speed-up
         return asyncio.Runner()
     return asyncio.Runner(loop_factory=uvloop.new_event_loop)
+
+
+async def run_until_signal(service: Any, *, name: str, on_started: Callable[[], None] | None = None) -> int:
+    """Start ``service`` (async ``start``/``stop``), run until SIGTERM/SIGINT, then stop it; the exit code.
+
+    A failed start (a peer unreachable, a port taken, a bad tokenizer, ...) prints ``<name>: cannot
+    start: <why>`` on stderr, stops what did start and returns 1. ``on_started`` runs once it serves.
+    """
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await service.start()
+    except Exception as exc:
+        print(f"{name}: cannot start: {exc}", file=sys.stderr)
+        await service.stop()
+        return 1
+    if on_started is not None:
+        on_started()
+    try:
+        await stop.wait()
+    finally:
+        await service.stop()
+    return 0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -81,7 +107,7 @@ async def run_service(service: Service, *, name: str, metrics_host: str, metrics
 def service_main(argv: list[str] | None, settings_cls: type, make_service: Callable[[Any], Service], *,
                  name: str, prog: str, description: str) -> None:
     """The whole ``main`` of a NATS service with a metrics endpoint: parse its settings (flags, env),
-    refuse planes it cannot serve, configure logging, then ``run_service`` on the event loop."""
+    configure logging, then ``run_service`` on the event loop."""
     from infera_common.logs import configure_logging
     from infera_common.settings import parse_cli
 
