@@ -22,7 +22,6 @@ ROUTER_BACKENDS = ("python",)
 class ServerSettings(FrontendSettings, RouterSettings, KvIndexerSettings):
     model_config = FrontendSettings.model_config
 
-
     router_backend: str = Field(
         "python",
         description="The router implementation. This build's router is the Python one (policies kv-aware, "
