@@ -10,9 +10,18 @@ events per batch) and wrapped in the worker-agent's ``KvRelay``.
 
 Measured in the same run, each figure against a baseline:
 
-- ingest: ``ingest()`` (KvRelay decode, batch decode, apply) in blocks/s, against the floor of
-  what ingest must do anyway: msgpack-decoding the same relays and batches and hashing every
-  block's tokens with ``block_hash.block_hashes``.
+- ingest, as on the NATS plane: ``ingest()`` of the relays the worker-agent sends (``kind="blocks"``:
+  each engine batch already translated to the index hashes stored and removed) in blocks/s, against
+  ingest of the same engine batches relayed raw (``kind="batch"``: the indexer decodes the tokens,
+  hashes and translates them itself, as it does for batches it reads from ZMQ).
+- raw ingest against the floor of what it must do anyway: msgpack-decoding the same relays and
+  batches and hashing every block's tokens with ``block_hash.block_hashes``.
+- the worker-agent's translation (batch decode, hash, translate, relay encode) in blocks/s: work
+  each agent does for its own engine only, on its own host.
+- replay from JetStream (unless --no-nats): the relays of the first --replay-workers workers stored
+  in a real nats-server's stream, then a kv-indexer service started on it, timed from ``start()``
+  until it serves (its stream replay: the NATS client, the service's handler and its metrics); the
+  agent's relays against the same engine batches relayed raw.
 - query, in process: the service's query handler work (``query.answer``: query bytes in, reply
   bytes out) against the msgpack codec alone (unpack the same query, pack the same reply); the
   ``PrefixIndex`` bitmask walk against a brute-force walk of per-worker hash sets; and
@@ -25,12 +34,14 @@ Measured in the same run, each figure against a baseline:
 The query is a 128-block (8,192-token) prompt: a system prompt every worker holds plus a
 conversation several workers hold partially; every reply is checked against the planted depths.
 
-    .venv/bin/python bench/indexer.py [--blocks 1000000] [--workers 64] [--queries 2000] [--no-nats]
+    .venv/bin/python bench/indexer.py [--blocks 1000000] [--workers 64] [--queries 2000] [--replay-workers 16]
+                                      [--no-nats]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import random
 import resource
@@ -44,6 +55,8 @@ from pathlib import Path
 import msgpack
 
 from infera_common.block_hash import ROOT, block_hashes
+from infera_common.kv_translate import BlockTranslator, delta_relay
+from infera_common.kv_wire import decode_batch
 from infera_common.schemas import KvRelay, OverlapQuery, OverlapReply, decode, encode
 from infera_common.subjects import kv_event_subject
 
@@ -203,6 +216,23 @@ def floor_decode_hash(relays: list[tuple[str, bytes]]) -> None:
             block_hashes(ev["token_ids"], ev["block_size"], ROOT)
 
 
+def translate(relays: list[tuple[str, bytes]], out: list[tuple[str, bytes]]) -> None:
+    """What the worker-agent does with each engine batch before publishing it."""
+    translators: dict[int, BlockTranslator] = {}
+    unpack = msgpack.unpackb
+    for subject, data in relays:
+        raw = unpack(data, raw=False)  # stands in for the agent's ZMQ read: the batch bytes, seq and rank
+        batch = decode_batch(raw["payload"])
+        rank = batch.dp_rank if batch.dp_rank is not None else raw["dp_rank"]
+        translator = translators.get(rank)
+        if translator is None:
+            translator = translators[rank] = BlockTranslator()
+        delta = translator.apply(batch.events)
+        if delta.orphaned or delta.malformed:
+            raise RuntimeError(f"bench batch not translated cleanly on {subject}")
+        out.append((subject, encode(delta_relay(raw["worker_id"], rank, raw["seq"], delta, raw["block_size"]))))
+
+
 def run_ingest(index: KvIndex, relays: list[tuple[str, bytes]]) -> None:
     now = time.time()
     for subject, data in relays:
@@ -299,6 +329,46 @@ async def nats_queries(index: KvIndex, queries: list[bytes], replies: list[bytes
             stop_process(proc)
 
 
+async def replay_rate(relays: list[tuple[str, bytes]], want_blocks: int) -> float:
+    """Seconds from a kv-indexer's ``start()`` to serving, over a stream holding ``relays``."""
+    import nats
+
+    from infera.procs import free_port, start_nats, stop_process
+    from infera_common.nats_conn import ensure_kv_event_stream
+    from infera_common.subjects import KV_EVENT_STREAM
+    from infera_kv_indexer.service import KvIndexerService
+    from infera_kv_indexer.settings import KvIndexerSettings
+
+    port = free_port()
+    url = f"nats://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory(prefix="bench-indexer-") as store:
+        proc = start_nats(port, Path(store) / "js")
+        svc = None
+        try:
+            settings = KvIndexerSettings(nats_url=url, log_level="warning")
+            nc = await nats.connect(url)
+            js = nc.jetstream()
+            await ensure_kv_event_stream(js, settings.kv_event_max_age, settings.kv_event_max_bytes)
+            for subject, data in relays:  # stored by the stream as they arrive (no ack wait)
+                await nc.publish(subject, data)
+            await nc.flush()
+            while (await js.stream_info(KV_EVENT_STREAM)).state.messages < len(relays):
+                await asyncio.sleep(0.05)
+            await nc.close()
+            svc = KvIndexerService(settings)
+            t0 = time.perf_counter()
+            await svc.start()
+            seconds = time.perf_counter() - t0
+            held = sum(svc.index.worker_blocks(w) for w in {s.rsplit(".", 1)[1] for s, _ in relays})
+            if svc.messages != len(relays) or held != want_blocks:
+                raise RuntimeError(f"replay applied {svc.messages} of {len(relays)} messages, {held} of {want_blocks} blocks")
+            return seconds
+        finally:
+            if svc is not None:
+                await svc.stop()
+            stop_process(proc)
+
+
 # --- report ----------------------------------------------------------------------------------
 def fmt_rate(x: float) -> str:
     return f"{x / 1000:,.0f}k blocks/s"
@@ -321,6 +391,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--blocks", type=int, default=1_000_000, help="blocks indexed in all (summed over workers)")
     ap.add_argument("--workers", type=int, default=64, help="workers (one dp rank each)")
     ap.add_argument("--queries", type=int, default=2000, help="timed queries per measurement")
+    ap.add_argument("--replay-workers", type=int, default=16,
+                    help="workers whose relays the JetStream replay rows store and replay (0: skip those rows)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-nats", action="store_true", help="skip the query latency over a real nats-server")
     args = ap.parse_args(argv)
@@ -334,31 +406,37 @@ def main(argv: list[str] | None = None) -> None:
     planted = plant(rng, workers)
     per_worker = args.blocks // args.workers
 
-    index = KvIndex()
-    for wid in workers:
-        index.worker_joined(wid, MODEL)  # discovery first, as at a normal start: blocks attach at once
+    index, raw_index = KvIndex(), KvIndex()  # fed the agent's relays / the raw engine batches
+    for wid in workers:  # discovery first, as at a normal start: blocks attach at once
+        index.worker_joined(wid, MODEL)
+        raw_index.worker_joined(wid, MODEL)
 
-    t_gen = t_ing = t_dec = t_floor = 0.0
+    times = dict.fromkeys(("gen", "dec", "floor", "raw", "agent", "ing"), 0.0)
     blocks = events = batches = 0
+    kept_raw: list[tuple[str, bytes]] = []  # the first --replay-workers workers' relays, for the replay rows
+    kept_blocks: list[tuple[str, bytes]] = []
+    kept_held = 0
     t_start = time.perf_counter()
-    for w, wid in enumerate(workers):  # generate one worker's batches, then time the three passes on them
+    for w, wid in enumerate(workers):  # generate one worker's batches, then time the passes on them
         t0 = time.perf_counter()
         load = worker_load(w, wid, per_worker, planted, tokens, args.seed)
-        t_gen += time.perf_counter() - t0
+        times["gen"] += time.perf_counter() - t0
+        translated: list[tuple[str, bytes]] = []
+        times["agent"] += timed(translate, load.relays, translated)
         passes = [("dec", floor_decode, (load.relays,)), ("floor", floor_decode_hash, (load.relays,)),
-                  ("ing", run_ingest, (index, load.relays))]
-        for name, fn, fargs in passes[w % 3:] + passes[:w % 3]:  # rotate the order: noise hits all alike
-            dt = timed(fn, *fargs)
-            if name == "dec":
-                t_dec += dt
-            elif name == "floor":
-                t_floor += dt
-            else:
-                t_ing += dt
+                  ("raw", run_ingest, (raw_index, load.relays)), ("ing", run_ingest, (index, translated))]
+        for name, fn, fargs in passes[w % 4:] + passes[:w % 4]:  # rotate the order: noise hits all alike
+            times[name] += timed(fn, *fargs)
         blocks, events, batches = blocks + load.blocks, events + load.events, batches + len(load.relays)
-        del load
+        if w < args.replay_workers:
+            kept_raw += load.relays
+            kept_blocks += translated
+            kept_held += index.worker_blocks(wid)
+        del load, translated
     t_build = time.perf_counter() - t_start
     held = sum(index.worker_blocks(w) for w in workers)
+    if held != sum(raw_index.worker_blocks(w) for w in workers):
+        raise RuntimeError("the translated relays and the raw batches built different indexes")
     distinct = index._models[MODEL].blocks(BLOCK)  # noqa: SLF001 - a bench reports the index's size
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -371,11 +449,14 @@ def main(argv: list[str] | None = None) -> None:
     replies = [index.overlap(q) for q in qmsgs]
     for r, want in zip(replies, wants):
         check(r, want)
+    for q, want in zip(qmsgs, wants):
+        check(raw_index.overlap(q), want)
+    del raw_index
     rbytes = [encode(r) for r in replies]
     for data, rb in zip(qbytes, rbytes):
         assert answer(index, data) == rb  # the handler's bytes are the schema's encoding
     rdicts = [msgpack.unpackb(rb) for rb in rbytes]
-    sets = {wid: set(t.sizes[BLOCK].refs) for wid, wk in index._workers.items()  # noqa: SLF001
+    sets = {wid: set(t.held[BLOCK]) for wid, wk in index._workers.items()  # noqa: SLF001
             for t in wk.targets.values()}
     for c, want in zip(chains, wants):
         assert brute_force(sets, c) == want
@@ -410,21 +491,33 @@ def main(argv: list[str] | None = None) -> None:
 
     nats_lat: list[float] = []
     nats_base: list[float] = []
+    replay_blocks = replay_raw = 0.0
     if not args.no_nats:
         from infera_common.runtime import event_loop_runner
 
         with event_loop_runner() as runner:  # the service's own loop (uvloop when installed)
             nats_lat, nats_base = runner.run(nats_queries(index, qbytes, rbytes, wants, args.queries))
+            if kept_raw:
+                replay_blocks = runner.run(replay_rate(kept_blocks, kept_held))
+                replay_raw = runner.run(replay_rate(kept_raw, kept_held))
 
-    ingest_rate, floor_rate, dec_rate = blocks / t_ing, blocks / t_floor, blocks / t_dec
+    rate = {name: blocks / t for name, t in times.items() if name != "gen"}
     ms1 = 1e-3
     yes = lambda ok: "yes" if ok else "NO"  # noqa: E731
     rows = [
-        ("ingest: ingest() relay+batch decode, apply", fmt_rate(ingest_rate),
-         f"{fmt_rate(floor_rate)} (decode+hash floor)", f"{ingest_rate / floor_rate:.2f}x",
-         "≥ 500k blocks/s", yes(ingest_rate >= 500_000)),
-        ("  floor part: msgpack decode only", fmt_rate(dec_rate), "", "", "", ""),
+        ("ingest: ingest() of the agent's relays", fmt_rate(rate["ing"]),
+         f"{fmt_rate(rate['raw'])} (raw batches)", f"{rate['ing'] / rate['raw']:.2f}x",
+         "≥ 500k blocks/s", yes(rate["ing"] >= 500_000)),
+        ("raw ingest: ingest() of engine batches", fmt_rate(rate["raw"]),
+         f"{fmt_rate(rate['floor'])} (decode+hash floor)", f"{rate['raw'] / rate['floor']:.2f}x", "", ""),
+        ("  floor part: msgpack decode only", fmt_rate(rate["dec"]), "", "", "", ""),
+        ("agent translation (per agent, own engine)", fmt_rate(rate["agent"]),
+         f"{fmt_rate(rate['floor'])} (decode+hash floor)", f"{rate['agent'] / rate['floor']:.2f}x", "", ""),
     ]
+    if replay_blocks:
+        a, b = kept_held / replay_blocks, kept_held / replay_raw
+        rows.append((f"replay from JetStream ({args.replay_workers} workers)", fmt_rate(a),
+                     f"{fmt_rate(b)} (raw batches)", f"{a / b:.2f}x", "≥ 500k blocks/s", yes(a >= 500_000)))
     for label, q in (("p50", 0.50), ("p99", 0.99)):
         h, c = pct(handler, q), pct(codec, q)
         rows.append((f"query {label}: handler (bytes to bytes)", fmt_us(h), f"{fmt_us(c)} (msgpack codec only)",
@@ -451,7 +544,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"query: {QUERY_BLOCKS} blocks ({QUERY_BLOCKS * BLOCK:,} tokens), {PLANTED} prompts, each held "
           f"partially by {holders:.1f} workers on average (and its {SYSTEM_BLOCKS}-block system prompt by all); "
           f"{args.queries} timed queries per row; replies checked")
-    print(f"build {t_build:.1f}s (generation {t_gen:.1f}s), peak RSS {rss_mb:,.0f} MB, python {sys.version.split()[0]}")
+    print(f"build {t_build:.1f}s (generation {times['gen']:.1f}s), peak RSS {rss_mb:,.0f} MB, python {sys.version.split()[0]}")
     print()
     print(table(rows))
 

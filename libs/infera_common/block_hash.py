@@ -2,8 +2,9 @@
 
 Full blocks only. Block ``i``'s hash is XXH3-64 of its token ids (each a little-endian unsigned
 32-bit integer) seeded with its parent's hash (``ROOT`` for a sequence's first block), so equal
-hashes mean equal prefixes. The indexer computes these from the ``token_ids`` in engine events; the
-router computes the same from a request's tokens at each worker's block size. Engine hashes
+hashes mean equal prefixes. The KV-event translation (``kv_translate``) computes these from the
+``token_ids`` in engine events; the router computes the same from a request's tokens at each
+worker's block size. Engine hashes
 (which differ between engines) are never used as index keys. The hash is Infera's own: stable
 across processes, hosts and Python versions, never compared with an engine's.
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from xxhash import xxh3_64_intdigest
 
@@ -25,6 +26,7 @@ ROOT = 0
 
 _TOKEN = "I" if array("I").itemsize == 4 else "L"  # a C unsigned 32-bit integer
 assert array(_TOKEN).itemsize == 4, "no 32-bit unsigned array type on this platform"
+assert array("Q").itemsize == 8, "no 64-bit unsigned array type on this platform"
 _SWAP = sys.byteorder != "little"
 
 
@@ -52,6 +54,25 @@ def unpack_tokens(data: bytes) -> array:
     if len(data) % 4:
         raise ValueError(f"packed token ids must be whole 4-byte words, got {len(data)} bytes")
     words = array(_TOKEN)
+    words.frombytes(data)
+    if _SWAP:  # pragma: no cover - big-endian hosts
+        words.byteswap()
+    return words
+
+
+def pack_hashes(hashes: Iterable[int]) -> bytes:
+    """Block hashes as bytes: each a little-endian unsigned 64-bit integer (``unpack_hashes`` reverses)."""
+    words = array("Q", hashes)
+    if _SWAP:  # pragma: no cover - big-endian hosts
+        words.byteswap()
+    return words.tobytes()
+
+
+def unpack_hashes(data: bytes) -> array:
+    """The block hashes ``pack_hashes`` wrote; ``ValueError`` if ``data`` is not whole 8-byte words."""
+    if len(data) % 8:
+        raise ValueError(f"packed block hashes must be whole 8-byte words, got {len(data)} bytes")
+    words = array("Q")
     words.frombytes(data)
     if _SWAP:  # pragma: no cover - big-endian hosts
         words.byteswap()

@@ -229,19 +229,26 @@ class Cancel(_Msg):
 
 
 class KvRelay(_Msg):
-    """Worker-agent -> KV event stream (``kv_event_subject``): one engine event batch, verbatim.
+    """Worker-agent -> KV event stream (``kv_event_subject``): one engine event batch.
 
+    ``kind="blocks"`` (what the worker-agent sends): the batch as the change it made to the index
+    hashes this rank holds (``kv_translate.BlockDelta``): ``reset`` — everything held before is
+    gone; ``stored`` / ``removed`` — block size -> index hashes (``block_hash.pack_hashes``) now
+    held / no longer held. ``seq`` is the engine batch's sequence number.
     ``kind="batch"``: ``payload`` is the engine's msgpack batch exactly as read from its ZMQ
-    publisher (decode with ``kv_wire.decode_batch``), ``seq`` the engine's sequence number.
+    publisher (decode with ``kv_wire.decode_batch``); the kv-indexer translates it itself.
     ``kind="cleared"``: the agent's engine (re)started with an empty cache: forget every block of
     this worker (all ranks when ``dp_rank`` is None).
     """
 
     worker_id: str
-    kind: Literal["batch", "cleared"] = "batch"
+    kind: Literal["blocks", "batch", "cleared"] = "batch"
     dp_rank: int | None = None
     seq: int = -1
     payload: bytes = b""
+    reset: bool = False
+    stored: dict[int, bytes] = Field(default_factory=dict)
+    removed: dict[int, bytes] = Field(default_factory=dict)
     block_size: int | None = None  # the engine's resolved page size, when the agent knows it
     ts: float = Field(default_factory=time.time)
 

@@ -4,6 +4,8 @@
 gets an opaque engine hash (vLLM: unsigned 64-bit, SGLang: signed), a ``BlockStored`` names the
 engine hash of the block before the new ones as its parent, and ``BlockRemoved`` names engine
 hashes. ``vllm`` writes map batches with map events, ``sglang`` array batches with positional events.
+``relay`` wraps a batch as ``relay_kind`` says: ``"batch"`` (raw, translated by the indexer) or
+``"blocks"`` (translated first, as the worker-agent relays it).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Literal
 import msgpack
 
 from infera_common.block_hash import block_hashes
+from infera_common.kv_translate import BlockTranslator, delta_relay
+from infera_common.kv_wire import decode_batch
 from infera_common.schemas import KvRelay, OverlapQuery, WorkerRecord, WorkerStatus, encode
 from infera_common.subjects import kv_event_subject
 
@@ -22,6 +26,8 @@ Flavour = Literal["vllm", "sglang"]
 
 
 class FakeEngine:
+    relay_kind: Literal["batch", "blocks"] = "batch"
+
     def __init__(self, worker_id: str, flavour: Flavour = "vllm", block_size: int = 4,
                  dp_rank: int | None = None, seed: int = 0) -> None:
         self.worker_id = worker_id
@@ -31,6 +37,7 @@ class FakeEngine:
         self.seq = -1
         self._rng = random.Random(f"{worker_id}/{dp_rank}/{seed}")
         self._hashes: dict[tuple[int, ...], int] = {}  # cached prefix (full blocks) -> engine hash
+        self._translators: dict[int, BlockTranslator] = {}  # the worker-agent's, per rank
 
     def engine_hash(self, tokens: list[int], block: int) -> int:
         """The engine hash of block ``block`` (0-based) of ``tokens`` (it must be cached)."""
@@ -83,8 +90,13 @@ class FakeEngine:
     def relay(self, *events, seq: int | None = None) -> bytes:
         """One KvRelay message carrying a batch of ``events`` with the engine's next seq."""
         self.seq = self.seq + 1 if seq is None else seq
-        return encode(KvRelay(worker_id=self.worker_id, seq=self.seq, payload=self.batch(list(events)),
-                              block_size=self.block_size))
+        payload = self.batch(list(events))
+        if self.relay_kind == "batch":
+            return encode(KvRelay(worker_id=self.worker_id, seq=self.seq, payload=payload, block_size=self.block_size))
+        batch = decode_batch(payload)
+        rank = batch.dp_rank if batch.dp_rank is not None else 0
+        delta = self._translators.setdefault(rank, BlockTranslator()).apply(batch.events)
+        return encode(delta_relay(self.worker_id, rank, self.seq, delta, self.block_size))
 
     @property
     def subject(self) -> str:

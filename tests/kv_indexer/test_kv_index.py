@@ -7,7 +7,7 @@ import random
 import msgpack
 import pytest
 
-from infera_common.block_hash import block_hashes
+from infera_common.block_hash import block_hashes, pack_hashes
 from infera_common.schemas import KvRelay, encode
 from infera_kv_indexer.index import KvIndex
 from infera_kv_indexer.ingest import ingest
@@ -15,6 +15,14 @@ from infera_kv_indexer.prefix import PrefixIndex
 from tests.kv_indexer.kv_fakes import MODEL, FakeEngine, cleared_relay, depths, query, tokens
 
 FLAVOURS = ["vllm", "sglang"]
+
+
+@pytest.fixture(autouse=True, params=["batch", "blocks"])
+def relay_kind(request, monkeypatch) -> str:
+    """Every test twice: raw engine batches (translated by the indexer) and the worker-agent's
+    translated relays. Both must leave the same index."""
+    monkeypatch.setattr(FakeEngine, "relay_kind", request.param)
+    return request.param
 
 
 def feed(index: KvIndex, engine: FakeEngine, *events, seq: int | None = None, now: float = 0.0):
@@ -29,14 +37,16 @@ def indexed(*workers: str) -> KvIndex:
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
-def test_a_chain_stored_over_two_events_matches_through_the_parent(flavour):
+def test_a_chain_stored_over_two_events_matches_through_the_parent(flavour, relay_kind):
     index, engine = indexed("w1"), FakeEngine("w1", flavour)
     system, turn2 = tokens(16), tokens(16) + tokens(8, start=5000)
     feed(index, engine, engine.stored(system))
     second = engine.stored(turn2)  # only the two new blocks, parent = the engine hash of block 3
     assert (second["parent_block_hash"] if flavour == "vllm" else second[2]) == engine.engine_hash(system, 3)
-    result = feed(index, engine, second)
-    assert result.outcome.applied == {"BlockStored": 1} and result.outcome.orphaned == 0
+    out = feed(index, engine, second).outcome
+    assert out.stored == 2
+    if relay_kind == "batch":
+        assert out.applied == {"BlockStored": 1} and out.orphaned == 0
     assert depths(index.overlap(query(turn2))) == {("w1", 0): 6}
     assert depths(index.overlap(query(system + tokens(8, start=7000)))) == {("w1", 0): 4}
     # the same new tokens under another prefix are a different chain: no match at all
@@ -54,32 +64,38 @@ def test_both_encodings_index_the_same_blocks_despite_different_engine_hashes():
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
-def test_removal_by_engine_hash_cuts_the_prefix_at_the_first_missing_block(flavour):
+def test_removal_by_engine_hash_cuts_the_prefix_at_the_first_missing_block(flavour, relay_kind):
     index, engine = indexed("w1"), FakeEngine("w1", flavour)
     prompt = tokens(24)
     feed(index, engine, engine.stored(prompt))
     removed = engine.removed(prompt[:12], 2)  # block 2 only; blocks 3.. stay cached
-    result = feed(index, engine, removed)
-    assert result.outcome.applied == {"BlockRemoved": 1}
+    out = feed(index, engine, removed).outcome
+    assert out.removed == 1 and out.stored == 0
+    if relay_kind == "batch":
+        assert out.applied == {"BlockRemoved": 1}
     assert depths(index.overlap(query(prompt))) == {("w1", 0): 2}
     assert index.worker_blocks("w1") == 5
 
 
-def test_removing_unknown_engine_hashes_is_ignored_and_counted():
+def test_removing_unknown_engine_hashes_is_ignored_and_counted(relay_kind):
     index, engine = indexed("w1"), FakeEngine("w1")
     prompt = tokens(8)
     feed(index, engine, engine.stored(prompt))
     out = feed(index, engine, {"type": "BlockRemoved", "block_hashes": [12345, 678], "medium": "GPU"}).outcome
-    assert out.unknown_removed == 2 and out.malformed == 0
+    assert out.removed == 0
+    if relay_kind == "batch":  # (the worker-agent counts these when it translates)
+        assert out.unknown_removed == 2 and out.malformed == 0
     assert depths(index.overlap(query(prompt))) == {("w1", 0): 2}
 
 
-def test_a_block_whose_parent_is_unknown_is_dropped_not_indexed_at_the_root():
+def test_a_block_whose_parent_is_unknown_is_dropped_not_indexed_at_the_root(relay_kind):
     index, engine = indexed("w1"), FakeEngine("w1")
     prompt = tokens(16)
     engine.stored(prompt[:8])  # the engine cached these, but their event never reached the index
     out = feed(index, engine, engine.stored(prompt)).outcome
-    assert out.orphaned == 2 and out.applied == {}
+    assert out.stored == 0
+    if relay_kind == "batch":  # (the worker-agent counts these when it translates)
+        assert out.orphaned == 2 and out.applied == {}
     assert depths(index.overlap(query(prompt[8:]))) == {}  # not mistaken for a prefix from the root
     assert depths(index.overlap(query(prompt))) == {}
 
@@ -198,7 +214,7 @@ def test_duplicate_seqs_are_skipped_and_gaps_counted():
     assert depths(index.overlap(query(b))) == {("w1", 0): 2}
 
 
-def test_malformed_messages_change_nothing_and_bad_events_do_not_spoil_their_batch():
+def test_malformed_messages_change_nothing_and_bad_events_do_not_spoil_their_batch(relay_kind):
     index, engine = indexed("w1"), FakeEngine("w1")
     prompt = tokens(8)
     assert ingest(index, engine.subject, b"\xc1garbage", 0.0).malformed == "relay"
@@ -212,7 +228,9 @@ def test_malformed_messages_change_nothing_and_bad_events_do_not_spoil_their_bat
                ["BlockStored", [1], None, [-5, 2, 3, 4], 4, None, None],  # token id out of range
                ["BlockStored", [2], None, ["a", 2, 3, 4], 4, None, None],  # token id not an integer
                engine.stored(prompt)).outcome
-    assert out.malformed == 3 and out.applied == {"BlockStored": 1}
+    assert out.stored == 2
+    if relay_kind == "batch":  # (the worker-agent counts these when it translates)
+        assert out.malformed == 3 and out.applied == {"BlockStored": 1}
     assert depths(index.overlap(query(prompt))) == {("w1", 0): 2}
 
 
@@ -278,3 +296,30 @@ def test_an_engine_hash_reused_for_other_content_moves_to_it():
     assert depths(index.overlap(query(a))) == {}  # a's first block is gone
     assert depths(index.overlap(query(b))) == {("w1", 0): 2}
     assert index.worker_blocks("w1") == 3  # a's second block (hash 2) stays until removed
+
+
+def blocks_relay(seq: int, stored=None, removed=None, reset: bool = False, rank: int = 0) -> bytes:
+    return encode(KvRelay(worker_id="w1", kind="blocks", dp_rank=rank, seq=seq, reset=reset,
+                          stored={4: pack_hashes(stored)} if stored else {},
+                          removed={4: pack_hashes(removed)} if removed else {}))
+
+
+def test_translated_relays_are_set_updates_that_repeat_harmlessly_and_torn_ones_change_nothing():
+    index = indexed("w1")
+    subject = FakeEngine("w1").subject
+    a, b = block_hashes(tokens(12), 4), block_hashes(tokens(8, start=4000), 4)
+    out = ingest(index, subject, blocks_relay(0, stored=a), 0.0).outcome
+    assert (out.stored, out.removed) == (3, 0)
+    out = ingest(index, subject, blocks_relay(1, stored=a[:2] + b), 0.0).outcome  # two of them held already
+    assert (out.stored, out.removed) == (2, 0) and index.worker_blocks("w1") == 5
+    torn = encode(KvRelay(worker_id="w1", kind="blocks", seq=2, removed={4: pack_hashes(a)[:-1]}))
+    assert ingest(index, subject, torn, 0.0).malformed == "relay"
+    assert depths(index.overlap(query(tokens(12)))) == {("w1", 0): 3}  # nothing of it applied
+    out = ingest(index, subject, blocks_relay(3, removed=[a[1], 999]), 0.0).outcome  # 999: never held
+    assert (out.stored, out.removed, out.gap) == (0, 1, 1)
+    assert depths(index.overlap(query(tokens(12)))) == {("w1", 0): 1}
+    assert ingest(index, subject, blocks_relay(3, removed=a), 0.0).outcome.duplicate
+    ingest(index, subject, blocks_relay(4, stored=a[1:2], reset=True), 0.0)
+    assert index.worker_blocks("w1") == 1 and depths(index.overlap(query(tokens(12)))) == {}
+    ingest(index, subject, blocks_relay(0, stored=a, rank=1), 0.0)
+    assert depths(index.overlap(query(tokens(12)))) == {("w1", 1): 3}

@@ -98,11 +98,18 @@ async def test_a_restarted_indexer_rebuilds_by_replay_and_answers_the_same(nats_
             await js.publish(engine.subject, engine.relay(*events))
         expected = {("vl", 0): 10, ("sg", 0): 6, ("dp", 0): 2, ("dp", 1): 12}
         await until(nc, query(chat), lambda r: depths(r) == expected)
+        gauge = 'infera_kv_indexer_worker_blocks{worker="dp"} 14.0'  # set on the service's next tick (1 s)
         async with aiohttp.ClientSession() as http:
-            async with http.get(f"http://127.0.0.1:{port}/metrics") as resp:
-                text = await resp.text()
+            for _ in range(50):
+                async with http.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                    text = await resp.text()
+                if gauge in text:
+                    break
+                await asyncio.sleep(0.1)
         assert 'infera_kv_indexer_events_applied_total{type="BlockStored"} 6.0' in text
-        assert 'infera_kv_indexer_worker_blocks{worker="dp"} 14.0' in text
+        assert gauge in text
+        assert 'infera_kv_indexer_blocks_applied_total{op="stored"} 38.0' in text  # 12 + 12 + 2 + 12
+        assert 'infera_kv_indexer_blocks_applied_total{op="removed"} 2.0' in text
 
         await first.kill()  # no clean shutdown
         # while it is down: the SGLang engine evicts, a vLLM batch is relayed twice (agent replay)

@@ -277,11 +277,18 @@ def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cac
             s = scrape(indexer)
             return total(s, "infera_kv_indexer_worker_blocks", worker=WORKER_ID) - blocks_before >= full_blocks and s
         samples = wait_for(indexed, 30, "the kv-indexer to hold the prompt's blocks", procs, list(services)[:1], 0.2)
-        assert total(samples, "infera_kv_indexer_events_applied_total") > 0
-        # real vLLM batches decode cleanly, and every stored block chains to a known parent
-        assert total(samples, "infera_kv_indexer_malformed_total") == 0
-        assert total(samples, "infera_kv_indexer_orphaned_blocks_total") == 0
-        print("kv-indexer:", {k: v for k, v in samples.items() if "events_applied" in k or "worker_blocks" in k})
+        assert total(samples, "infera_kv_indexer_blocks_applied_total", op="stored") >= full_blocks
+        # real vLLM batches decode cleanly, and every stored block chains to a known parent, wherever
+        # they are translated: by the worker-agent on the NATS plane, by the index itself on the ZMQ plane
+        if plane == "nats":
+            translator, metric = scrape(f"http://127.0.0.1:{agent_port}"), "infera_agent_kv_"
+            assert total(translator, "infera_agent_kv_blocks_total", op="stored") >= full_blocks
+        else:
+            translator, metric = samples, "infera_kv_indexer_"
+            assert total(samples, "infera_kv_indexer_events_applied_total") > 0
+        assert total(translator, metric + "malformed_total") == 0
+        assert total(translator, metric + "orphaned_blocks_total") == 0
+        print("kv-indexer:", {k: v for k, v in samples.items() if "blocks_applied" in k or "worker_blocks" in k})
         # the worker counts as seen once its first events arrived (a gauge refreshed every second)
         wait_for(lambda: total(scrape(indexer), "infera_kv_indexer_workers", state="seen") == 1, 10,
                  "the kv-indexer to count the worker as seen", procs, list(services)[:1], 0.2)

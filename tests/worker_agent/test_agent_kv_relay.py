@@ -4,6 +4,7 @@ import asyncio
 
 import msgpack
 
+from infera_common.block_hash import block_hashes, pack_hashes, unpack_hashes
 from infera_common.kv_wire import encode_seq
 from infera_worker_agent.kv_config import KvSource
 from infera_worker_agent.kv_relay import KvRelayer
@@ -11,8 +12,18 @@ from infera_worker_agent.metrics import AgentMetrics
 from tests.kv_indexer.zmq_helpers import FakePublisher as ZmqFakePublisher
 
 
+def tokens(seq: int) -> list[int]:
+    return list(range(seq * 64, seq * 64 + 64))
+
+
 def batch(seq: int) -> bytes:
-    return msgpack.packb([float(seq), [["AllBlocksCleared"]], 0])
+    """Batch ``seq`` stores one root block of its own tokens (engine hash seq + 1)."""
+    stored = ["BlockStored", [seq + 1], None, tokens(seq), 64, None, "GPU", None]
+    return msgpack.packb([float(seq), [stored], 0])
+
+
+def stored_hashes(relay) -> list[int]:
+    return list(unpack_hashes(relay.stored.get(64, b"")))
 
 
 class FakePublisher(ZmqFakePublisher):
@@ -51,7 +62,7 @@ async def start_relay(pub: FakePublisher, publish=None):
 async def until_subscribed(pub: FakePublisher, got) -> None:
     """Publish probe batches until one arrives (ZMQ's slow joiner), so the test's seqs start clean."""
     seq = 0
-    while not any(r.kind == "batch" and r.seq == seq - 1 for r in got) or seq == 0:
+    while not any(r.kind == "blocks" and r.seq == seq - 1 for r in got) or seq == 0:
         await pub.publish(seq)
         seq += 1
         await asyncio.sleep(0.05)
@@ -59,10 +70,10 @@ async def until_subscribed(pub: FakePublisher, got) -> None:
 
 
 def batch_seqs(got) -> list[int]:
-    return [r.seq for r in got if r.kind == "batch"]
+    return [r.seq for r in got if r.kind == "blocks"]
 
 
-async def test_cleared_goes_first_then_batches_verbatim_in_order():
+async def test_cleared_goes_first_then_each_batch_in_order_as_the_index_hashes_it_stored():
     pub = FakePublisher()
     relayer, got, metrics = await start_relay(pub)
     try:
@@ -70,8 +81,11 @@ async def test_cleared_goes_first_then_batches_verbatim_in_order():
         assert got[0].kind == "cleared" and got[0].dp_rank is None and got[0].worker_id == "w1"
         seqs = batch_seqs(got)
         assert seqs == list(range(len(seqs)))  # no batch lost or repeated, slow joiner or not
-        assert all(r.payload == pub.history[r.seq] and r.dp_rank == 0 and r.block_size == 64
-                   for r in got if r.kind == "batch")
+        for r in got[1:]:
+            assert r.kind == "blocks" and r.dp_rank == 0 and r.block_size == 64 and not r.reset
+            assert stored_hashes(r) == block_hashes(tokens(r.seq), 64) and r.removed == {}
+            assert r.payload == b""  # the token ids stay on the engine's host
+        assert metrics.kv_blocks.labels("stored")._value.get() == len(seqs)
     finally:
         await relayer.close()
         await pub.close()
@@ -100,7 +114,7 @@ async def test_a_skipped_seq_is_filled_from_replay_before_the_batch_that_reveale
         await pub.publish(n + 1)
         assert await wait_for(lambda: n + 1 in batch_seqs(got))
         assert batch_seqs(got) == list(range(n + 2))
-        assert next(r for r in got if r.seq == n).payload == pub.history[n]
+        assert stored_hashes(next(r for r in got if r.seq == n)) == block_hashes(tokens(n), 64)
         assert metrics.kv_gaps.labels("filled")._value.get() == 1
     finally:
         await relayer.close()
@@ -131,7 +145,7 @@ async def test_malformed_messages_and_failed_publishes_do_not_stop_the_relay():
     got = []
 
     async def flaky(relay):
-        if relay.kind == "batch" and failures["left"]:
+        if relay.kind == "blocks" and failures["left"]:
             failures["left"] -= 1
             raise TimeoutError("no ack")
         got.append(relay)
@@ -144,7 +158,7 @@ async def test_malformed_messages_and_failed_publishes_do_not_stop_the_relay():
         await pub.pub.send_multipart([b"", b"bad", b"x"])  # seq frame not 8 bytes
         await pub.publish(n)
         assert await wait_for(lambda: n in batch_seqs(got))
-        assert metrics.kv_malformed._value.get() == 2
+        assert metrics.kv_malformed.labels("zmq")._value.get() == 2
         assert metrics.kv_publish_failures._value.get() == 1
     finally:
         await relayer.close()
@@ -171,6 +185,40 @@ async def test_the_first_stored_block_settles_the_block_size_the_worker_register
         assert relayer.block_size == 128
         await asyncio.sleep(0.2)
         assert corrected == [128]  # settled once
+    finally:
+        await relayer.close()
+        await pub.close()
+
+
+async def test_removals_and_bad_input_are_relayed_as_block_changes_and_counted():
+    pub = FakePublisher()
+    relayer, got, metrics = await start_relay(pub)
+    try:
+        await until_subscribed(pub, got)
+        n = batch_seqs(got)[-1] + 1
+        child = block_hashes(tokens(n), 64, block_hashes(tokens(0), 64)[0])
+        events = [
+            ["BlockStored", [900], 1, tokens(n), 64, None, "GPU", None],  # child of batch 0's block
+            ["BlockStored", [901], 12345, tokens(n + 1), 64, None, "GPU", None],  # parent never stored
+            ["BlockRemoved", [1, 777], "GPU"],  # batch 0's block, and one never stored
+            ["BlockStored", [902], None, [-1] * 64, 64, None, "GPU", None],  # a token id out of range
+        ]
+        await pub.send(n, msgpack.packb([0.0, events, 0]))
+        await pub.send(n + 1, b"\xc1 not msgpack")
+        await pub.send(n + 2, msgpack.packb([0.0, [["AllBlocksCleared"]], 0]))
+        assert await wait_for(lambda: n + 2 in batch_seqs(got))
+        by_seq = {r.seq: r for r in got if r.kind == "blocks"}
+        first = by_seq[n]
+        assert stored_hashes(first) == child
+        assert list(unpack_hashes(first.removed[64])) == block_hashes(tokens(0), 64)
+        assert by_seq[n + 1].stored == {} and by_seq[n + 1].removed == {} and not by_seq[n + 1].reset
+        assert by_seq[n + 2].reset and by_seq[n + 2].stored == {}
+        assert metrics.kv_orphaned._value.get() == 1
+        assert metrics.kv_unknown_removed._value.get() == 1
+        assert metrics.kv_malformed.labels("event")._value.get() == 1
+        assert metrics.kv_malformed.labels("batch")._value.get() == 1
+        assert metrics.kv_blocks.labels("removed")._value.get() == 1
+        assert pack_hashes(child) == first.stored[64]
     finally:
         await relayer.close()
         await pub.close()

@@ -1,12 +1,17 @@
-"""The KV prefix index of the whole fleet: engine events in, overlap answers out (pure, no I/O).
+"""The KV prefix index of the whole fleet: block changes in, overlap answers out (pure, no I/O).
 
-Per target ``(worker_id, dp_rank)`` and block size it keeps the map engine hash -> index hash
-(index hashes are ``block_hash`` chains over the events' ``token_ids``; engine hashes are only keys
-for resolving a ``BlockStored``'s parent and a ``BlockRemoved``). Per model, a ``PrefixIndex``
+Per target ``(worker_id, dp_rank)`` and block size it keeps the set of index hashes the target
+holds (``block_hash`` chains over the engine events' ``token_ids``). Per model, a ``PrefixIndex``
 maps index hashes to the targets holding them.
 
-A worker's model comes from discovery (``worker_joined``). Events of a worker not in discovery
-are applied to its own maps all the same, just not published in any model's index; when its
+Changes arrive in two forms. The worker-agent relays each engine batch already translated
+(``apply_blocks``: the index hashes the rank now holds and no longer holds, ``kv_translate``), so
+on the NATS plane the indexer does set updates only. An engine batch read raw (from the engine's
+ZMQ publisher, or a ``kind="batch"`` relay) goes through the target's own ``BlockTranslator``
+first (``apply_batch``): the map engine hash -> index hash lives there.
+
+A worker's model comes from discovery (``worker_joined``). Changes of a worker not in discovery
+are applied to its own sets all the same, just not published in any model's index; when its
 record arrives the blocks are attached to the model's index at once. Such an unattached worker is
 forgotten after a grace period without events (``expire_unattached``): it is typically a worker
 that left before the indexer (re)started, whose old events came back with the stream's replay.
@@ -14,10 +19,11 @@ that left before the indexer (re)started, whose old events came back with the st
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from infera_common.block_hash import ROOT, block_hashes
-from infera_common.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from infera_common.kv_translate import BlockDelta, BlockTranslator
+from infera_common.kv_wire import EventBatch
 from infera_common.schemas import OverlapQuery, OverlapReply, WorkerOverlap
 
 from infera_kv_indexer.prefix import PrefixIndex, Target
@@ -25,10 +31,12 @@ from infera_kv_indexer.prefix import PrefixIndex, Target
 
 @dataclass(slots=True)
 class Outcome:
-    """What applying one engine batch did (for metrics)."""
+    """What applying one batch did (for metrics)."""
 
     target: Target
-    applied: dict[str, int] = field(default_factory=dict)  # event type -> events applied
+    applied: dict[str, int] = field(default_factory=dict)  # event type -> events applied (raw batches)
+    stored: int = 0  # index hashes the target newly holds
+    removed: int = 0  # index hashes it no longer holds
     malformed: int = 0  # events that could not be applied
     duplicate: bool = False  # seq already seen: the batch was skipped
     gap: int = 0  # engine batches missing before this one
@@ -36,27 +44,15 @@ class Outcome:
     orphaned: int = 0  # stored blocks dropped because their parent block is unknown
 
 
-class _Blocks:
-    """One target's blocks at one block size."""
-
-    __slots__ = ("engine", "refs")
-
-    def __init__(self) -> None:
-        self.engine: dict[int, int] = {}  # engine hash -> index hash
-        self.refs: dict[int, int] = {}  # index hash -> engine hashes mapping to it
-
-
 class _Target:
-    __slots__ = ("key", "last_seq", "sizes", "bit")
+    __slots__ = ("key", "last_seq", "held", "bit", "translator")
 
     def __init__(self, key: Target) -> None:
         self.key = key
         self.last_seq: int | None = None
-        self.sizes: dict[int, _Blocks] = {}
+        self.held: dict[int, set[int]] = {}  # block size -> index hashes
         self.bit = 0  # its bit in the model's PrefixIndex; 0 while the worker's model is unknown
-
-    def held(self) -> dict[int, list[int]]:
-        return {size: list(b.refs) for size, b in self.sizes.items()}
+        self.translator: BlockTranslator | None = None  # for raw engine batches, made on the first
 
 
 class _Worker:
@@ -110,41 +106,32 @@ class KvIndex:
             del self._workers[wid]
         return gone
 
-    # --- events -------------------------------------------------------------------------------
+    # --- changes ------------------------------------------------------------------------------
     def apply_batch(self, worker_id: str, dp_rank: int | None, seq: int, batch: EventBatch, now: float) -> Outcome:
-        """Apply one engine batch; ``dp_rank`` is the relay's (the batch's own rank wins), ``seq``
+        """Apply one raw engine batch; ``dp_rank`` is the relay's (the batch's own rank wins), ``seq``
         the engine's sequence number (negative: unknown, no duplicate/gap check)."""
         worker = self._worker(worker_id, now)
-        rank = batch.dp_rank if batch.dp_rank is not None else (dp_rank or 0)
-        target = self._target(worker, rank)
+        target = self._target(worker, batch.dp_rank if batch.dp_rank is not None else (dp_rank or 0))
         out = Outcome(target.key, malformed=len(batch.malformed))
-        if seq >= 0:
-            last = target.last_seq
-            if last is not None and seq <= last:
-                out.duplicate = True
-                return out
-            if last is not None and seq > last + 1:
-                out.gap = seq - last - 1
-            target.last_seq = seq
-        applied = out.applied
-        prefix = self._models[worker.model] if target.bit else None  # type: ignore[index]
-        for event in batch.events:
-            cls = type(event)
-            try:
-                if cls is BlockStored:
-                    done = self._store(worker, target, event, out, prefix)
-                elif cls is BlockRemoved:
-                    done = self._remove(worker, target, event, out)
-                elif cls is AllBlocksCleared:
-                    done = self._clear_blocks(worker, target)
-                else:  # pragma: no cover - kv_wire only yields the three
-                    done = False
-            except (ValueError, OverflowError, TypeError):  # token ids that are not 0..2**32-1 integers
-                out.malformed += 1
-                continue
-            if done:
-                name = cls.__name__
-                applied[name] = applied.get(name, 0) + 1
+        if self._skip(target, seq, out):
+            return out
+        translator = target.translator
+        if translator is None:
+            translator = target.translator = BlockTranslator()
+        delta: BlockDelta = translator.apply(batch.events)
+        out.applied, out.malformed = delta.applied, out.malformed + delta.malformed
+        out.unknown_removed, out.orphaned = delta.unknown_removed, delta.orphaned
+        self._change(worker, target, delta.reset, delta.stored, delta.removed, out)
+        return out
+
+    def apply_blocks(self, worker_id: str, dp_rank: int, seq: int, reset: bool,
+                     stored: Mapping[int, Iterable[int]], removed: Mapping[int, Iterable[int]], now: float) -> Outcome:
+        """Apply one batch the worker-agent already translated (``kv_translate.BlockDelta``'s fields)."""
+        worker = self._worker(worker_id, now)
+        target = self._target(worker, dp_rank)
+        out = Outcome(target.key)
+        if not self._skip(target, seq, out):
+            self._change(worker, target, reset, stored, removed, out)
         return out
 
     def clear(self, worker_id: str, dp_rank: int | None, now: float) -> None:
@@ -156,70 +143,49 @@ class KvIndex:
         for rank in ranks:
             target = worker.targets.pop(rank, None)
             if target is not None and prefix is not None:
-                prefix.remove_target(target.key, target.held())
+                prefix.remove_target(target.key, target.held)
 
-    def _store(self, worker: _Worker, target: _Target, ev: BlockStored, out: Outcome,
-               prefix: PrefixIndex | None) -> bool:
-        size = ev.block_size
-        blocks = target.sizes.get(size)
-        if ev.parent_block_hash is None:
-            parent: int | None = ROOT
-        else:
-            parent = blocks.engine.get(ev.parent_block_hash) if blocks is not None else None
-        if parent is None:
-            out.orphaned += len(ev.block_hashes)
+    @staticmethod
+    def _skip(target: _Target, seq: int, out: Outcome) -> bool:
+        """Whether ``seq`` was applied already; records it and any gap before it otherwise."""
+        if seq < 0:
             return False
-        hashes = block_hashes(ev.token_ids, size, parent)  # raises on bad token ids: nothing changed yet
-        if blocks is None:
-            blocks = target.sizes[size] = _Blocks()
-        engine, refs = blocks.engine, blocks.refs
-        fresh: list[int] = []  # index hashes this target did not hold: added to the model's index
-        for engine_hash, index_hash in zip(ev.block_hashes, hashes):
-            old = engine.get(engine_hash)
-            if old == index_hash:
-                continue  # stored again (another medium, a replay)
-            if old is not None:  # the engine reused a hash for other content (rare): keep the order
-                if fresh and prefix is not None:
-                    prefix.add_all(size, fresh, target.bit)
-                fresh = []
-                self._unref(worker, target, size, blocks, old)
-            engine[engine_hash] = index_hash
-            count = refs.get(index_hash, 0)
-            refs[index_hash] = count + 1
-            if not count:
-                fresh.append(index_hash)
-        if fresh and prefix is not None:
-            prefix.add_all(size, fresh, target.bit)
-        return True
+        last = target.last_seq
+        if last is not None and seq <= last:
+            out.duplicate = True
+            return True
+        if last is not None and seq > last + 1:
+            out.gap = seq - last - 1
+        target.last_seq = seq
+        return False
 
-    def _remove(self, worker: _Worker, target: _Target, ev: BlockRemoved, out: Outcome) -> bool:
-        for engine_hash in ev.block_hashes:
-            for size, blocks in target.sizes.items():
-                index_hash = blocks.engine.pop(engine_hash, None)
-                if index_hash is not None:
-                    self._unref(worker, target, size, blocks, index_hash)
-                    break
-            else:
-                out.unknown_removed += 1
-        return True
-
-    def _unref(self, worker: _Worker, target: _Target, size: int, blocks: _Blocks, index_hash: int) -> None:
-        count = blocks.refs[index_hash] - 1
-        if count:
-            blocks.refs[index_hash] = count
-            return
-        del blocks.refs[index_hash]
-        if target.bit:
-            self._models[worker.model].remove(size, index_hash, target.bit)  # type: ignore[index]
-
-    def _clear_blocks(self, worker: _Worker, target: _Target) -> bool:
-        if target.bit:
-            prefix = self._models[worker.model]  # type: ignore[index]
-            for size, blocks in target.sizes.items():
-                for index_hash in blocks.refs:
-                    prefix.remove(size, index_hash, target.bit)
-        target.sizes.clear()
-        return True
+    def _change(self, worker: _Worker, target: _Target, reset: bool, stored: Mapping[int, Iterable[int]],
+                removed: Mapping[int, Iterable[int]], out: Outcome) -> None:
+        """Set union and difference: applying the same change twice changes nothing more."""
+        prefix = self._models[worker.model] if target.bit else None  # type: ignore[index]
+        bit = target.bit
+        if reset:
+            if prefix is not None:
+                for size, hashes in target.held.items():
+                    prefix.remove_all(size, hashes, bit)
+            target.held.clear()
+        for size, hashes in removed.items():
+            held = target.held.get(size)
+            if held:
+                before = len(held)
+                held.difference_update(hashes)
+                out.removed += before - len(held)
+                if prefix is not None:
+                    prefix.remove_all(size, hashes, bit)
+        for size, hashes in stored.items():
+            held = target.held.get(size)
+            if held is None:
+                held = target.held[size] = set()
+            before = len(held)
+            held.update(hashes)
+            out.stored += len(held) - before
+            if prefix is not None:
+                prefix.add_all(size, hashes, bit)
 
     # --- bookkeeping --------------------------------------------------------------------------
     def _worker(self, worker_id: str, now: float) -> _Worker:
@@ -248,15 +214,14 @@ class KvIndex:
         prefix = self._prefix(worker.model)
         for target in worker.targets.values():
             target.bit = prefix.add_target(target.key)
-            for size, blocks in target.sizes.items():
-                for index_hash in blocks.refs:
-                    prefix.add(size, index_hash, target.bit)
+            for size, hashes in target.held.items():
+                prefix.add_all(size, hashes, target.bit)
 
     def _detach(self, worker: _Worker) -> None:
         prefix = self._models.get(worker.model) if worker.model is not None else None
         for target in worker.targets.values():
             if prefix is not None:
-                prefix.remove_target(target.key, target.held())
+                prefix.remove_target(target.key, target.held)
             target.bit = 0
         if prefix is not None and not prefix.targets:
             del self._models[worker.model]  # type: ignore[arg-type]
@@ -288,7 +253,7 @@ class KvIndex:
         worker = self._workers.get(worker_id)
         if worker is None:
             return 0
-        return sum(len(b.refs) for t in worker.targets.values() for b in t.sizes.values())
+        return sum(len(h) for t in worker.targets.values() for h in t.held.values())
 
     def is_seen(self, worker_id: str) -> bool:
         return worker_id in self._workers

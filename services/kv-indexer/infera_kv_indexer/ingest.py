@@ -1,10 +1,12 @@
 """One message of the KV event stream (or one batch read from ZMQ), decoded and applied to the index
 (pure, no I/O).
 
-A message is a msgpack ``KvRelay`` on ``kv_event_subject(worker_id)``. Anything unreadable is
-reported as ``malformed`` (``relay``: the envelope, or a subject that is not its worker's;
-``batch``: the engine batch inside) and changes nothing; bad events inside a readable batch are
-counted in the outcome and the rest of the batch is applied.
+A message is a msgpack ``KvRelay`` on ``kv_event_subject(worker_id)``: ``kind="blocks"`` (the
+worker-agent's translation of one engine batch: index hashes stored and removed, applied as set
+updates), ``"batch"`` (a raw engine batch, translated here) or ``"cleared"``. Anything unreadable is
+reported as ``malformed`` (``relay``: the envelope, torn packed hashes, or a subject that is not its
+worker's; ``batch``: the engine batch inside) and changes nothing; bad events inside a readable
+batch are counted in the outcome and the rest of the batch is applied.
 
 This is the ingest hot path, so the envelope is read without pydantic when every field already has
 its exact type (what the worker-agent sends); anything else goes through ``KvRelay``'s own
@@ -14,9 +16,11 @@ validation, which accepts and rejects exactly what it always did.
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass
 from typing import Literal
 
+from infera_common.block_hash import unpack_hashes
 from infera_common.kv_wire import KvWireError, decode_batch, unpack
 from infera_common.schemas import KvRelay
 from infera_common.subjects import kv_event_subject
@@ -39,6 +43,9 @@ class Relay:
     payload: bytes
     block_size: int | None
     ts: float
+    reset: bool = False
+    stored: dict[int, array] | None = None  # kind "blocks": block size -> index hashes, unpacked
+    removed: dict[int, array] | None = None
 
 
 @dataclass(slots=True)
@@ -56,7 +63,11 @@ def ingest(index: KvIndex, subject: str, data: bytes, now: float) -> Ingested:
             raise ValueError(f"relay of worker {relay.worker_id!r} arrived on {subject!r}")
     except ValueError as exc:
         return Ingested(malformed="relay", error=str(exc)[:300])
-    if relay.kind == "cleared":
+    kind = relay.kind
+    if kind == "blocks":
+        return Ingested(relay, index.apply_blocks(relay.worker_id, relay.dp_rank or 0, relay.seq, relay.reset,
+                                                  relay.stored or {}, relay.removed or {}, now))
+    if kind == "cleared":
         index.clear(relay.worker_id, relay.dp_rank, now)
         return Ingested(relay)
     return _apply(index, relay, now)
@@ -77,20 +88,44 @@ def _apply(index: KvIndex, relay: Relay, now: float) -> Ingested:
 
 
 def decode_relay(data: bytes) -> Relay:
-    """A ``KvRelay`` from its bytes; raises ``ValueError`` when malformed (as ``schemas.decode``)."""
+    """A ``KvRelay`` from its bytes, packed hashes unpacked; raises ``ValueError`` when malformed (as
+    ``schemas.decode``, or packed hashes torn)."""
     raw = unpack(data, "relay")
     if type(raw) is dict:
         get = raw.get
         worker_id, kind, rank, seq = get("worker_id"), get("kind", "batch"), get("dp_rank"), get("seq", -1)
         payload, size, ts = get("payload", b""), get("block_size"), get("ts")
+        reset, stored, removed = get("reset", False), get("stored"), get("removed")
         if ts is None and "ts" not in raw:
             ts = time.time()
-        if (type(worker_id) is str and (kind == "batch" or kind == "cleared") and type(kind) is str
+        if (type(worker_id) is str and kind in _KINDS and type(kind) is str
                 and (rank is None or type(rank) is int) and type(seq) is int and type(payload) is bytes
-                and (size is None or type(size) is int) and (type(ts) is float or type(ts) is int)):
-            return Relay(worker_id, kind, rank, seq, payload, size, float(ts))
+                and (size is None or type(size) is int) and (type(ts) is float or type(ts) is int)
+                and type(reset) is bool):
+            stored, removed = _unpacked(stored), _unpacked(removed)
+            if stored is not None and removed is not None:
+                return Relay(worker_id, kind, rank, seq, payload, size, float(ts), reset, stored, removed)
     full = KvRelay.model_validate(raw)  # lenient coercions and the errors, exactly as the schema says
-    return Relay(full.worker_id, full.kind, full.dp_rank, full.seq, full.payload, full.block_size, full.ts)
+    return Relay(full.worker_id, full.kind, full.dp_rank, full.seq, full.payload, full.block_size, full.ts,
+                 full.reset, _unpacked(full.stored), _unpacked(full.removed))
+
+
+_KINDS = ("blocks", "batch", "cleared")
+
+
+def _unpacked(packed: object) -> dict[int, array] | None:
+    """Block size -> packed hashes (absent: none), unpacked; ``None`` unless exactly what ``KvRelay``
+    accepts unchanged (a dict of int to bytes). ``ValueError`` when torn."""
+    out: dict[int, array] = {}
+    if packed is None:
+        return out
+    if type(packed) is not dict:
+        return None
+    for size, data in packed.items():
+        if type(size) is not int or type(data) is not bytes:
+            return None
+        out[size] = unpack_hashes(data)
+    return out
 
 
 def _subject(worker_id: str) -> str:

@@ -15,12 +15,19 @@ class KvIndexerMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.relay_messages = Counter(
-            "infera_kv_indexer_relay_messages", "KvRelay messages read from the stream, by kind (batch, cleared).",
+            "infera_kv_indexer_relay_messages",
+            "KvRelay messages read from the stream, by kind (blocks: translated by the agent; batch: raw; cleared).",
             ["kind"], registry=r,
         )
         self.events = Counter(
-            "infera_kv_indexer_events_applied", "Engine KV events applied, by type (its rate is the event rate).",
+            "infera_kv_indexer_events_applied",
+            "Raw engine KV events translated and applied here, by type (ZMQ transport; batch relays).",
             ["type"], registry=r,
+        )
+        self.blocks = Counter(
+            "infera_kv_indexer_blocks_applied",
+            "Index blocks a target newly holds (stored) or no longer holds (removed), from either form of input.",
+            ["op"], registry=r,
         )
         self.malformed = Counter(
             "infera_kv_indexer_malformed",
@@ -99,14 +106,32 @@ class KvIndexerMetrics:
             ["how"], registry=r,
         )
         self._children: dict[tuple[str, str], object] = {}
+        self._stored = self._removed = 0  # counts not flushed yet
+        self._relays: dict[str, int] = {}
         self._block_gauges: dict[str, Gauge] = {}
         self._zmq_workers: set[str] = set()  # labels of zmq_endpoints
 
     def event_applied(self, event_type: str, n: int) -> None:
         self._child(self.events, "events", event_type).inc(n)
 
+    # --- the ingest hot path: plain counts, added to their families by flush() (service: every second)
+    def blocks_applied(self, stored: int, removed: int) -> None:
+        self._stored += stored
+        self._removed += removed
+
     def relay_message(self, kind: str) -> None:
-        self._child(self.relay_messages, "relay_messages", kind).inc()
+        self._relays[kind] = self._relays.get(kind, 0) + 1
+
+    def flush(self) -> None:
+        """Add the counts gathered since the last flush to their Prometheus counters."""
+        if self._stored:
+            self._child(self.blocks, "blocks", "stored").inc(self._stored)
+        if self._removed:
+            self._child(self.blocks, "blocks", "removed").inc(self._removed)
+        for kind, n in self._relays.items():
+            self._child(self.relay_messages, "relay_messages", kind).inc(n)
+        self._stored = self._removed = 0
+        self._relays.clear()
 
     def _child(self, family: Counter, name: str, label: str):  # noqa: ANN202 - prometheus' child type
         """A labelled child, looked up once (``labels()`` costs microseconds on the ingest path)."""

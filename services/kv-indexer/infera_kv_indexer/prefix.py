@@ -46,8 +46,7 @@ class PrefixIndex:
         if bit is None:
             return
         for size, hashes in held.items():
-            for h in hashes:
-                self.remove(size, h, bit)
+            self.remove_all(size, hashes, bit)
         position = bit.bit_length() - 1
         self._slots[position] = None
         self._free.append(position)
@@ -84,17 +83,19 @@ class PrefixIndex:
         for block_hash in block_hashes:
             masks[block_hash] = get(block_hash, 0) | bit
 
-    def remove(self, block_size: int, block_hash: int, bit: int) -> None:
+    def remove_all(self, block_size: int, block_hashes: Iterable[int], bit: int) -> None:
         masks = self._masks.get(block_size)
         if masks is None:
             return
-        mask = masks.get(block_hash, 0) & ~bit
-        if mask:
-            masks[block_hash] = mask
-        else:
-            masks.pop(block_hash, None)
-            if not masks:
-                del self._masks[block_size]
+        get, keep = masks.get, ~bit
+        for block_hash in block_hashes:
+            mask = get(block_hash, 0) & keep
+            if mask:
+                masks[block_hash] = mask
+            else:
+                masks.pop(block_hash, None)
+        if not masks:
+            del self._masks[block_size]
 
     def blocks(self, block_size: int) -> int:
         """Distinct block hashes held by any target at ``block_size``."""

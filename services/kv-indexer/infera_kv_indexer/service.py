@@ -47,7 +47,7 @@ log = get_logger("kv_indexer")
 NATS_CONNECT_TIMEOUT = 10.0
 #: How long start() waits for discovery's initial snapshot before replaying anyway.
 DISCOVERY_READY_TIMEOUT = 10.0
-#: How often housekeeping runs (unattached workers, worker gauges).
+#: How often housekeeping runs (unattached workers; the ingest path's counters and block gauges).
 TICK = 1.0
 
 
@@ -65,6 +65,7 @@ class KvIndexerService:
         self._query_sub: Any | None = None
         self._housekeeper: asyncio.Task | None = None
         self._mismatch_warned: set[str] = set()
+        self._changed: set[str] = set()  # workers whose blocks changed since the last tick
         self._query_ok = self.metrics.queries.labels("ok")
         self._query_malformed = self.metrics.queries.labels("malformed")
 
@@ -124,6 +125,7 @@ class KvIndexerService:
             self._housekeeper.cancel()
             await asyncio.gather(self._housekeeper, return_exceptions=True)
             self._housekeeper = None
+            self._flush_metrics()
         if self._watcher is not None:
             await self._watcher.stop()
             self._watcher = None
@@ -197,6 +199,7 @@ class KvIndexerService:
                 return
             for name, n in out.applied.items():
                 m.event_applied(name, n)
+            m.blocks_applied(out.stored, out.removed)
             if out.malformed:
                 m.malformed.labels("event").inc(out.malformed)
             if out.gap:
@@ -208,8 +211,7 @@ class KvIndexerService:
                 m.orphaned.inc(out.orphaned)
         else:
             log.info("worker_cleared", worker_id=relay.worker_id, dp_rank=relay.dp_rank)
-        if self.index.is_seen(relay.worker_id):
-            m.set_blocks(relay.worker_id, self.index.worker_blocks(relay.worker_id))
+        self._changed.add(relay.worker_id)  # its block gauge: set on the next tick
 
     async def _housekeeping(self) -> None:
         while True:
@@ -219,7 +221,16 @@ class KvIndexerService:
                 log.info("unattached_worker_dropped", worker_id=worker_id, grace=self.settings.unattached_grace,
                          hint="KV events of a worker this indexer's discovery does not list: if it is running, "
                               "it is registered with another --discovery-backend or --etcd-endpoint")
-            self.metrics.set_workers(*self.index.counts())
+            self._flush_metrics()
+
+    def _flush_metrics(self) -> None:
+        """The ingest path's deferred metrics: counters, each changed worker's block gauge, the worker counts."""
+        self.metrics.flush()
+        changed, self._changed = self._changed, set()
+        for worker_id in changed:
+            if self.index.is_seen(worker_id):  # (not a worker that left since)
+                self.metrics.set_blocks(worker_id, self.index.worker_blocks(worker_id))
+        self.metrics.set_workers(*self.index.counts())
 
     # --- queries ---------------------------------------------------------------------------
     async def _on_query(self, msg: Msg) -> None:

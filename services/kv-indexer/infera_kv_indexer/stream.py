@@ -31,6 +31,8 @@ log = get_logger("kv_indexer")
 
 #: How often replay progress is checked (the history may age out under a slow replay).
 TICK = 1.0
+#: While replaying, every how many messages the stream seq is read (for progress; the end is exact).
+SEQ_EVERY = 64
 #: ``handle(subject, data)``: one stream message (never raises: the caller counts what it cannot read)
 Handle = Callable[[str, bytes], None]
 
@@ -42,7 +44,9 @@ class StreamFollower:
         self.metrics = metrics
         self._sub: Subscription | None = None
         self._replay_until = 0  # stream sequence of the last message present at start
-        self._applied_seq = 0  # stream sequence of the last message applied
+        self._replay_count = 0  # messages present at start
+        self._applied_seq = 0  # stream sequence of the last message applied (read every SEQ_EVERY while replaying)
+        self._last: Msg | None = None  # the last message applied, while replaying
         self._caught_up = asyncio.Event()
         self.messages = 0
 
@@ -53,6 +57,7 @@ class StreamFollower:
         t0 = time.monotonic()
         state = (await self._js.stream_info(KV_EVENT_STREAM)).state
         self._replay_until = state.last_seq if state.messages else 0
+        self._replay_count = state.messages
         self.metrics.replaying.set(1)
         if not self._replay_until:
             self._caught_up.set()
@@ -71,6 +76,8 @@ class StreamFollower:
 
     async def _check_replay_end(self) -> None:
         """The history present at start may have aged out under us: nothing left to wait for."""
+        if self._last is not None and self._note_seq(self._last):
+            return
         state = (await self._js.stream_info(KV_EVENT_STREAM)).state
         if not state.messages or state.first_seq > self._replay_until:
             self._caught_up.set()
@@ -85,9 +92,20 @@ class StreamFollower:
         self._handle(msg.subject, msg.data)
         self.messages += 1
         if not self._caught_up.is_set():
-            try:
-                self._applied_seq = msg.metadata.sequence.stream
-            except Exception:  # not a JetStream message
-                return
-            if self._applied_seq >= self._replay_until:
-                self._caught_up.set()
+            self._last = msg
+            # a message's stream seq is parsed from its reply subject: not for every message of a long
+            # replay, but from the count present at start on (the end, unless some aged out: then the TICK)
+            if self.messages >= self._replay_count or not self.messages % SEQ_EVERY:
+                self._note_seq(msg)
+
+    def _note_seq(self, msg: Msg) -> bool:
+        """Record ``msg``'s stream seq; True (and caught up) once the history present at start is applied."""
+        try:
+            self._applied_seq = msg.metadata.sequence.stream
+        except Exception:  # not a JetStream message
+            return False
+        if self._applied_seq >= self._replay_until:
+            self._caught_up.set()
+            self._last = None
+            return True
+        return False

@@ -2,11 +2,15 @@
 
 The reading (one SUB socket per DP rank, seq order, replay after subscribing and on every gap) is
 ``infera_common.kv_zmq.KvZmqReader``; this module decides what an in-order batch becomes: one
-``KvRelay(kind="batch")`` carrying the engine's seq and payload verbatim, published on
-``kv_event_subject(worker_id)`` with the JetStream ack awaited (so order and persistence hold). A
-``KvRelay(kind="cleared")`` goes out first: the engine starts with an empty cache, so anything
-indexed for this worker id is stale. A bad message, a failed replay or a failed publish is logged
-and counted; the relay keeps going.
+``KvRelay(kind="blocks")`` with the engine's seq and the batch translated by the rank's
+``BlockTranslator`` (index hashes over the events' token ids, now held and no longer held), published
+on ``kv_event_subject(worker_id)`` with the JetStream ack awaited (so order and persistence hold).
+Translating here, once per engine on its own host, leaves the kv-indexer set updates only (no token
+decoding or hashing in the one process that serves the whole fleet) and puts 8 bytes per block on
+the stream instead of the block's token ids. A ``KvRelay(kind="cleared")`` goes out first: the engine
+starts with an empty cache, so anything indexed for this worker id is stale. A bad message or event,
+a failed replay or a failed publish is logged and counted; the relay keeps going (an undecodable
+batch still goes out, empty, so the indexer's seq stays continuous).
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
 from infera_common.kv_endpoints import local_endpoint, subscriber_binds
-from infera_common.kv_wire import BlockStored, KvWireError, decode_batch
+from infera_common.kv_translate import BlockDelta, BlockTranslator, delta_relay
+from infera_common.kv_wire import BlockStored, EventBatch, KvWireError, decode_batch
 from infera_common.kv_zmq import REPLAY_TIMEOUT, KvReadObserver, KvZmqReader, ZmqKvSource
 from infera_common.logs import get_logger
 from infera_common.schemas import KvRelay
@@ -45,7 +50,7 @@ class _AgentObserver(KvReadObserver):
         self.metrics = metrics
 
     def malformed(self, source: ZmqKvSource, reason: str) -> None:
-        self.metrics.kv_malformed.inc()
+        self.metrics.kv_malformed.labels("zmq").inc()
 
     def gap_detected(self, source: ZmqKvSource, missing: range) -> None:
         self.metrics.kv_gaps.labels("detected").inc()
@@ -80,9 +85,11 @@ class KvRelayer:
         self.metrics = metrics
         self.replay_timeout = replay_timeout
         self._reader: KvZmqReader | None = None
+        self._translators: dict[int, BlockTranslator] = {}  # per DP rank
 
     async def start(self) -> None:
         """Publish ``cleared`` (before anything else), then relay every rank."""
+        self._translators.clear()
         await self._send(KvRelay(worker_id=self.worker_id, kind="cleared", dp_rank=None, block_size=self.block_size))
         self._reader = KvZmqReader(
             [reader_source(s) for s in self.sources], self._relay_batch, observer=_AgentObserver(self.metrics),
@@ -99,19 +106,44 @@ class KvRelayer:
 
     # --- publishing ----------------------------------------------------------------------------
     async def _relay_batch(self, source: ZmqKvSource, seq: int, payload: bytes) -> None:
-        if not self._block_size_seen:
-            await self._check_block_size(payload)
-        relay = KvRelay(worker_id=self.worker_id, kind="batch", dp_rank=source.dp_rank, seq=seq, payload=payload,
-                        block_size=self.block_size)
-        if await self._send(relay):
+        rank = source.dp_rank
+        try:
+            batch: EventBatch | None = decode_batch(payload)
+        except KvWireError as exc:
+            batch = None
+            self.metrics.kv_malformed.labels("batch").inc()
+            log.warning("kv_batch_malformed", worker_id=self.worker_id, dp_rank=rank, seq=seq, error=str(exc)[:300])
+        delta = BlockDelta()
+        if batch is not None:
+            if batch.dp_rank is not None:
+                rank = batch.dp_rank  # the batch's own rank wins
+            if not self._block_size_seen:
+                await self._check_block_size(batch)
+            translator = self._translators.get(rank)
+            if translator is None:
+                translator = self._translators[rank] = BlockTranslator()
+            delta = translator.apply(batch.events)
+            self._count(batch, delta)
+        if await self._send(delta_relay(self.worker_id, rank, seq, delta, self.block_size)):
             self.metrics.kv_batches.labels(str(source.dp_rank)).inc()
 
-    async def _check_block_size(self, payload: bytes) -> None:
-        try:
-            events = decode_batch(payload).events
-        except KvWireError:
-            return  # the indexer counts it; the next batch may tell
-        size = next((e.block_size for e in events if isinstance(e, BlockStored)), None)
+    def _count(self, batch: EventBatch, delta: BlockDelta) -> None:
+        m = self.metrics
+        malformed = len(batch.malformed) + delta.malformed
+        if malformed:
+            m.kv_malformed.labels("event").inc(malformed)
+        if delta.orphaned:
+            m.kv_orphaned.inc(delta.orphaned)
+        if delta.unknown_removed:
+            m.kv_unknown_removed.inc(delta.unknown_removed)
+        stored, removed = delta.blocks()
+        if stored:
+            m.kv_blocks.labels("stored").inc(stored)
+        if removed:
+            m.kv_blocks.labels("removed").inc(removed)
+
+    async def _check_block_size(self, batch: EventBatch) -> None:
+        size = next((e.block_size for e in batch.events if isinstance(e, BlockStored)), None)
         if size is None:
             return
         self._block_size_seen = True

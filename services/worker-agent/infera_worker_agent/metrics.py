@@ -43,6 +43,21 @@ class AgentMetrics:
             "infera_agent_kv_publish_failures", "KV relays that JetStream did not acknowledge.", registry=r
         )
         self.kv_malformed = Counter(
-            "infera_agent_kv_malformed", "ZMQ KV event messages dropped as malformed (not 3 frames, bad seq).",
+            "infera_agent_kv_malformed",
+            "KV event input dropped as malformed, by kind: zmq (not [topic, 8-byte seq, batch]), batch (not an "
+            "engine batch: relayed empty), event (one bad event; the rest of its batch is relayed).",
+            ["kind"], registry=r,
+        )
+        self.kv_blocks = Counter(
+            "infera_agent_kv_blocks",
+            "Index blocks the engine newly holds (stored) or no longer holds (removed), as relayed.", ["op"], registry=r,
+        )
+        self.kv_orphaned = Counter(
+            "infera_agent_kv_orphaned_blocks",
+            "Stored blocks dropped because their parent block was never stored (events lost before the relay).",
+            registry=r,
+        )
+        self.kv_unknown_removed = Counter(
+            "infera_agent_kv_unknown_removed", "Removed engine block hashes that were never stored (ignored).",
             registry=r,
         )

@@ -1,0 +1,167 @@
+"""One engine rank's KV events as changes to the index hashes it holds (pure, no I/O).
+
+A ``BlockTranslator`` follows one target (a worker's DP rank). Per block size it keeps the map
+engine hash -> index hash (index hashes are ``block_hash`` chains over the events' ``token_ids``;
+engine hashes are only keys for resolving a ``BlockStored``'s parent and a ``BlockRemoved``) and,
+per index hash, how many engine hashes map to it (two engine blocks with the same tokens but, say,
+another LoRA or cache salt are one index block).
+
+``apply`` turns one engine batch into a ``BlockDelta``: the net change of the set of index hashes
+the target holds — hashes it now holds that it did not (``stored``), hashes it no longer holds
+(``removed``), and whether everything held before the batch was cleared first (``reset``). A block
+stored and removed inside one batch appears in neither set. Applying a delta is idempotent (set
+union and difference), so its consumer needs no reference counts of its own.
+
+Two places translate: the worker-agent, which relays each engine batch as its delta
+(``KvRelay(kind="blocks")``), so the kv-indexer never decodes a token on the NATS plane; and the
+kv-indexer itself for batches it reads raw (``--kv-event-transport zmq``, or ``kind="batch"``
+relays).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from infera_common.block_hash import ROOT, block_hashes, pack_hashes
+from infera_common.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from infera_common.schemas import KvRelay
+
+
+@dataclass(slots=True)
+class BlockDelta:
+    """What one batch changed in a target's set of index hashes, and what could not be applied."""
+
+    reset: bool = False  # every block held before the batch is gone (AllBlocksCleared); then removed is empty
+    stored: dict[int, set[int]] = field(default_factory=dict)  # block size -> index hashes now held, not before
+    removed: dict[int, set[int]] = field(default_factory=dict)  # block size -> index hashes held before, not now
+    applied: dict[str, int] = field(default_factory=dict)  # event type -> events applied
+    malformed: int = 0  # events that could not be applied (token ids that are not 0..2**32-1 integers)
+    unknown_removed: int = 0  # removed engine hashes never stored (aged out of a replay, or lost)
+    orphaned: int = 0  # stored blocks dropped because their parent block is unknown
+
+    def blocks(self) -> tuple[int, int]:
+        """(stored, removed) index hashes, summed over block sizes."""
+        return sum(map(len, self.stored.values())), sum(map(len, self.removed.values()))
+
+
+class _Blocks:
+    """The target's blocks at one block size."""
+
+    __slots__ = ("engine", "refs")
+
+    def __init__(self) -> None:
+        self.engine: dict[int, int] = {}  # engine hash -> index hash
+        self.refs: dict[int, int] = {}  # index hash -> engine hashes mapping to it
+
+
+class BlockTranslator:
+    __slots__ = ("_sizes",)
+
+    def __init__(self) -> None:
+        self._sizes: dict[int, _Blocks] = {}
+
+    def held(self) -> dict[int, Iterable[int]]:
+        """Block size -> the index hashes the target holds."""
+        return {size: b.refs.keys() for size, b in self._sizes.items()}
+
+    def clear(self) -> None:
+        self._sizes.clear()
+
+    def apply(self, events: Iterable[KvEvent]) -> BlockDelta:
+        """Apply one batch's events in order; a bad event is counted and skipped."""
+        delta = BlockDelta()
+        applied = delta.applied
+        for event in events:
+            cls = type(event)
+            try:
+                if cls is BlockStored:
+                    done = self._store(event, delta)  # type: ignore[arg-type]
+                elif cls is BlockRemoved:
+                    done = self._remove(event, delta)  # type: ignore[arg-type]
+                elif cls is AllBlocksCleared:
+                    self._sizes.clear()
+                    delta.reset, done = True, True
+                    delta.stored.clear()
+                    delta.removed.clear()
+                else:  # pragma: no cover - kv_wire only yields the three
+                    done = False
+            except (ValueError, OverflowError, TypeError):  # token ids that are not 0..2**32-1 integers
+                delta.malformed += 1
+                continue
+            if done:
+                name = cls.__name__
+                applied[name] = applied.get(name, 0) + 1
+        return delta
+
+    def _store(self, ev: BlockStored, delta: BlockDelta) -> bool:
+        size = ev.block_size
+        blocks = self._sizes.get(size)
+        if ev.parent_block_hash is None:
+            parent: int | None = ROOT
+        else:
+            parent = blocks.engine.get(ev.parent_block_hash) if blocks is not None else None
+        if parent is None:
+            delta.orphaned += len(ev.block_hashes)
+            return False
+        hashes = block_hashes(ev.token_ids, size, parent)  # raises on bad token ids: nothing changed yet
+        if blocks is None:
+            blocks = self._sizes[size] = _Blocks()
+        engine, refs = blocks.engine, blocks.refs
+        for engine_hash, index_hash in zip(ev.block_hashes, hashes):
+            old = engine.get(engine_hash)
+            if old == index_hash:
+                continue  # stored again (another medium, a replay)
+            if old is not None:  # the engine reused a hash for other content (rare)
+                self._unref(size, refs, old, delta)
+            engine[engine_hash] = index_hash
+            count = refs.get(index_hash, 0)
+            refs[index_hash] = count + 1
+            if not count:
+                gone = delta.removed.get(size)
+                if gone is not None and index_hash in gone:
+                    gone.discard(index_hash)  # removed earlier in this batch: held before and after
+                else:
+                    _set(delta.stored, size).add(index_hash)
+        return True
+
+    def _remove(self, ev: BlockRemoved, delta: BlockDelta) -> bool:
+        for engine_hash in ev.block_hashes:
+            for size, blocks in self._sizes.items():
+                index_hash = blocks.engine.pop(engine_hash, None)
+                if index_hash is not None:
+                    self._unref(size, blocks.refs, index_hash, delta)
+                    break
+            else:
+                delta.unknown_removed += 1
+        return True
+
+    @staticmethod
+    def _unref(size: int, refs: dict[int, int], index_hash: int, delta: BlockDelta) -> None:
+        count = refs[index_hash] - 1
+        if count:
+            refs[index_hash] = count
+            return
+        del refs[index_hash]
+        new = delta.stored.get(size)
+        if new is not None and index_hash in new:
+            new.discard(index_hash)  # stored earlier in this batch: held neither before nor after
+        else:
+            _set(delta.removed, size).add(index_hash)
+
+
+def delta_relay(worker_id: str, dp_rank: int, seq: int, delta: BlockDelta, block_size: int | None) -> KvRelay:
+    """The ``KvRelay(kind="blocks")`` that carries ``delta`` (the engine batch ``seq`` of rank ``dp_rank``)."""
+    return KvRelay(worker_id=worker_id, kind="blocks", dp_rank=dp_rank, seq=seq, reset=delta.reset,
+                   stored=_packed(delta.stored), removed=_packed(delta.removed), block_size=block_size)
+
+
+def _packed(by_size: dict[int, set[int]]) -> dict[int, bytes]:
+    return {size: pack_hashes(hashes) for size, hashes in by_size.items() if hashes}
+
+
+def _set(by_size: dict[int, set[int]], size: int) -> set[int]:
+    out = by_size.get(size)
+    if out is None:
+        out = by_size[size] = set()
+    return out
