@@ -43,36 +43,35 @@ def token_array(token_ids: Sequence[int]) -> array:
 
 def pack_tokens(token_ids: Sequence[int]) -> bytes:
     """Token ids as bytes: each a little-endian unsigned 32-bit integer (``unpack_tokens`` reverses)."""
-    words = array(_TOKEN, token_ids)
-    if _SWAP:  # pragma: no cover - big-endian hosts
-        words.byteswap()
-    return words.tobytes()
+    return _pack(_TOKEN, token_ids)
 
 
 def unpack_tokens(data: bytes) -> array:
     """The token ids ``pack_tokens`` wrote; ``ValueError`` if ``data`` is not whole 4-byte words."""
-    if len(data) % 4:
-        raise ValueError(f"packed token ids must be whole 4-byte words, got {len(data)} bytes")
-    words = array(_TOKEN)
-    words.frombytes(data)
-    if _SWAP:  # pragma: no cover - big-endian hosts
-        words.byteswap()
-    return words
+    return _unpack(_TOKEN, data, "token ids")
 
 
 def pack_hashes(hashes: Iterable[int]) -> bytes:
     """Block hashes as bytes: each a little-endian unsigned 64-bit integer (``unpack_hashes`` reverses)."""
-    words = array("Q", hashes)
+    return _pack("Q", hashes)
+
+
+def unpack_hashes(data: bytes) -> array:
+    """The block hashes ``pack_hashes`` wrote; ``ValueError`` if ``data`` is not whole 8-byte words."""
+    return _unpack("Q", data, "block hashes")
+
+
+def _pack(typecode: str, values: Iterable[int]) -> bytes:
+    words = array(typecode, values)
     if _SWAP:  # pragma: no cover - big-endian hosts
         words.byteswap()
     return words.tobytes()
 
 
-def unpack_hashes(data: bytes) -> array:
-    """The block hashes ``pack_hashes`` wrote; ``ValueError`` if ``data`` is not whole 8-byte words."""
-    if len(data) % 8:
-        raise ValueError(f"packed block hashes must be whole 8-byte words, got {len(data)} bytes")
-    words = array("Q")
+def _unpack(typecode: str, data: bytes, what: str) -> array:
+    words = array(typecode)
+    if len(data) % words.itemsize:
+        raise ValueError(f"packed {what} must be whole {words.itemsize}-byte words, got {len(data)} bytes")
     words.frombytes(data)
     if _SWAP:  # pragma: no cover - big-endian hosts
         words.byteswap()
