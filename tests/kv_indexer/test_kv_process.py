@@ -75,7 +75,10 @@ async def test_sigterm_while_waiting_for_nats_stops_at_once(subprocess_env):
         await proc.kill()
 
 
-async def test_a_restarted_indexer_rebuilds_by_replay_and_answers_the_same(nats_server, subprocess_env):
+@pytest.mark.parametrize("relay_kind", ["blocks", "batch"])  # the worker-agent's relays; raw engine batches
+async def test_a_restarted_indexer_rebuilds_by_replay_and_answers_the_same(nats_server, subprocess_env, relay_kind,
+                                                                           monkeypatch):
+    monkeypatch.setattr(FakeEngine, "relay_kind", relay_kind)
     nc = await connect(nats_server, "kv-test")
     js = nc.jetstream()
     regs = [Registrar(js, record(w)) for w in ("vl", "sg", "dp")]
@@ -106,7 +109,9 @@ async def test_a_restarted_indexer_rebuilds_by_replay_and_answers_the_same(nats_
                 if gauge in text:
                     break
                 await asyncio.sleep(0.1)
-        assert 'infera_kv_indexer_events_applied_total{type="BlockStored"} 6.0' in text
+        assert f'infera_kv_indexer_relay_messages_total{{kind="{relay_kind}"}} 7.0' in text
+        if relay_kind == "batch":  # translated here (the agent's relays arrive translated)
+            assert 'infera_kv_indexer_events_applied_total{type="BlockStored"} 6.0' in text
         assert gauge in text
         assert 'infera_kv_indexer_blocks_applied_total{op="stored"} 38.0' in text  # 12 + 12 + 2 + 12
         assert 'infera_kv_indexer_blocks_applied_total{op="removed"} 2.0' in text
