@@ -6,11 +6,13 @@ engine hashes are only keys for resolving a ``BlockStored``'s parent and a ``Blo
 per index hash, how many engine hashes map to it (two engine blocks with the same tokens but, say,
 another LoRA or cache salt are one index block).
 
-``apply`` turns one engine batch into a ``BlockDelta``: the net change of the set of index hashes
-the target holds — hashes it now holds that it did not (``stored``), hashes it no longer holds
-(``removed``), and whether everything held before the batch was cleared first (``reset``). A block
-stored and removed inside one batch appears in neither set. Applying a delta is idempotent (set
-union and difference), so its consumer needs no reference counts of its own.
+``apply`` turns engine events into a ``BlockDelta``: every index hash the events touched, by where
+it ended — held (``stored``) or not held (``removed``) — and whether everything held before was
+cleared first (``reset``). A consumer applies it as ``held -= removed; held |= stored`` (after
+clearing on ``reset``): the result does not depend on what it held of the touched hashes before,
+so applying a delta twice, or a delta that overlaps one already applied, is harmless, and the
+consumer needs no reference counts of its own. One delta may gather several batches (``into``):
+the worker-agent keeps the delta of a batch whose relay failed and sends it with the next one.
 
 Two places translate: the worker-agent, which relays each engine batch as its delta
 (``KvRelay(kind="blocks")``), so the kv-indexer never decodes a token on the NATS plane; and the
@@ -32,9 +34,9 @@ from infera_common.schemas import KvRelay
 class BlockDelta:
     """What one batch changed in a target's set of index hashes, and what could not be applied."""
 
-    reset: bool = False  # every block held before the batch is gone (AllBlocksCleared); then removed is empty
-    stored: dict[int, set[int]] = field(default_factory=dict)  # block size -> index hashes now held, not before
-    removed: dict[int, set[int]] = field(default_factory=dict)  # block size -> index hashes held before, not now
+    reset: bool = False  # every block held before the events is gone (AllBlocksCleared)
+    stored: dict[int, set[int]] = field(default_factory=dict)  # block size -> touched index hashes held at the end
+    removed: dict[int, set[int]] = field(default_factory=dict)  # block size -> touched index hashes not held at the end
     applied: dict[str, int] = field(default_factory=dict)  # event type -> events applied
     malformed: int = 0  # events that could not be applied (token ids that are not 0..2**32-1 integers)
     unknown_removed: int = 0  # removed engine hashes never stored (aged out of a replay, or lost)
@@ -68,9 +70,10 @@ class BlockTranslator:
     def clear(self) -> None:
         self._sizes.clear()
 
-    def apply(self, events: Iterable[KvEvent]) -> BlockDelta:
-        """Apply one batch's events in order; a bad event is counted and skipped."""
-        delta = BlockDelta()
+    def apply(self, events: Iterable[KvEvent], into: BlockDelta | None = None) -> BlockDelta:
+        """Apply events in order, into ``into`` (the delta of the batches before them) or a new delta;
+        a bad event is counted and skipped."""
+        delta = into if into is not None else BlockDelta()
         applied = delta.applied
         for event in events:
             cls = type(event)
@@ -118,11 +121,7 @@ class BlockTranslator:
             count = refs.get(index_hash, 0)
             refs[index_hash] = count + 1
             if not count:
-                gone = delta.removed.get(size)
-                if gone is not None and index_hash in gone:
-                    gone.discard(index_hash)  # removed earlier in this batch: held before and after
-                else:
-                    _set(delta.stored, size).add(index_hash)
+                _moved(delta.removed, delta.stored, size, index_hash)
         return True
 
     def _remove(self, ev: BlockRemoved, delta: BlockDelta) -> bool:
@@ -143,16 +142,15 @@ class BlockTranslator:
             refs[index_hash] = count
             return
         del refs[index_hash]
-        new = delta.stored.get(size)
-        if new is not None and index_hash in new:
-            new.discard(index_hash)  # stored earlier in this batch: held neither before nor after
-        else:
-            _set(delta.removed, size).add(index_hash)
+        _moved(delta.stored, delta.removed, size, index_hash)
 
 
-def delta_relay(worker_id: str, dp_rank: int, seq: int, delta: BlockDelta, block_size: int | None) -> KvRelay:
-    """The ``KvRelay(kind="blocks")`` that carries ``delta`` (the engine batch ``seq`` of rank ``dp_rank``)."""
-    return KvRelay(worker_id=worker_id, kind="blocks", dp_rank=dp_rank, seq=seq, reset=delta.reset,
+def delta_relay(worker_id: str, dp_rank: int, seq: int, delta: BlockDelta, block_size: int | None,
+                first_seq: int | None = None) -> KvRelay:
+    """The ``KvRelay(kind="blocks")`` that carries ``delta``: engine batches ``first_seq``..``seq`` of
+    rank ``dp_rank`` (``first_seq`` None: batch ``seq`` alone)."""
+    return KvRelay(worker_id=worker_id, kind="blocks", dp_rank=dp_rank, seq=seq,
+                   first_seq=None if first_seq == seq else first_seq, reset=delta.reset,
                    stored=_packed(delta.stored), removed=_packed(delta.removed), block_size=block_size)
 
 
@@ -160,8 +158,12 @@ def _packed(by_size: dict[int, set[int]]) -> dict[int, bytes]:
     return {size: pack_hashes(hashes) for size, hashes in by_size.items() if hashes}
 
 
-def _set(by_size: dict[int, set[int]], size: int) -> set[int]:
-    out = by_size.get(size)
-    if out is None:
-        out = by_size[size] = set()
-    return out
+def _moved(source: dict[int, set[int]], target: dict[int, set[int]], size: int, index_hash: int) -> None:
+    """``index_hash`` ends in ``target`` (stored or removed), no longer in ``source``."""
+    was = source.get(size)
+    if was is not None:
+        was.discard(index_hash)
+    now = target.get(size)
+    if now is None:
+        now = target[size] = set()
+    now.add(index_hash)

@@ -233,8 +233,10 @@ class KvRelay(_Msg):
 
     ``kind="blocks"`` (what the worker-agent sends): the batch as the change it made to the index
     hashes this rank holds (``kv_translate.BlockDelta``): ``reset`` — everything held before is
-    gone; ``stored`` / ``removed`` — block size -> index hashes (``block_hash.pack_hashes``) now
-    held / no longer held. ``seq`` is the engine batch's sequence number.
+    gone; ``stored`` / ``removed`` — block size -> the touched index hashes
+    (``block_hash.pack_hashes``) held / not held at the end. ``seq`` is the engine batch's sequence
+    number; ``first_seq``, when set, the first of several batches this relay carries (the agent
+    resends the changes of a relay JetStream did not acknowledge with the next one).
     ``kind="batch"``: ``payload`` is the engine's msgpack batch exactly as read from its ZMQ
     publisher (decode with ``kv_wire.decode_batch``); the kv-indexer translates it itself.
     ``kind="cleared"``: the agent's engine (re)started with an empty cache: forget every block of
@@ -245,6 +247,7 @@ class KvRelay(_Msg):
     kind: Literal["blocks", "batch", "cleared"] = "batch"
     dp_rank: int | None = None
     seq: int = -1
+    first_seq: int | None = None
     payload: bytes = b""
     reset: bool = False
     stored: dict[int, bytes] = Field(default_factory=dict)

@@ -1,4 +1,4 @@
-"""Engine events -> the net change of one rank's index hashes (kv_translate, no I/O)."""
+"""Engine events -> where each touched index hash of one rank ends (kv_translate, no I/O)."""
 
 from __future__ import annotations
 
@@ -27,15 +27,15 @@ def test_a_stored_chain_becomes_its_index_hashes_and_a_child_chains_through_its_
     assert child.applied == {"BlockStored": 1}
 
 
-def test_stored_then_removed_in_one_batch_is_no_change_and_removed_then_stored_again_is_none_either():
+def test_a_hash_touched_twice_in_one_batch_ends_where_its_last_event_left_it():
     t = BlockTranslator()
     t.apply([stored([1], toks(4))])
-    h = block_hashes(toks(4), 4)[0]
+    h, other = block_hashes(toks(4), 4)[0], block_hashes(toks(4, 500), 4)[0]
     again = t.apply([BlockRemoved(block_hashes=[1]), stored([2], toks(4))])  # evicted and re-cached
-    assert again.stored.get(4, set()) == set() and again.removed.get(4, set()) == set()
+    assert again.stored == {4: {h}} and again.removed == {4: set()}
     gone = t.apply([stored([3], toks(4, 500)), BlockRemoved(block_hashes=[3, 2])])
-    assert gone.stored.get(4, set()) == set() and gone.removed == {4: {h}}
-    assert gone.blocks() == (0, 1)
+    assert gone.stored == {4: set()} and gone.removed == {4: {h, other}}
+    assert gone.blocks() == (0, 2)
 
 
 def test_one_index_block_named_by_two_engine_hashes_goes_only_with_the_last():
@@ -46,12 +46,12 @@ def test_one_index_block_named_by_two_engine_hashes_goes_only_with_the_last():
     assert t.apply([BlockRemoved(block_hashes=[2])]).blocks() == (0, 1)
 
 
-def test_cleared_resets_and_only_what_follows_it_in_the_batch_is_stored():
+def test_cleared_resets_and_only_what_follows_it_in_the_batch_counts():
     t = BlockTranslator()
     t.apply([stored([1, 2], toks(8))])
     d = t.apply([stored([3], toks(4, 700)), AllBlocksCleared(), stored([4], toks(4, 800)),
                  stored([5], toks(4, 900)), BlockRemoved(block_hashes=[5])])
-    assert d.reset and d.removed == {}
+    assert d.reset and d.removed == {4: set(block_hashes(toks(4, 900), 4))}
     assert d.stored == {4: set(block_hashes(toks(4, 800), 4))}
     assert dict(t.held()) == {4: d.stored[4]}
 
@@ -72,25 +72,22 @@ def test_block_sizes_are_kept_apart():
     assert t.apply([BlockRemoved(block_hashes=[2])]).removed == {8: set(block_hashes(toks(8), 8))}
 
 
-def test_the_deltas_of_a_random_history_replayed_as_set_updates_give_the_held_set():
-    rng = random.Random(3)
-    t = BlockTranslator()
-    held: set[int] = set()
+def random_batches(seed: int, n: int) -> list[list]:
+    """An engine's batches: stores under random cached parents, removals of cached blocks, clears."""
+    rng = random.Random(seed)
     cached: list[int] = []  # engine hashes the engine holds
-    parents: dict[int, int] = {}
-    next_hash = 1
-    for _ in range(300):
-        events = []
+    next_hash, out = 1, []
+    for _ in range(n):
+        events: list = []
         for _ in range(rng.randint(1, 5)):
             roll = rng.random()
             if roll < 0.5 or not cached:
                 parent = rng.choice(cached) if cached and rng.random() < 0.6 else None
-                n = rng.randint(1, 3)
-                engine = list(range(next_hash, next_hash + n))
-                next_hash += n
-                events.append(stored(engine, [rng.randrange(50) for _ in range(4 * n)], parent))
+                k = rng.randint(1, 3)
+                engine = list(range(next_hash, next_hash + k))
+                next_hash += k
+                events.append(stored(engine, [rng.randrange(50) for _ in range(4 * k)], parent))
                 cached += engine
-                parents.update(dict.fromkeys(engine, parent))
             elif roll < 0.97:
                 gone = rng.sample(cached, min(len(cached), rng.randint(1, 3)))
                 events.append(BlockRemoved(block_hashes=gone))
@@ -98,23 +95,62 @@ def test_the_deltas_of_a_random_history_replayed_as_set_updates_give_the_held_se
             else:
                 events.append(AllBlocksCleared())
                 cached = []
+        out.append(events)
+    return out
+
+
+def apply_delta(held: set[int], d) -> None:
+    if d.reset:
+        held.clear()
+    for hashes in d.removed.values():
+        held -= hashes
+    for hashes in d.stored.values():
+        held |= hashes
+
+
+def test_a_random_history_replayed_as_set_updates_gives_the_held_set_even_with_some_deltas_applied_twice():
+    rng = random.Random(9)
+    t = BlockTranslator()
+    held: set[int] = set()
+    for events in random_batches(3, 300):
         d = t.apply(events)
-        if d.reset:
-            held.clear()
-        for hashes in d.removed.values():
-            assert hashes <= held  # only what was held is ever removed
-            held -= hashes
-        for hashes in d.stored.values():
-            assert not hashes & held  # only what was not held is ever stored
-            held |= hashes
+        apply_delta(held, d)
+        if rng.random() < 0.2:
+            apply_delta(held, d)  # a relay delivered twice
+        assert not any(d.stored.get(s, set()) & d.removed.get(s, set()) for s in d.stored)
         assert held == set(t.held().get(4, ()))
 
 
-def test_the_relay_carries_the_delta_packed_and_leaves_out_empty_sizes():
+def test_batches_gathered_into_one_delta_give_the_same_end_whether_or_not_the_first_arrived():
+    """The worker-agent's resend: batch deltas that failed to publish, gathered with the next ones."""
+    batches = random_batches(5, 200)
+    for cut in range(0, 200, 7):
+        one, gathered = BlockTranslator(), BlockTranslator()
+        held, lost, late = set(), set(), set()  # each batch applied / first batch of each pair lost
+        for i, events in enumerate(batches):
+            apply_delta(held, one.apply(events))
+            if i == cut:
+                carried = gathered.apply(events)  # its publish failed (or reached the stream unacknowledged)
+                apply_delta(late, carried)  # ... in which case the indexer applied it already
+                continue
+            if i == cut + 1:
+                d = gathered.apply(events, into=carried)
+                apply_delta(lost, d)
+                apply_delta(late, d)
+                continue
+            d = gathered.apply(events)
+            apply_delta(lost, d)
+            apply_delta(late, d)
+        assert lost == held == late, cut
+
+
+def test_the_relay_carries_the_delta_packed_leaves_out_empty_sizes_and_names_a_first_seq_only_for_several():
     t = BlockTranslator()
     t.apply([stored([1], toks(4))])
-    d = t.apply([stored([2], toks(4, 300)), BlockRemoved(block_hashes=[2])])  # nothing net
+    d = t.apply([stored([2], toks(4, 300)), BlockRemoved(block_hashes=[1])])
+    d = t.apply([BlockRemoved(block_hashes=[2])], into=d)  # stored [2] ends removed: the size's stored set is empty
     relay = delta_relay("w1", 2, 17, d, 4)
-    assert (relay.kind, relay.dp_rank, relay.seq, relay.stored, relay.removed) == ("blocks", 2, 17, {}, {})
-    relay = delta_relay("w1", 0, 18, t.apply([BlockRemoved(block_hashes=[1])]), 4)
-    assert list(unpack_hashes(relay.removed[4])) == block_hashes(toks(4), 4)
+    assert (relay.kind, relay.dp_rank, relay.seq, relay.first_seq, relay.stored) == ("blocks", 2, 17, None, {})
+    assert sorted(unpack_hashes(relay.removed[4])) == sorted(block_hashes(toks(4), 4) + block_hashes(toks(4, 300), 4))
+    assert delta_relay("w1", 2, 17, d, 4, first_seq=17).first_seq is None
+    assert delta_relay("w1", 2, 17, d, 4, first_seq=15).first_seq == 15

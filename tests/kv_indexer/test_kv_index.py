@@ -298,8 +298,9 @@ def test_an_engine_hash_reused_for_other_content_moves_to_it():
     assert index.worker_blocks("w1") == 3  # a's second block (hash 2) stays until removed
 
 
-def blocks_relay(seq: int, stored=None, removed=None, reset: bool = False, rank: int = 0) -> bytes:
-    return encode(KvRelay(worker_id="w1", kind="blocks", dp_rank=rank, seq=seq, reset=reset,
+def blocks_relay(seq: int, stored=None, removed=None, reset: bool = False, rank: int = 0,
+                 first_seq: int | None = None) -> bytes:
+    return encode(KvRelay(worker_id="w1", kind="blocks", dp_rank=rank, seq=seq, first_seq=first_seq, reset=reset,
                           stored={4: pack_hashes(stored)} if stored else {},
                           removed={4: pack_hashes(removed)} if removed else {}))
 
@@ -323,3 +324,17 @@ def test_translated_relays_are_set_updates_that_repeat_harmlessly_and_torn_ones_
     assert index.worker_blocks("w1") == 1 and depths(index.overlap(query(tokens(12)))) == {}
     ingest(index, subject, blocks_relay(0, stored=a, rank=1), 0.0)
     assert depths(index.overlap(query(tokens(12)))) == {("w1", 1): 3}
+
+
+def test_a_relay_carrying_several_batches_counts_a_gap_only_before_its_first_and_reapplies_harmlessly():
+    index = indexed("w1")
+    subject = FakeEngine("w1").subject
+    a = block_hashes(tokens(12), 4)
+    ingest(index, subject, blocks_relay(0, stored=a[:1]), 0.0)
+    out = ingest(index, subject, blocks_relay(4, stored=a[:2], first_seq=1), 0.0).outcome  # batches 1..4
+    assert (out.gap, out.stored, out.duplicate) == (0, 1, False)
+    # the agent resends batches 4..6 (batch 4's ack was lost, though it reached the stream)
+    out = ingest(index, subject, blocks_relay(6, stored=a, removed=[999], first_seq=4), 0.0).outcome
+    assert (out.gap, out.stored, out.removed) == (0, 1, 0)
+    assert depths(index.overlap(query(tokens(12)))) == {("w1", 0): 3}
+    assert ingest(index, subject, blocks_relay(9, first_seq=8), 0.0).outcome.gap == 1

@@ -78,14 +78,16 @@ def test_the_relay_envelope_reads_as_the_schema_does():
 
 
 def test_a_blocks_relay_reads_as_the_schema_does():
-    exact = KvRelay(worker_id="w1", kind="blocks", dp_rank=1, seq=3, reset=True, stored={16: b"\x01" * 8},
-                    removed={8: b""}, ts=2.0)
+    exact = KvRelay(worker_id="w1", kind="blocks", dp_rank=1, seq=3, first_seq=2, reset=True,
+                    stored={16: b"\x01" * 8}, removed={8: b""}, ts=2.0)
     relay = decode_relay(encode(exact))  # the packed hashes come unpacked
-    assert (relay.kind, relay.dp_rank, relay.seq, relay.reset) == ("blocks", 1, 3, True)
+    assert (relay.kind, relay.dp_rank, relay.seq, relay.first_seq, relay.reset) == ("blocks", 1, 3, 2, True)
     assert {k: list(v) for k, v in relay.stored.items()} == {16: [0x0101010101010101]}
     assert {k: list(v) for k, v in relay.removed.items()} == {8: []}
-    lenient = decode_relay(msgpack.packb({"worker_id": "w1", "kind": "blocks", "reset": 1, "stored": {"16": b""}}))
-    assert (lenient.reset, {k: list(v) for k, v in lenient.stored.items()}, lenient.removed) == (True, {16: []}, {})
+    lenient = decode_relay(msgpack.packb({"worker_id": "w1", "kind": "blocks", "reset": 1, "stored": {"16": b""},
+                                          "first_seq": "1"}))
+    assert (lenient.reset, {k: list(v) for k, v in lenient.stored.items()}, lenient.removed, lenient.first_seq) == \
+        (True, {16: []}, {}, 1)
     with pytest.raises(ValueError, match="8-byte"):
         decode_relay(encode(KvRelay(worker_id="w1", kind="blocks", stored={16: b"\x01" * 7})))
 

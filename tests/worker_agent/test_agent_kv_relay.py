@@ -222,3 +222,32 @@ async def test_removals_and_bad_input_are_relayed_as_block_changes_and_counted()
     finally:
         await relayer.close()
         await pub.close()
+
+
+async def test_what_a_failed_publish_carried_arrives_with_the_next_relay_and_a_failed_cleared_as_a_reset():
+    pub = FakePublisher()
+    down = {"on": True}  # JetStream unreachable at first
+    got = []
+
+    async def publish(relay):
+        if down["on"]:
+            raise TimeoutError("no ack")
+        got.append(relay)
+
+    relayer, _, metrics = await start_relay(pub, publish=publish)
+    try:
+        for seq in range(3):  # nobody subscribed yet: the relay replays them; every publish fails
+            await pub.publish(seq)
+        assert await wait_for(lambda: metrics.kv_publish_failures._value.get() >= 4)  # cleared + 3 batches
+        down["on"] = False
+        await pub.send(3, msgpack.packb([3.0, [["BlockRemoved", [2], "GPU"]], 0]))  # evicts batch 1's block
+        assert await wait_for(lambda: bool(got))
+        relay = got[0]
+        assert (relay.kind, relay.first_seq, relay.seq, relay.reset) == ("blocks", 0, 3, True)
+        want = [h for seq in (0, 2) for h in block_hashes(tokens(seq), 64)]
+        assert sorted(stored_hashes(relay)) == sorted(want)
+        assert list(unpack_hashes(relay.removed[64])) == block_hashes(tokens(1), 64)
+        assert metrics.kv_batches.labels("0")._value.get() == 4
+    finally:
+        await relayer.close()
+        await pub.close()

@@ -125,12 +125,15 @@ class KvIndex:
         return out
 
     def apply_blocks(self, worker_id: str, dp_rank: int, seq: int, reset: bool,
-                     stored: Mapping[int, Iterable[int]], removed: Mapping[int, Iterable[int]], now: float) -> Outcome:
-        """Apply one batch the worker-agent already translated (``kv_translate.BlockDelta``'s fields)."""
+                     stored: Mapping[int, Iterable[int]], removed: Mapping[int, Iterable[int]], now: float,
+                     first_seq: int | None = None) -> Outcome:
+        """Apply engine batches ``first_seq``..``seq`` (None: ``seq`` alone) the worker-agent already
+        translated (``kv_translate.BlockDelta``'s fields). Skipped when ``seq`` was applied; batches of
+        the range applied already are harmless (the change is by end state, not by difference)."""
         worker = self._worker(worker_id, now)
         target = self._target(worker, dp_rank)
         out = Outcome(target.key)
-        if not self._skip(target, seq, out):
+        if not self._skip(target, seq, out, first_seq):
             self._change(worker, target, reset, stored, removed, out)
         return out
 
@@ -146,16 +149,18 @@ class KvIndex:
                 prefix.remove_target(target.key, target.held)
 
     @staticmethod
-    def _skip(target: _Target, seq: int, out: Outcome) -> bool:
-        """Whether ``seq`` was applied already; records it and any gap before it otherwise."""
+    def _skip(target: _Target, seq: int, out: Outcome, first_seq: int | None = None) -> bool:
+        """Whether ``seq`` was applied already; records it and any gap before ``first_seq`` (default:
+        ``seq``) otherwise."""
         if seq < 0:
             return False
         last = target.last_seq
         if last is not None and seq <= last:
             out.duplicate = True
             return True
-        if last is not None and seq > last + 1:
-            out.gap = seq - last - 1
+        first = seq if first_seq is None else first_seq
+        if last is not None and first > last + 1:
+            out.gap = first - last - 1
         target.last_seq = seq
         return False
 

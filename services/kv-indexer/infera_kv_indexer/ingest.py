@@ -46,6 +46,7 @@ class Relay:
     reset: bool = False
     stored: dict[int, array] | None = None  # kind "blocks": block size -> index hashes, unpacked
     removed: dict[int, array] | None = None
+    first_seq: int | None = None  # kind "blocks": the first engine batch it carries (None: seq alone)
 
 
 @dataclass(slots=True)
@@ -66,7 +67,7 @@ def ingest(index: KvIndex, subject: str, data: bytes, now: float) -> Ingested:
     kind = relay.kind
     if kind == "blocks":
         return Ingested(relay, index.apply_blocks(relay.worker_id, relay.dp_rank or 0, relay.seq, relay.reset,
-                                                  relay.stored or {}, relay.removed or {}, now))
+                                                  relay.stored or {}, relay.removed or {}, now, relay.first_seq))
     if kind == "cleared":
         index.clear(relay.worker_id, relay.dp_rank, now)
         return Ingested(relay)
@@ -95,19 +96,19 @@ def decode_relay(data: bytes) -> Relay:
         get = raw.get
         worker_id, kind, rank, seq = get("worker_id"), get("kind", "batch"), get("dp_rank"), get("seq", -1)
         payload, size, ts = get("payload", b""), get("block_size"), get("ts")
-        reset, stored, removed = get("reset", False), get("stored"), get("removed")
+        reset, stored, removed, first = get("reset", False), get("stored"), get("removed"), get("first_seq")
         if ts is None and "ts" not in raw:
             ts = time.time()
         if (type(worker_id) is str and kind in _KINDS and type(kind) is str
                 and (rank is None or type(rank) is int) and type(seq) is int and type(payload) is bytes
                 and (size is None or type(size) is int) and (type(ts) is float or type(ts) is int)
-                and type(reset) is bool):
+                and type(reset) is bool and (first is None or type(first) is int)):
             stored, removed = _unpacked(stored), _unpacked(removed)
             if stored is not None and removed is not None:
-                return Relay(worker_id, kind, rank, seq, payload, size, float(ts), reset, stored, removed)
+                return Relay(worker_id, kind, rank, seq, payload, size, float(ts), reset, stored, removed, first)
     full = KvRelay.model_validate(raw)  # lenient coercions and the errors, exactly as the schema says
     return Relay(full.worker_id, full.kind, full.dp_rank, full.seq, full.payload, full.block_size, full.ts,
-                 full.reset, _unpacked(full.stored), _unpacked(full.removed))
+                 full.reset, _unpacked(full.stored), _unpacked(full.removed), full.first_seq)
 
 
 _KINDS = ("blocks", "batch", "cleared")

@@ -10,13 +10,17 @@ decoding or hashing in the one process that serves the whole fleet) and puts 8 b
 the stream instead of the block's token ids. A ``KvRelay(kind="cleared")`` goes out first: the engine
 starts with an empty cache, so anything indexed for this worker id is stale. A bad message or event,
 a failed replay or a failed publish is logged and counted; the relay keeps going (an undecodable
-batch still goes out, empty, so the indexer's seq stays continuous).
+batch still goes out, empty, so the indexer's seq stays continuous). Nothing a failed publish
+carried is lost: its delta is kept and the rank's next batches are translated into it, so the next
+relay carries both (``first_seq``..``seq``); a ``cleared`` that failed becomes a ``reset`` on every
+rank's next relay. The index cannot keep blocks the engine evicted while JetStream was away.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 from infera_common.kv_endpoints import local_endpoint, subscriber_binds
 from infera_common.kv_translate import BlockDelta, BlockTranslator, delta_relay
@@ -86,11 +90,16 @@ class KvRelayer:
         self.replay_timeout = replay_timeout
         self._reader: KvZmqReader | None = None
         self._translators: dict[int, BlockTranslator] = {}  # per DP rank
+        self._carried: dict[int, _Carried] = {}  # per DP rank: what a failed publish did not deliver
 
     async def start(self) -> None:
         """Publish ``cleared`` (before anything else), then relay every rank."""
         self._translators.clear()
-        await self._send(KvRelay(worker_id=self.worker_id, kind="cleared", dp_rank=None, block_size=self.block_size))
+        self._carried.clear()
+        if not await self._send(KvRelay(worker_id=self.worker_id, kind="cleared", dp_rank=None,
+                                        block_size=self.block_size)):
+            for source in self.sources:  # every rank's first relay clears what the index held of it
+                self._carried[source.dp_rank] = _Carried(None, 0, BlockDelta(reset=True))
         self._reader = KvZmqReader(
             [reader_source(s) for s in self.sources], self._relay_batch, observer=_AgentObserver(self.metrics),
             replay_timeout=self.replay_timeout, log_fields={"worker_id": self.worker_id},
@@ -113,34 +122,40 @@ class KvRelayer:
             batch = None
             self.metrics.kv_malformed.labels("batch").inc()
             log.warning("kv_batch_malformed", worker_id=self.worker_id, dp_rank=rank, seq=seq, error=str(exc)[:300])
-        delta = BlockDelta()
+        if batch is not None and batch.dp_rank is not None:
+            rank = batch.dp_rank  # the batch's own rank wins
+        carried = self._carried.pop(rank, None) or _Carried(None, 0, BlockDelta())
+        delta = carried.delta
         if batch is not None:
-            if batch.dp_rank is not None:
-                rank = batch.dp_rank  # the batch's own rank wins
             if not self._block_size_seen:
                 await self._check_block_size(batch)
             translator = self._translators.get(rank)
             if translator is None:
                 translator = self._translators[rank] = BlockTranslator()
-            delta = translator.apply(batch.events)
-            self._count(batch, delta)
-        if await self._send(delta_relay(self.worker_id, rank, seq, delta, self.block_size)):
-            self.metrics.kv_batches.labels(str(source.dp_rank)).inc()
+            before = (delta.malformed, delta.orphaned, delta.unknown_removed)
+            translator.apply(batch.events, into=delta)
+            self._count_errors(len(batch.malformed), before, delta)
+        first = seq if carried.first_seq is None else carried.first_seq
+        if await self._send(delta_relay(self.worker_id, rank, seq, delta, self.block_size, first)):
+            self.metrics.kv_batches.labels(str(rank)).inc(carried.batches + 1)
+            stored, removed = delta.blocks()
+            self.metrics.kv_blocks.labels("stored").inc(stored)
+            self.metrics.kv_blocks.labels("removed").inc(removed)
+        else:  # the next relay of this rank carries it
+            self._carried[rank] = _Carried(first, carried.batches + 1, delta)
 
-    def _count(self, batch: EventBatch, delta: BlockDelta) -> None:
+    def _count_errors(self, unreadable: int, before: tuple[int, int, int], delta: BlockDelta) -> None:
+        """One batch's errors: its ``unreadable`` events, and what its translation added to ``delta``'s
+        counts since ``before``."""
         m = self.metrics
-        malformed = len(batch.malformed) + delta.malformed
+        malformed = unreadable + delta.malformed - before[0]
+        orphaned, unknown = delta.orphaned - before[1], delta.unknown_removed - before[2]
         if malformed:
             m.kv_malformed.labels("event").inc(malformed)
-        if delta.orphaned:
-            m.kv_orphaned.inc(delta.orphaned)
-        if delta.unknown_removed:
-            m.kv_unknown_removed.inc(delta.unknown_removed)
-        stored, removed = delta.blocks()
-        if stored:
-            m.kv_blocks.labels("stored").inc(stored)
-        if removed:
-            m.kv_blocks.labels("removed").inc(removed)
+        if orphaned:
+            m.kv_orphaned.inc(orphaned)
+        if unknown:
+            m.kv_unknown_removed.inc(unknown)
 
     async def _check_block_size(self, batch: EventBatch) -> None:
         size = next((e.block_size for e in batch.events if isinstance(e, BlockStored)), None)
@@ -165,3 +180,12 @@ class KvRelayer:
             log.warning("kv_relay_publish_failed", kind=relay.kind, dp_rank=relay.dp_rank, seq=relay.seq,
                         error=str(exc) or type(exc).__name__)
             return False
+
+
+@dataclass(slots=True)
+class _Carried:
+    """A rank's changes not delivered yet: from engine batch ``first_seq`` on (None: the next one)."""
+
+    first_seq: int | None
+    batches: int
+    delta: BlockDelta

@@ -50,7 +50,8 @@ class AgentMetrics:
         )
         self.kv_blocks = Counter(
             "infera_agent_kv_blocks",
-            "Index blocks the engine newly holds (stored) or no longer holds (removed), as relayed.", ["op"], registry=r,
+            "Index blocks in the relayed changes, by where they ended: held (stored) or not (removed).", ["op"],
+            registry=r,
         )
         self.kv_orphaned = Counter(
             "infera_agent_kv_orphaned_blocks",
