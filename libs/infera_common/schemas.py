@@ -13,7 +13,7 @@ from enum import StrEnum
 from typing import Literal, TypeVar, get_args
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from infera_common.block_hash import unpack_tokens
 from infera_common.subjects import TOKEN_RE
@@ -254,6 +254,12 @@ class KvRelay(_Msg):
     removed: dict[int, bytes] = Field(default_factory=dict)
     block_size: int | None = None  # the engine's resolved page size, when the agent knows it
     ts: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _first_seq_not_after_seq(self) -> KvRelay:
+        if self.first_seq is not None and self.first_seq > self.seq:
+            raise ValueError(f"first_seq {self.first_seq} is after seq {self.seq}")
+        return self
 
 
 class OverlapQuery(_Msg):

@@ -72,7 +72,8 @@ def test_the_relay_envelope_reads_as_the_schema_does():
     assert (lenient.seq, lenient.dp_rank, lenient.ts, lenient.payload) == (7, 2, 3.0, b"")
     for bad in ({"seq": 1}, {"worker_id": "w1", "kind": "other"}, {"worker_id": "w1", "seq": "x"}, [1],
                 {"worker_id": "w1", "kind": "blocks", "stored": {4: [1, 2]}},
-                {"worker_id": "w1", "kind": "blocks", "removed": [b"x"]}):
+                {"worker_id": "w1", "kind": "blocks", "removed": [b"x"]},
+                {"worker_id": "w1", "kind": "blocks", "seq": 3, "first_seq": 4}):
         with pytest.raises(ValueError):
             decode_relay(msgpack.packb(bad))
 
@@ -85,7 +86,7 @@ def test_a_blocks_relay_reads_as_the_schema_does():
     assert {k: list(v) for k, v in relay.stored.items()} == {16: [0x0101010101010101]}
     assert {k: list(v) for k, v in relay.removed.items()} == {8: []}
     lenient = decode_relay(msgpack.packb({"worker_id": "w1", "kind": "blocks", "reset": 1, "stored": {"16": b""},
-                                          "first_seq": "1"}))
+                                          "seq": 2, "first_seq": "1"}))
     assert (lenient.reset, {k: list(v) for k, v in lenient.stored.items()}, lenient.removed, lenient.first_seq) == \
         (True, {16: []}, {}, 1)
     with pytest.raises(ValueError, match="8-byte"):

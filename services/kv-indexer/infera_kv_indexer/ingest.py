@@ -102,7 +102,7 @@ def decode_relay(data: bytes) -> Relay:
         if (type(worker_id) is str and kind in _KINDS and type(kind) is str
                 and (rank is None or type(rank) is int) and type(seq) is int and type(payload) is bytes
                 and (size is None or type(size) is int) and (type(ts) is float or type(ts) is int)
-                and type(reset) is bool and (first is None or type(first) is int)):
+                and type(reset) is bool and (first is None or (type(first) is int and first <= seq))):
             stored, removed = _unpacked(stored), _unpacked(removed)
             if stored is not None and removed is not None:
                 return Relay(worker_id, kind, rank, seq, payload, size, float(ts), reset, stored, removed, first)
