@@ -22,6 +22,8 @@ import aiohttp
 from infera_common.logs import get_logger
 from infera_common.schemas import EngineKind, FrameKind, WorkEnvelope, encode_frame
 from infera_common.sse import SseDecoder, is_done
+from infera_common.tracing import HEADER as TRACE_HEADER
+from infera_common.tracing import SpanKind, finish, start_span, traceparent
 
 log = get_logger("engine_relay")
 
@@ -73,11 +75,23 @@ class Relay:
         self._base = base_url.rstrip("/")
 
     async def run(self, env: WorkEnvelope, sink: FrameSink) -> Outcome:
-        """Forward ``env`` to the engine and stream its answer to ``sink``; cancellable."""
+        """Forward ``env`` to the engine and stream its answer to ``sink``; cancellable. The call is
+        one span (``tracing``) under the envelope's ``traceparent``, whose context the engine gets."""
+        span = start_span(f"engine POST {env.endpoint.value}", env.headers.get(TRACE_HEADER), SpanKind.CLIENT,
+                          {"infera.request_id": env.request_id, "server.address": self._base})
+        outcome: Outcome = "cancelled"
+        try:
+            outcome = await self._run(env, sink, traceparent(span))
+            return outcome
+        finally:
+            span.set_attribute("infera.outcome", outcome)
+            finish(span, error=None if outcome == "ok" else outcome)
+
+    async def _run(self, env: WorkEnvelope, sink: FrameSink, trace_context: str | None) -> Outcome:
         deadline = asyncio.timeout(max(env.deadline - time.time(), 0.0))
         try:
             async with deadline:
-                return await self._forward(env, sink)
+                return await self._forward(env, sink, trace_context)
         except TimeoutError as exc:
             if deadline.expired():
                 await sink.error(504, "deadline passed while the engine was answering")
@@ -88,8 +102,10 @@ class Relay:
             await sink.error(502, f"engine unreachable or connection lost: {exc or type(exc).__name__}")
             return "error"
 
-    async def _forward(self, env: WorkEnvelope, sink: FrameSink) -> Outcome:
+    async def _forward(self, env: WorkEnvelope, sink: FrameSink, trace_context: str | None) -> Outcome:
         headers = {**env.headers, "Content-Type": "application/json", "X-Request-Id": env.request_id}
+        if trace_context:
+            headers[TRACE_HEADER] = trace_context
         async with self._session.post(self._base + env.endpoint.value, data=env.body, headers=headers) as resp:
             streaming = (
                 env.stream and resp.status < 400 and resp.content_type == SSE_CONTENT_TYPE

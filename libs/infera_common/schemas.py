@@ -130,6 +130,8 @@ class RouteRequest(_Msg):
     #: the frontend's discovery backend: a router watching another one refuses (503) rather than
     #: route on a different fleet (``None``: not said, no check)
     discovery_backend: DiscoveryBackend | None = None
+    #: the W3C trace context of the frontend's span (``tracing``; ``None``: no trace)
+    traceparent: str | None = None
 
     @field_validator("tokens")
     @classmethod

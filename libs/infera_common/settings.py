@@ -30,6 +30,10 @@ class LogSettings(InferaSettings):
     log_format: Literal["json", "console"] = Field(
         "json", description="Log line format: one JSON object a line, or human-readable console lines."
     )
+    otlp_traces_endpoint: str | None = Field(
+        None, description="OTLP/HTTP collector URL for request spans (e.g. http://127.0.0.1:4318/v1/traces); "
+        "unset: no spans (a client's W3C traceparent still passes through to the engine).",
+    )
 
 
 class NatsSettings(InferaSettings):

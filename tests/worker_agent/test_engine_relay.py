@@ -99,3 +99,14 @@ async def test_deadline_passing_mid_stream_is_expired_with_504(engine, session):
             break
         await asyncio.sleep(0.02)
     assert engine.cancelled == ["req-1"]
+
+
+async def test_the_envelopes_trace_context_reaches_the_engine_unchanged_when_tracing_is_off(engine, session):
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    env = envelope({"stream": False}, stream=False)
+    env.headers = {"traceparent": parent}
+    outcome, _ = await relay(session, engine.url, env)
+    assert outcome == "ok"
+    assert engine.requests[0]["headers"]["traceparent"] == parent  # no spans here: the client's context passes
+    await relay(session, engine.url, envelope({"stream": False}, stream=False, rid="req-2"))
+    assert "traceparent" not in engine.requests[1]["headers"]  # none given, none invented

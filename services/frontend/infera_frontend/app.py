@@ -21,6 +21,8 @@ from infera_common.logs import get_logger
 from infera_common.metrics import metrics_response
 from infera_common.openai_errors import error_body
 from infera_common.schemas import Endpoint
+from infera_common.tracing import HEADER as TRACE_HEADER
+from infera_common.tracing import SpanKind, finish, start_span, traceparent
 
 from infera_frontend import sse
 from infera_frontend.listing import models_list, workers_list
@@ -90,11 +92,14 @@ class HttpApi:
         ex: Exchange | None = None
         request_id: str | None = None
         m.started("http")
+        span = start_span(f"POST {ep}", request.headers.get(TRACE_HEADER), SpanKind.SERVER)
         try:
             request_id = self.pipeline.request_id(request.headers.get("X-Request-Id"))
+            span.set_attribute("infera.request_id", request_id)
             body = await self._read_body(request)
             parsed = self.pipeline.parse(endpoint, body)
-            ex = await self.pipeline.open(parsed, body, request_id,
+            span.set_attribute("infera.model", parsed.model)
+            ex = await self.pipeline.open(parsed, body, request_id, traceparent=traceparent(span),
                                           session_ids=request.headers.getall(SESSION_HEADER, []))
             status, payload = ex.status, ex.body
             m.first_byte("http", ep, time.perf_counter() - t0)
@@ -129,6 +134,7 @@ class HttpApi:
             if ex is not None:
                 ex.close()
             m.finished("http", ep, status, self.pipeline.model_label(parsed), time.perf_counter() - t0)
+            finish(span, status)
 
     @staticmethod
     async def _stream(resp: web.StreamResponse, ex: Exchange) -> None:

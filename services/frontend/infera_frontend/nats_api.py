@@ -33,6 +33,8 @@ from infera_common.nats_api import (
 from infera_common.nats_conn import unsubscribe_quietly
 from infera_common.openai_errors import error_body
 from infera_common.schemas import Endpoint
+from infera_common.tracing import HEADER as TRACE_HEADER
+from infera_common.tracing import SpanKind, finish, start_span, traceparent
 from infera_common.subjects import (
     API_CHAT_COMPLETIONS,
     API_COMPLETIONS,
@@ -119,11 +121,14 @@ class NatsApi:
         headers = msg.headers or {}
         request_id = new_request_id()
         m.started("nats")
+        span = start_span(f"NATS {ep}", headers.get(TRACE_HEADER), SpanKind.SERVER)
         try:
             request_id = self.pipeline.request_id(headers.get(HEADER_REQUEST_ID))
+            span.set_attribute("infera.request_id", request_id)
             parsed = self.pipeline.parse(endpoint, msg.data)
+            span.set_attribute("infera.model", parsed.model)
             ex = await self.pipeline.open(parsed, msg.data, request_id, session_ids=nats_session_ids(headers),
-                                          cancel_reason="shutdown")
+                                          cancel_reason="shutdown", traceparent=traceparent(span))
             status, payload = ex.status, ex.body
             m.first_byte("nats", ep, time.perf_counter() - t0)
             if payload is not None:
@@ -162,3 +167,4 @@ class NatsApi:
             if ex is not None:
                 ex.close()
             m.finished("nats", ep, status, self.pipeline.model_label(parsed), time.perf_counter() - t0)
+            finish(span, status)

@@ -74,7 +74,7 @@ class Pipeline:
 
     async def open(
         self, parsed: Parsed, body: bytes, request_id: str, *, session_ids: list[str] | None = None,
-        cancel_reason: str = "client_disconnect",
+        cancel_reason: str = "client_disconnect", traceparent: str | None = None,
     ) -> Exchange:
         """Check the model, tokenize, place the request and start it; ``ApiError`` when it cannot be served.
 
@@ -93,7 +93,7 @@ class Pipeline:
                 ex = await self.relay.open(
                     request_id=request_id, endpoint=parsed.endpoint, model=parsed.model, body=body,
                     stream=parsed.stream, token_ids=tokens.token_ids, prompt_tokens=tokens.prompt_tokens,
-                    exclude=attempts.tried, session_ids=session_ids,
+                    exclude=attempts.tried, session_ids=session_ids, traceparent=traceparent,
                 )
             except ApiError as err:
                 if failed is not None:

@@ -130,6 +130,7 @@ class Relay:
         prompt_tokens: int,
         exclude: list[str] | None = None,
         session_ids: list[str] | None = None,
+        traceparent: str | None = None,
     ) -> Exchange:
         """Ask the router to place the request (on none of ``exclude``); ``ApiError`` when it is not placed.
 
@@ -142,7 +143,7 @@ class Relay:
             reply_subject=subject, prompt_tokens=prompt_tokens,
             tokens=None if token_ids is None else pack_tokens(token_ids),
             deadline=time.time() + self.deadline_in(stream), exclude=list(exclude or ()),
-            session_ids=list(session_ids or ()), discovery_backend=self.discovery_backend,
+            session_ids=list(session_ids or ()), discovery_backend=self.discovery_backend, traceparent=traceparent,
         ))
         if len(data) > self._nc.max_payload:
             self.inbox.release(subject)

@@ -23,6 +23,7 @@ from infera_common.logs import get_logger
 from infera_common.nats_conn import unsubscribe_quietly
 from infera_common.schemas import Cancel, RouteRequest, WorkEnvelope, decode_frame, encode
 from infera_common.subjects import cancel_subject, router_pd_subject, router_pd_subjects
+from infera_common.tracing import engine_headers
 
 from infera_router.core import Plan, RouterCore
 from infera_router.dispatch import Dispatcher
@@ -94,7 +95,8 @@ class PdFlow:
                 request_id=request.request_id, endpoint=request.endpoint, stream=False,
                 body=json.dumps(protocol.prefill_body(body, prefill, ctx)).encode(),
                 reply_subject=router_pd_subject(self._router_id, lease.lease_id), deadline=request.deadline,
-                lease_id=lease.lease_id, router_id=self._router_id, headers=rank_headers(prefill.rank),
+                lease_id=lease.lease_id, router_id=self._router_id,
+                headers={**rank_headers(prefill.rank), **engine_headers(request.traceparent)},
             )
             result = await self._publish(prefill, env)
             if result.kind != "stored":
@@ -129,7 +131,7 @@ class PdFlow:
             env = WorkEnvelope(
                 request_id=request.request_id, endpoint=request.endpoint, body=body(worker), stream=request.stream,
                 reply_subject=request.reply_subject, deadline=request.deadline, lease_id=lease.lease_id,
-                router_id=self._router_id, headers=rank_headers(worker.rank),
+                router_id=self._router_id, headers={**rank_headers(worker.rank), **engine_headers(request.traceparent)},
             )
             result = await self._publish(worker, env)
             if result.kind == "stored":

@@ -14,6 +14,7 @@ from nats.aio.msg import Msg
 from infera_common.logs import get_logger
 from infera_common.schemas import OverlapQuery, RouteReply, RouteRequest, WorkEnvelope, decode, encode
 from infera_common.subjects import request_stream
+from infera_common.tracing import Span, engine_headers, finish, start_span, traceparent
 
 from infera_router.core import Plan
 from infera_router.dp_pin import pin_bytes, rank_headers
@@ -59,38 +60,51 @@ class RoutePath:
                 reply = RouteReply(status=400, message=f"malformed RouteRequest: {exc}"[:1000], router_id=self.router_id)
                 await self._send(msg.reply, reply, t0)
                 return
+            span = start_span("route", request.traceparent,
+                              attributes={"infera.request_id": request.request_id, "infera.model": request.model})
+            request.traceparent = traceparent(span)  # the engine call's parent
             ask = self.core.kv_query(request)
             if ask is not None and self._kv is not None:
                 # the indexer round trip must not hold up the next route request: continue in a task
-                self._spawn(self._route_with_kv(request, msg.reply, t0, *ask))
+                self._spawn(self._route_with_kv(request, msg.reply, t0, *ask, span))
                 return
-            kv = None
-            if getattr(self.core.policy, "needs_kv", False):
-                kv = KvView.failed("no_tokens" if not request.tokens else "no_block_size")
-            await self._route(request, msg.reply, t0, kv)
+            try:
+                kv = None
+                if getattr(self.core.policy, "needs_kv", False):
+                    kv = KvView.failed("no_tokens" if not request.tokens else "no_block_size")
+                await self._route(request, msg.reply, t0, kv, span)
+            finally:
+                finish(span)
         except Exception as exc:  # never leave a requester without an answer
             log.exception("route_failed")
             await self._send(msg.reply, RouteReply(status=500, message=f"router failure: {type(exc).__name__}: {exc}",
                                                    router_id=self.router_id), t0)
 
     async def _route_with_kv(self, request: RouteRequest, reply_to: str, t0: float, query: OverlapQuery,
-                             candidates: list[WorkerState]) -> None:
+                             candidates: list[WorkerState], span: Span) -> None:
         try:
             assert self._kv is not None
             kv = await self._kv.query(query, candidates)
             kv.hashes = query.hashes  # for the in-flight view and the lease
-            await self._route(request, reply_to, t0, kv)
+            await self._route(request, reply_to, t0, kv, span)
         except Exception as exc:  # never leave a requester without an answer
             log.exception("route_failed", request_id=request.request_id)
             await self._send(reply_to, RouteReply(status=500, message=f"router failure: {type(exc).__name__}: {exc}",
                                                   router_id=self.router_id), t0)
+        finally:
+            finish(span)
 
-    async def _route(self, request: RouteRequest, reply_to: str, t0: float, kv: KvView | None) -> None:
+    async def _route(self, request: RouteRequest, reply_to: str, t0: float, kv: KvView | None, span: Span) -> None:
         try:
             plan = self.core.plan(request, kv, time.monotonic())
         except SessionIdError as exc:
             await self._send(reply_to, RouteReply(status=400, message=str(exc), router_id=self.router_id), t0)
             return
+        span.set_attribute("infera.route.status", plan.status)
+        if plan.order:
+            span.set_attribute("infera.worker_id", plan.order[0].worker_id)
+        if plan.costs:
+            span.set_attribute("infera.kv.matched_blocks", plan.costs[0].matched_blocks)
         routing = Routing(request, reply_to, plan.order, t0, plan=plan)
         if plan.all_open:
             self.metrics.breaker_all_open.labels(request.model).inc()
@@ -153,7 +167,8 @@ class RoutePath:
             env = WorkEnvelope(
                 request_id=request.request_id, endpoint=request.endpoint, body=pin_bytes(request.body, worker.rank),
                 stream=request.stream, reply_subject=request.reply_subject, deadline=request.deadline,
-                lease_id=lease.lease_id, router_id=self.router_id, headers=rank_headers(worker.rank),
+                lease_id=lease.lease_id, router_id=self.router_id,
+                headers={**rank_headers(worker.rank), **engine_headers(request.traceparent)},
             )
             assert self._dispatcher is not None, "router stopped"
         except BaseException:
