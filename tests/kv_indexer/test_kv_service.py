@@ -134,3 +134,29 @@ async def test_the_stream_is_bounded_and_a_worker_agent_does_not_override_the_in
     assert (config.max_age, config.max_bytes) == (120, KV_EVENT_MAX_BYTES)  # the indexer's --kv-event-max-age
     await ensure_kv_event_stream(js, max_age=KV_EVENT_MAX_AGE)
     assert (await js.stream_info(KV_EVENT_STREAM)).config.max_age == KV_EVENT_MAX_AGE
+
+
+def test_ingest_metrics_reach_prometheus_on_the_tick_and_a_worker_that_left_keeps_no_gauge():
+    from infera_common.fleet import Change
+
+    service = KvIndexerService(KvIndexerSettings())  # not started: its handlers driven by hand
+    registry = service.metrics.registry
+    for wid in ("w1", "w2"):
+        service._on_change(Change("join", record(wid)))
+    e1, e2 = FakeEngine("w1"), FakeEngine("w2")
+    e1.relay_kind = "blocks"  # as the worker-agent relays; e2's go raw
+    service._on_stream_message(e1.subject, e1.relay(e1.stored(tokens(12))))
+    service._on_stream_message(e2.subject, e2.relay(e2.stored(tokens(8))))
+    stored = {"op": "stored"}
+    assert registry.get_sample_value("infera_kv_indexer_blocks_applied_total", stored) is None  # not yet
+    service._flush_metrics()
+    assert registry.get_sample_value("infera_kv_indexer_blocks_applied_total", stored) == 5
+    assert registry.get_sample_value("infera_kv_indexer_relay_messages_total", {"kind": "blocks"}) == 1
+    assert registry.get_sample_value("infera_kv_indexer_relay_messages_total", {"kind": "batch"}) == 1
+    assert registry.get_sample_value("infera_kv_indexer_worker_blocks", {"worker": "w1"}) == 3
+    service._on_stream_message(e1.subject, e1.relay(e1.removed(tokens(12), 1)))
+    service._on_change(Change("leave", record("w2")))
+    service._flush_metrics()
+    assert registry.get_sample_value("infera_kv_indexer_worker_blocks", {"worker": "w1"}) == 1
+    assert registry.get_sample_value("infera_kv_indexer_worker_blocks", {"worker": "w2"}) is None
+    assert registry.get_sample_value("infera_kv_indexer_blocks_applied_total", {"op": "removed"}) == 2
