@@ -40,7 +40,7 @@ class Receiver:
                             receiver.spans.append({
                                 "service": service, "name": s.name, "trace": s.trace_id.hex(), "span": s.span_id.hex(),
                                 "parent": s.parent_span_id.hex(), "error": s.status.code == 2,
-                                "attributes": {a.key: a.value.string_value or a.value.int_value for a in s.attributes},
+                                "attributes": {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in s.attributes},
                             })
                 body = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
@@ -94,14 +94,16 @@ async def test_one_request_is_one_trace_under_the_clients_span(traced):
             "stream": True}
     status, raw = await post(fleet, body, {"traceparent": f"00-{trace_id}-{client_span}-01", "X-Request-Id": "tr-1"})
     assert status == 200 and raw.endswith(b"data: [DONE]\n\n"), raw
-    spans = receiver.trace(trace_id, 3)
+    spans = receiver.trace(trace_id, 4)
     by_name = {s["name"]: s for s in spans}
-    assert set(by_name) == {"POST /v1/chat/completions", "route", "engine POST /v1/chat/completions"}, spans
+    assert set(by_name) == {"POST /v1/chat/completions", "route", "kv query", "engine POST /v1/chat/completions"}, \
+        spans
     front, route, engine = (by_name[n] for n in ("POST /v1/chat/completions", "route",
                                                  "engine POST /v1/chat/completions"))
     assert front["parent"] == client_span
     assert route["parent"] == front["span"]
-    assert engine["parent"] == route["span"]
+    assert engine["parent"] == route["span"] and by_name["kv query"]["parent"] == route["span"]
+    assert by_name["kv query"]["attributes"]["infera.kv.ok"] is True
     assert front["attributes"]["infera.request_id"] == "tr-1" and front["attributes"]["http.response.status_code"] == 200
     assert route["attributes"]["infera.worker_id"] == engine_worker(fleet)
     assert engine["attributes"]["infera.outcome"] == "ok" and not any(s["error"] for s in spans)
@@ -125,7 +127,7 @@ async def test_a_request_without_a_traceparent_starts_its_own_trace_and_a_bad_on
             break
         time.sleep(0.1)
     assert fronts and fronts[0]["parent"] == ""  # a root span: the malformed header changed nothing else
-    assert len(receiver.trace(fronts[0]["trace"], 3)) == 3
+    assert len(receiver.trace(fronts[0]["trace"], 4)) == 4
     assert json.loads(raw)["usage"]["completion_tokens"] == 2
 
 
@@ -146,7 +148,7 @@ async def test_a_nats_client_request_joins_the_clients_trace_too(traced):
     finally:
         await nc.close()
     assert json.loads(msg.data)["usage"]["completion_tokens"] == 2
-    spans = {s["name"]: s for s in receiver.trace(trace_id, 3)}
+    spans = {s["name"]: s for s in receiver.trace(trace_id, 4)}
     assert spans["NATS /v1/chat/completions"]["parent"] == client_span
     assert spans["route"]["parent"] == spans["NATS /v1/chat/completions"]["span"]
     assert spans["engine POST /v1/chat/completions"]["parent"] == spans["route"]["span"]

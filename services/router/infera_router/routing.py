@@ -84,7 +84,12 @@ class RoutePath:
                              candidates: list[WorkerState], span: Span) -> None:
         try:
             assert self._kv is not None
-            kv = await self._kv.query(query, candidates)
+            ask = start_span("kv query", request.traceparent, attributes={"infera.kv.workers": len(candidates)})
+            try:
+                kv = await self._kv.query(query, candidates)
+                ask.set_attribute("infera.kv.ok", kv.ok)
+            finally:
+                finish(ask)
             kv.hashes = query.hashes  # for the in-flight view and the lease
             await self._route(request, reply_to, t0, kv, span)
         except Exception as exc:  # never leave a requester without an answer
