@@ -7,8 +7,8 @@ OTLP/HTTP collector (``http://collector:4318/v1/traces``); they are exported in 
 
     client header (HTTP, or the NATS request's header) -> frontend span ``POST /v1/...`` (server)
     -> ``RouteRequest.traceparent`` -> router span ``route`` (and its ``kv query``)
-    -> the work envelope's engine headers -> engine span ``engine POST /v1/...`` (client; the worker-agent, or the router on
-    ``--request-transport http``) -> the engine's HTTP request header
+    -> the work envelope's engine headers -> engine span ``engine POST /v1/...`` (client; the
+    worker-agent, or the router on ``--request-transport http``) -> the engine's HTTP request header
 
 so an engine with its own tracing on (vLLM ``--otlp-traces-endpoint``) continues the same trace.
 With tracing off each hop passes the client's context through unchanged; a malformed
