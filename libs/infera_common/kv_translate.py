@@ -32,7 +32,7 @@ from infera_common.schemas import KvRelay
 
 @dataclass(slots=True)
 class BlockDelta:
-    """What one batch changed in a target's set of index hashes, and what could not be applied."""
+    """Where the index hashes some events touched ended, and what of the events could not be applied."""
 
     reset: bool = False  # every block held before the events is gone (AllBlocksCleared)
     stored: dict[int, set[int]] = field(default_factory=dict)  # block size -> touched index hashes held at the end
@@ -66,9 +66,6 @@ class BlockTranslator:
     def held(self) -> dict[int, Iterable[int]]:
         """Block size -> the index hashes the target holds."""
         return {size: b.refs.keys() for size, b in self._sizes.items()}
-
-    def clear(self) -> None:
-        self._sizes.clear()
 
     def apply(self, events: Iterable[KvEvent], into: BlockDelta | None = None) -> BlockDelta:
         """Apply events in order, into ``into`` (the delta of the batches before them) or a new delta;
