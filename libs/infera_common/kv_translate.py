@@ -108,17 +108,24 @@ class BlockTranslator:
         if blocks is None:
             blocks = self._sizes[size] = _Blocks()
         engine, refs = blocks.engine, blocks.refs
+        stored = delta.stored.get(size)
+        if stored is None:
+            stored = delta.stored[size] = set()
+        removed = delta.removed.get(size)  # (``_moved`` inlined: this loop is the ingest hot path)
         for engine_hash, index_hash in zip(ev.block_hashes, hashes):
             old = engine.get(engine_hash)
             if old == index_hash:
                 continue  # stored again (another medium, a replay)
             if old is not None:  # the engine reused a hash for other content (rare)
                 self._unref(size, refs, old, delta)
+                removed = delta.removed.get(size)
             engine[engine_hash] = index_hash
             count = refs.get(index_hash, 0)
             refs[index_hash] = count + 1
             if not count:
-                _moved(delta.removed, delta.stored, size, index_hash)
+                if removed:
+                    removed.discard(index_hash)
+                stored.add(index_hash)
         return True
 
     def _remove(self, ev: BlockRemoved, delta: BlockDelta) -> bool:
