@@ -57,7 +57,7 @@ import msgpack
 from infera_common.block_hash import ROOT, block_hashes
 from infera_common.kv_translate import BlockTranslator, delta_relay
 from infera_common.kv_wire import decode_batch
-from infera_common.schemas import KvRelay, OverlapQuery, OverlapReply, decode, encode
+from infera_common.schemas import KvRelay, OverlapQuery, OverlapReply, decode, encode, encode_sparse
 from infera_common.subjects import kv_event_subject
 
 from infera_kv_indexer.index import KvIndex
@@ -230,7 +230,8 @@ def translate(relays: list[tuple[str, bytes]], out: list[tuple[str, bytes]]) -> 
         delta = translator.apply(batch.events)
         if delta.orphaned or delta.malformed:
             raise RuntimeError(f"bench batch not translated cleanly on {subject}")
-        out.append((subject, encode(delta_relay(raw["worker_id"], rank, raw["seq"], delta, raw["block_size"]))))
+        relay = delta_relay(raw["worker_id"], rank, raw["seq"], delta, raw["block_size"])
+        out.append((subject, encode_sparse(relay)))  # as the agent publishes it
 
 
 def run_ingest(index: KvIndex, relays: list[tuple[str, bytes]]) -> None:

@@ -154,3 +154,15 @@ def test_the_relay_carries_the_delta_packed_leaves_out_empty_sizes_and_names_a_f
     assert sorted(unpack_hashes(relay.removed[4])) == sorted(block_hashes(toks(4), 4) + block_hashes(toks(4, 300), 4))
     assert delta_relay("w1", 2, 17, d, 4, first_seq=17).first_seq is None
     assert delta_relay("w1", 2, 17, d, 4, first_seq=15).first_seq == 15
+
+
+def test_a_relay_sent_sparse_decodes_to_the_same_relay_in_fewer_bytes():
+    from infera_common.schemas import KvRelay, decode, encode, encode_sparse
+
+    t = BlockTranslator()
+    relay = delta_relay("w1", 0, 5, t.apply([stored([1], toks(8))]), 4)
+    sparse = encode_sparse(relay)
+    assert decode(KvRelay, sparse) == relay
+    assert len(sparse) < len(encode(relay)) and b"payload" not in sparse and b"first_seq" not in sparse
+    cleared = KvRelay(worker_id="w1", kind="cleared")
+    assert decode(KvRelay, encode_sparse(cleared)) == cleared

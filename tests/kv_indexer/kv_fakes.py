@@ -18,7 +18,7 @@ import msgpack
 from infera_common.block_hash import block_hashes
 from infera_common.kv_translate import BlockTranslator, delta_relay
 from infera_common.kv_wire import decode_batch
-from infera_common.schemas import KvRelay, OverlapQuery, WorkerRecord, WorkerStatus, encode
+from infera_common.schemas import KvRelay, OverlapQuery, WorkerRecord, WorkerStatus, encode, encode_sparse
 from infera_common.subjects import kv_event_subject
 
 MODEL = "smol"
@@ -96,7 +96,7 @@ class FakeEngine:
         batch = decode_batch(payload)
         rank = batch.dp_rank if batch.dp_rank is not None else 0
         delta = self._translators.setdefault(rank, BlockTranslator()).apply(batch.events)
-        return encode(delta_relay(self.worker_id, rank, self.seq, delta, self.block_size))
+        return encode_sparse(delta_relay(self.worker_id, rank, self.seq, delta, self.block_size))
 
     @property
     def subject(self) -> str:

@@ -33,7 +33,7 @@ from infera_common.metrics import start_metrics_server
 from infera_common.nats_conn import (
     connect, delete_stream_quietly, ensure_kv_event_stream, ensure_request_stream, nats_log_fields,
 )
-from infera_common.schemas import KvRelay, LoadReport, WorkerRecord, WorkerStatus, encode
+from infera_common.schemas import KvRelay, LoadReport, WorkerRecord, WorkerStatus, encode, encode_sparse
 from infera_common.subjects import kv_event_subject, load_subject
 from infera_worker_agent.engine_cmd import EnginePlan
 from infera_worker_agent.engine_proc import EngineProcess, exit_status
@@ -295,7 +295,7 @@ class Agent:
 
     async def _publish_kv(self, relay: KvRelay) -> None:
         assert self._nc is not None
-        await self._nc.jetstream().publish(kv_event_subject(self.worker_id), encode(relay))
+        await self._nc.jetstream().publish(kv_event_subject(self.worker_id), encode_sparse(relay))
 
     async def _close_kv_relay(self) -> None:
         if self._kv_relayer is not None:
