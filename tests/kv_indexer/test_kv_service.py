@@ -160,3 +160,17 @@ def test_ingest_metrics_reach_prometheus_on_the_tick_and_a_worker_that_left_keep
     assert registry.get_sample_value("infera_kv_indexer_worker_blocks", {"worker": "w1"}) == 1
     assert registry.get_sample_value("infera_kv_indexer_worker_blocks", {"worker": "w2"}) is None
     assert registry.get_sample_value("infera_kv_indexer_blocks_applied_total", {"op": "removed"}) == 2
+
+
+def test_lag_is_observed_for_live_messages_not_for_the_replay_at_start():
+    from types import SimpleNamespace
+
+    service = KvIndexerService(KvIndexerSettings())  # not started: its handler driven by hand
+    engine = FakeEngine("w1")
+    count = lambda: service.metrics.registry.get_sample_value("infera_kv_indexer_lag_seconds_count")  # noqa: E731
+    service._stream = SimpleNamespace(replaying=True)
+    service._on_stream_message(engine.subject, engine.relay(engine.stored(tokens(8))))
+    assert count() == 0  # an hour-old history is no lag
+    service._stream.replaying = False
+    service._on_stream_message(engine.subject, engine.relay(engine.stored(tokens(8, start=3000))))
+    assert count() == 1

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 #: Overlap query handling time, decode to reply: tens of microseconds for a long prompt.
 QUERY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
-#: Seconds between the agent relaying a batch and the index applying it (large during a replay).
+#: Seconds between the agent relaying a batch and the index applying it (live messages, not a replay's).
 LAG_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 300.0, 3600.0)
 
 
@@ -52,7 +52,9 @@ class KvIndexerMetrics:
             registry=r,
         )
         self.lag = Histogram(
-            "infera_kv_indexer_lag_seconds", "Seconds from the agent relaying a message to the index applying it.",
+            "infera_kv_indexer_lag_seconds",
+            "Seconds from the agent relaying a message to the index applying it (live messages: not those of the "
+            "stream's replay at start, whose age is the history's).",
             buckets=LAG_BUCKETS, registry=r,
         )
         self.worker_blocks = Gauge(

@@ -164,7 +164,9 @@ class KvIndexerService:
             relay = result.relay
             if relay is not None and result.malformed is None:
                 self.metrics.relay_message(relay.kind)
-                self.metrics.lag.observe(max(0.0, now - relay.ts))
+                stream = self._stream
+                if stream is None or not stream.replaying:  # (a replayed message's age is the history's)
+                    self.metrics.lag.observe(max(0.0, now - relay.ts))
             self._record(result)
         except Exception:  # a bug must not stop the consumer
             self.metrics.malformed.labels("relay").inc()

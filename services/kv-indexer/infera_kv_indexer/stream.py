@@ -50,6 +50,11 @@ class StreamFollower:
         self._caught_up = asyncio.Event()
         self.messages = 0
 
+    @property
+    def replaying(self) -> bool:
+        """True until the history present at start is applied."""
+        return not self._caught_up.is_set()
+
     async def prepare(self, max_age: float, max_bytes: int) -> None:
         await ensure_kv_event_stream(self._js, max_age, max_bytes)
 
