@@ -62,6 +62,8 @@ def unpack_hashes(data: bytes) -> array:
 
 
 def _pack(typecode: str, values: Iterable[int]) -> bytes:
+    if isinstance(values, array) and values.typecode == typecode and not _SWAP:
+        return values.tobytes()  # already the packed layout (e.g. ``token_array``'s): one copy, no conversion
     words = array(typecode, values)
     if _SWAP:  # pragma: no cover - big-endian hosts
         words.byteswap()

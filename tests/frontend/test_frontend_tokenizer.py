@@ -70,7 +70,7 @@ def test_routing_tokens_for_each_prompt_shape(tok):
     assert text.token_ids == [19556, 28, 905] and text.prompt_tokens == 3
 
     ids = tokenize(tok, parse_body(Endpoint.COMPLETIONS, b'{"model": "m", "prompt": [5, 6, 7, 8]}'))
-    assert ids.token_ids == [5, 6, 7, 8] and ids.prompt_tokens == 4
+    assert list(ids.token_ids) == [5, 6, 7, 8] and ids.prompt_tokens == 4  # (the validated array itself)
 
     batch = tokenize(tok, parse_body(Endpoint.COMPLETIONS, b'{"model": "m", "prompt": ["Hello, world", "Hi"]}'))
     assert batch.token_ids == [19556, 28, 905] and batch.prompt_tokens == 3 + len(tok.encode("Hi"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +81,7 @@ class ModelTable:
 class Tokens:
     """What the router needs of the prompt: its token ids (``None`` if unknown) and their count."""
 
-    token_ids: list[int] | None
+    token_ids: Sequence[int] | None  # a list, or the validated array of a token-id prompt
     prompt_tokens: int
     ok: bool = True  # False: the engine's token ids could not be reproduced (token invariant)
 
@@ -122,6 +122,8 @@ def tokenize(tok: ChatTokenizer, parsed: Parsed) -> Tokens:
         except ChatTemplateError:
             return Tokens(None, 0, ok=False)
         return Tokens(ids, len(ids))
+    if parsed.prompt_ids is not None:  # token ids, validated into an array: packed for the bus without a copy
+        return Tokens(parsed.prompt_ids, len(parsed.prompt_ids))
     prompt = data["prompt"]
     if isinstance(prompt, str):
         ids = tok.prompt_ids(prompt)

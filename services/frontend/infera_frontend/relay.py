@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 
 import msgpack
 from nats.aio.client import Client as NATS
@@ -126,7 +127,7 @@ class Relay:
         model: str,
         body: bytes,
         stream: bool,
-        token_ids: list[int] | None,
+        token_ids: Sequence[int] | None,
         prompt_tokens: int,
         exclude: list[str] | None = None,
         session_ids: list[str] | None = None,

@@ -8,6 +8,7 @@ original JSON bytes, it never re-serialises the body.
 from __future__ import annotations
 
 import re
+from array import array
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -118,8 +119,11 @@ class CompletionRequest(_Common):
         if not isinstance(v, list):
             raise ValueError(_PROMPT_SHAPES)
         first = v[0]
-        if isinstance(first, int) and _are_tokens(v):
-            return v
+        if isinstance(first, int):
+            try:
+                return token_array(v)  # checked in one C pass, and kept: the ids travel packed (Parsed.prompt_ids)
+            except (TypeError, OverflowError):
+                raise ValueError(_PROMPT_SHAPES) from None
         if isinstance(first, str) and set(map(type, v)) == {str}:
             return v
         if isinstance(first, list) and all(type(x) is list and x and _are_tokens(x) for x in v):
@@ -155,6 +159,7 @@ class Parsed:
     model: str
     stream: bool
     data: dict[str, Any]
+    prompt_ids: array | None = None  # a completions prompt of token ids, as a C array (validated)
 
 
 def _param(loc: tuple[Any, ...], data: Any) -> str:
@@ -201,7 +206,8 @@ def parse_body(endpoint: Endpoint, body: bytes) -> Parsed:
     except ValidationError as exc:
         message, param = _error_message(exc, data)
         raise invalid(message, param=param) from None
-    return Parsed(endpoint, req.model, req.stream, data)
+    prompt = getattr(req, "prompt", None)
+    return Parsed(endpoint, req.model, req.stream, data, prompt if isinstance(prompt, array) else None)
 
 
 def check_request_id(value: str | None, generate) -> str:

@@ -28,10 +28,13 @@ class InflightBlocks:
         held = self._by_worker.get(worker_id)
         if held is None or not hashes:
             return
-        held.subtract(hashes)
-        for h in hashes:
-            if held.get(h, 1) <= 0:
-                del held[h]
+        get = held.get
+        for h in hashes:  # one pass (Counter.subtract is a Python loop too, and deletes none)
+            n = get(h, 0) - 1
+            if n > 0:
+                held[h] = n
+            else:
+                held.pop(h, None)
         if not held:
             del self._by_worker[worker_id]
 
