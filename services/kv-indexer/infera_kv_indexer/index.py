@@ -5,8 +5,8 @@ holds (``block_hash`` chains over the engine events' ``token_ids``). Per model, 
 maps index hashes to the targets holding them.
 
 Changes arrive in two forms. The worker-agent relays each engine batch already translated
-(``apply_blocks``: the index hashes the rank now holds and no longer holds, ``kv_translate``), so
-on the NATS plane the indexer does set updates only. An engine batch read raw (from the engine's
+(``apply_blocks``: the index hashes its events touched, by whether the rank holds them at the end,
+``kv_translate``), so on the NATS plane the indexer does set updates only. An engine batch read raw (from the engine's
 ZMQ publisher, or a ``kind="batch"`` relay) goes through the target's own ``BlockTranslator``
 first (``apply_batch``): the map engine hash -> index hash lives there.
 
