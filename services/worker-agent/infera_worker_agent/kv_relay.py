@@ -3,7 +3,8 @@
 The reading (one SUB socket per DP rank, seq order, replay after subscribing and on every gap) is
 ``infera_common.kv_zmq.KvZmqReader``; this module decides what an in-order batch becomes: one
 ``KvRelay(kind="blocks")`` with the engine's seq and the batch translated by the rank's
-``BlockTranslator`` (index hashes over the events' token ids, now held and no longer held), published
+``BlockTranslator`` (the index hashes its events touched, by whether the engine holds them at the
+end), published
 on ``kv_event_subject(worker_id)`` with the JetStream ack awaited (so order and persistence hold).
 Translating here, once per engine on its own host, leaves the kv-indexer set updates only (no token
 decoding or hashing in the one process that serves the whole fleet) and puts 8 bytes per block on
