@@ -211,3 +211,13 @@ async def test_both_mode_pins_prefill_and_decode_independently(bench):
     replies = [await bench.route(request_id=f"q{i}", session_ids=["s"]) for i in range(4)]
     assert len({r.worker_id for r in replies}) == 1
     assert len({bench.router.pairs.pair_of(r.lease_id).prefill.worker_id for r in replies}) == 1
+
+
+async def test_both_legs_of_a_pair_carry_the_requests_trace_context_to_their_engines(bench):
+    await pd_fleet(bench)
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    reply = await bench.route(request_id="q-trace", prompt_tokens=10, body=b'{"prompt": "hi"}', traceparent=parent)
+    assert reply.status == 200
+    [pre], [dec] = await bench.pull("p1"), await bench.pull("d1")
+    # tracing is off in this process: the router's span passes the frontend's context on unchanged
+    assert pre.headers["traceparent"] == dec.headers["traceparent"] == parent
