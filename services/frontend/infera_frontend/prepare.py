@@ -128,7 +128,5 @@ def tokenize(tok: ChatTokenizer, parsed: Parsed) -> Tokens:
     if isinstance(prompt, str):
         ids = tok.prompt_ids(prompt)
         return Tokens(ids, len(ids))
-    if isinstance(prompt[0], int):
-        return Tokens(prompt, len(prompt))
     batches = [p if isinstance(p, list) else tok.prompt_ids(p) for p in prompt]
     return Tokens(batches[0], sum(len(b) for b in batches))
