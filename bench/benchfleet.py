@@ -10,13 +10,29 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from infera.fleet_plan import default_engine_args, plan_fleet
 from infera.procs import free_port, start_etcd, start_nats, stop_process, wait_port
 from infera_common.models import default_model_path
+
+
+@contextmanager
+def nats_server(prefix: str = "bench-nats-") -> Iterator[str]:
+    """A nats-server with JetStream on a free 127.0.0.1 port, its store in a temporary directory:
+    yields its URL, stopped on exit."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix=prefix) as store:
+        proc = start_nats(port, Path(store) / "js")
+        try:
+            yield f"nats://127.0.0.1:{port}"
+        finally:
+            stop_process(proc)
 
 
 def _stop_on_sigterm() -> None:

@@ -22,14 +22,14 @@ import multiprocessing as mp
 import socket
 import statistics
 import sys
-import tempfile
 import time
 
 import aiohttp
 import nats
 from aiohttp import web
 
-from infera.procs import free_port, start_nats, stop_process, wait_port
+from benchfleet import nats_server
+from infera.procs import free_port, wait_port
 
 
 def _echo_socket(sock: socket.socket) -> None:
@@ -125,15 +125,10 @@ def http_round_trips(gaps: list[float], rounds: int) -> dict[float, float]:
 
 
 def nats_round_trips(gaps: list[float], rounds: int) -> dict[float, float]:
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="hop-nats-") as tmp:
-        server = start_nats(port, tmp)
-        url = f"nats://127.0.0.1:{port}"
+    with nats_server("hop-nats-") as url:
         child = mp.Process(target=_echo_nats, args=(url,), daemon=True)
+        child.start()
         try:
-            wait_port("127.0.0.1", port, 30)
-            child.start()
-
             async def run() -> dict[float, float]:
                 nc = await nats.connect(url)
                 try:
@@ -155,7 +150,6 @@ def nats_round_trips(gaps: list[float], rounds: int) -> dict[float, float]:
         finally:
             child.kill()
             child.join(5)
-            stop_process(server)
 
 
 def main() -> None:

@@ -41,163 +41,28 @@ conversation several workers hold partially; every reply is checked against the 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import random
 import resource
 import statistics
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import msgpack
 
+from indexer_workload import (
+    BLOCK, MODEL, PLANTED, QUERY_BLOCKS, SYSTEM_BLOCKS, Tokens, check, expected_reply, plant, query_tokens, worker_load,
+)
 from infera_common.block_hash import ROOT, block_hashes
 from infera_common.kv_translate import BlockTranslator, delta_relay
 from infera_common.kv_wire import decode_batch
-from infera_common.schemas import KvRelay, OverlapQuery, OverlapReply, decode, encode, encode_sparse
-from infera_common.subjects import kv_event_subject
+from infera_common.schemas import OverlapQuery, encode, encode_sparse
 
 from infera_kv_indexer.index import KvIndex
 from infera_kv_indexer.ingest import ingest
 from infera_kv_indexer.query import answer
 
-MODEL = "bench-model"
-BLOCK = 64
-VOCAB = 128256  # Llama-3 sized vocabulary: token ids take msgpack's 5-byte form, as in production
-SYSTEM_PROMPTS = 32
-SYSTEM_BLOCKS = 16  # 1,024-token system prompts
-QUERY_BLOCKS = 128  # 8,192-token prompt
-CONV_MAX = QUERY_BLOCKS - SYSTEM_BLOCKS
-PLANTED = 16  # query conversations, each held partially by several workers
-PREFILL_CHUNK = 32  # blocks per prefill chunk (2,048 tokens): one BlockStored each
-MASK64 = (1 << 64) - 1
 REPLAY_ROUNDS = 3
-
-
-# --- workload --------------------------------------------------------------------------------
-def engine_hash(kind: int, conv: int, j: int) -> int:
-    """A content-derived 64-bit engine hash (same block, same hash on every worker, like vLLM's)."""
-    return (((kind << 56) ^ (conv << 24) ^ j) * 0x9E3779B97F4A7C15) & MASK64
-
-
-class Tokens:
-    """Deterministic, cheap token ids: a pool of random blocks, made unique per (conversation, block)."""
-
-    def __init__(self, rng: random.Random) -> None:
-        self.pool = [[rng.randrange(1000, VOCAB) for _ in range(BLOCK)] for _ in range(1024)]
-
-    def block(self, conv: int, j: int) -> list[int]:
-        t = self.pool[(conv * 131 + j * 7) % len(self.pool)][:]
-        t[0], t[1], t[2] = conv % VOCAB, conv // VOCAB, j
-        return t
-
-    def system(self, sp: int, j: int) -> list[int]:
-        return self.block(10_000_000 + sp, j)
-
-
-@dataclass
-class Planted:
-    conv: int
-    sp: int
-    holders: dict[str, int]  # worker -> conversation blocks held (system prompt excluded)
-
-
-@dataclass
-class WorkerLoad:
-    relays: list[tuple[str, bytes]]  # (subject, KvRelay bytes)
-    blocks: int = 0
-    events: int = 0
-    stats: dict[str, int] = field(default_factory=dict)
-
-
-def sp_weights() -> list[float]:
-    return [1.0 / (i + 1) for i in range(SYSTEM_PROMPTS)]
-
-
-def plant(rng: random.Random, workers: list[str]) -> list[Planted]:
-    out = []
-    for k in range(PLANTED):
-        holders = rng.sample(workers, rng.randint(3, min(10, len(workers))))
-        out.append(Planted(conv=k, sp=k % 4, holders={w: rng.randint(4, CONV_MAX - 4) for w in holders}))
-    return out
-
-
-def worker_load(w: int, wid: str, target: int, planted: list[Planted], tokens: Tokens, seed: int) -> WorkerLoad:
-    """One worker's engine batches, in the order its engine would publish them."""
-    rng = random.Random(seed * 1_000_003 + w)
-    events: list[dict] = []
-    held_sp: set[int] = set()
-    count = 0
-
-    def stored(hashes: list[int], parent: int | None, toks: list[int]) -> None:
-        events.append({"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
-                       "token_ids": toks, "block_size": BLOCK, "lora_id": None, "medium": "GPU",
-                       "lora_name": None})
-
-    def system_prompt(sp: int) -> int:
-        nonlocal count
-        if sp not in held_sp:
-            held_sp.add(sp)
-            toks: list[int] = []
-            for j in range(SYSTEM_BLOCKS):
-                toks.extend(tokens.system(sp, j))
-            stored([engine_hash(1, sp, j) for j in range(SYSTEM_BLOCKS)], None, toks)
-            count += SYSTEM_BLOCKS
-        return engine_hash(1, sp, SYSTEM_BLOCKS - 1)
-
-    def conversation(conv: int, sp: int, depth: int) -> None:
-        nonlocal count
-        parent = system_prompt(sp)
-        pos = 0
-        while pos < depth:  # one turn: prefill the user's message in chunks, then decode the reply
-            user = min(rng.randint(2, 16), depth - pos)
-            while user:
-                n = min(user, PREFILL_CHUNK)
-                toks: list[int] = []
-                for j in range(pos, pos + n):
-                    toks.extend(tokens.block(conv, j))
-                hashes = [engine_hash(2, conv, j) for j in range(pos, pos + n)]
-                stored(hashes, parent, toks)
-                parent, pos, user, count = hashes[-1], pos + n, user - n, count + n
-            for _ in range(min(rng.randint(1, 8), depth - pos)):
-                h = engine_hash(2, conv, pos)
-                stored([h], parent, tokens.block(conv, pos))
-                parent, pos, count = h, pos + 1, count + 1
-
-    for p in planted:
-        if wid in p.holders:
-            conversation(p.conv, p.sp, p.holders[wid])
-    for sp in range(4):  # the popular system prompts: on every worker (the queries' prefixes)
-        system_prompt(sp)
-    weights = sp_weights()
-    k = 0
-    while count < target:
-        conv = 1000 + w * 100_000 + k
-        k += 1
-        conversation(conv, rng.choices(range(SYSTEM_PROMPTS), weights)[0], rng.randint(8, CONV_MAX))
-
-    subject = kv_event_subject(wid)
-    relays = []
-    i = seq = 0
-    while i < len(events):  # a scheduler step publishes the events of several sequences at once
-        n = rng.randint(1, 6)
-        payload = msgpack.packb({"ts": time.time(), "events": events[i:i + n], "data_parallel_rank": 0})
-        relay = KvRelay(worker_id=wid, kind="batch", dp_rank=0, seq=seq, payload=payload, block_size=BLOCK)
-        relays.append((subject, encode(relay)))
-        i, seq = i + n, seq + 1
-    return WorkerLoad(relays, count, len(events))
-
-
-def query_tokens(p: Planted, tokens: Tokens) -> list[int]:
-    out: list[int] = []
-    for j in range(SYSTEM_BLOCKS):
-        out.extend(tokens.system(p.sp, j))
-    for j in range(CONV_MAX):
-        out.extend(tokens.block(p.conv, j))
-    return out
 
 
 # --- ingest ------------------------------------------------------------------------------------
@@ -252,17 +117,6 @@ def timed(fn, *args) -> float:
 
 
 # --- queries ---------------------------------------------------------------------------------
-def expected_reply(p: Planted, workers: list[str]) -> dict[str, int]:
-    return {w: SYSTEM_BLOCKS + p.holders.get(w, 0) for w in workers}
-
-
-def check(reply: OverlapReply, want: dict[str, int]) -> None:
-    got = {o.worker_id: o.blocks for o in reply.overlaps}
-    if got != want:
-        bad = {w: (got.get(w), d) for w, d in want.items() if got.get(w) != d}
-        raise RuntimeError(f"wrong overlap reply (worker: got, want): {dict(list(bad.items())[:5])}")
-
-
 def brute_force(sets: dict[str, set[int]], chain: list[int]) -> dict[str, int]:
     out = {}
     for w, held in sets.items():
@@ -279,96 +133,6 @@ def brute_force(sets: dict[str, set[int]], chain: list[int]) -> dict[str, int]:
 def pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
-
-
-async def nats_queries(index: KvIndex, queries: list[bytes], replies: list[bytes], wants: list[dict[str, int]],
-                       n: int) -> tuple[list[float], list[float]]:
-    import nats
-
-    from infera.procs import free_port, start_nats, stop_process
-    from infera_common.subjects import KV_QUERY
-    from infera_kv_indexer.service import KvIndexerService
-    from infera_kv_indexer.settings import KvIndexerSettings
-
-    port = free_port()
-    url = f"nats://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory(prefix="bench-indexer-") as store:
-        proc = start_nats(port, Path(store) / "js")
-        svc = client = echo_nc = None
-        try:
-            svc = KvIndexerService(KvIndexerSettings(nats_url=url, log_level="warning"))
-            svc.index = index  # serve the index built above (the stream is empty: nothing to replay)
-            await svc.start()
-            client = await nats.connect(url)
-            echo_nc = await nats.connect(url)
-            sized = {len(q): r for q, r in zip(queries, replies)}
-
-            async def echo(msg) -> None:  # the bus alone: reply a message as long as the real reply
-                await msg.respond(sized[len(msg.data)])
-
-            await echo_nc.subscribe("bench.echo", cb=echo)
-            await echo_nc.flush()
-            lat, base = [], []
-            for i in range(n + 100):
-                q = queries[i % len(queries)]
-                t0 = time.perf_counter()
-                msg = await client.request(KV_QUERY, q, timeout=5)
-                t1 = time.perf_counter()
-                await client.request("bench.echo", q, timeout=5)
-                t2 = time.perf_counter()
-                if i < len(queries):
-                    check(decode(OverlapReply, msg.data), wants[i % len(queries)])
-                if i >= 100:  # warm-up
-                    lat.append(t1 - t0)
-                    base.append(t2 - t1)
-            return lat, base
-        finally:
-            for nc in (client, echo_nc):
-                if nc is not None:
-                    await nc.close()
-            if svc is not None:
-                await svc.stop()
-            stop_process(proc)
-
-
-async def replay_rate(relays: list[tuple[str, bytes]], want_blocks: int) -> float:
-    """Seconds from a kv-indexer's ``start()`` to serving, over a stream holding ``relays``."""
-    import nats
-
-    from infera.procs import free_port, start_nats, stop_process
-    from infera_common.nats_conn import ensure_kv_event_stream
-    from infera_common.subjects import KV_EVENT_STREAM
-    from infera_kv_indexer.service import KvIndexerService
-    from infera_kv_indexer.settings import KvIndexerSettings
-
-    port = free_port()
-    url = f"nats://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory(prefix="bench-indexer-") as store:
-        proc = start_nats(port, Path(store) / "js")
-        svc = None
-        try:
-            settings = KvIndexerSettings(nats_url=url, log_level="warning")
-            nc = await nats.connect(url)
-            js = nc.jetstream()
-            await ensure_kv_event_stream(js, settings.kv_event_max_age, settings.kv_event_max_bytes)
-            for subject, data in relays:  # stored by the stream as they arrive (no ack wait)
-                await nc.publish(subject, data)
-            await nc.flush()
-            while (await js.stream_info(KV_EVENT_STREAM)).state.messages < len(relays):
-                await asyncio.sleep(0.05)
-            await nc.close()
-            svc = KvIndexerService(settings)
-            t0 = time.perf_counter()
-            await svc.start()
-            seconds = time.perf_counter() - t0
-            held = sum(svc.index.worker_blocks(w) for w in {s.rsplit(".", 1)[1] for s, _ in relays})
-            if svc.messages != len(relays) or held != want_blocks:
-                raise RuntimeError(f"replay applied {svc.messages} of {len(relays)} messages, {held} of {want_blocks} blocks")
-            return seconds
-        finally:
-            if svc is not None:
-                await svc.stop()
-            stop_process(proc)
 
 
 # --- report ----------------------------------------------------------------------------------
@@ -496,6 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     replay_blocks = replay_raw = 0.0
     if not args.no_nats:
         from infera_common.runtime import event_loop_runner
+
+        from indexer_nats import nats_queries, replay_rate
 
         with event_loop_runner() as runner:  # the service's own loop (uvloop when installed)
             nats_lat, nats_base = runner.run(nats_queries(index, qbytes, rbytes, wants, args.queries))
