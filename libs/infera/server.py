@@ -21,11 +21,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from infera_common.local_bus import LocalBus
-from infera_common.logs import configure_logging
 from infera_common.metrics import start_metrics_server
-from infera_common.runtime import event_loop_runner, run_until_signal
+from infera_common.runtime import configure_observability, event_loop_runner, run_until_signal
 from infera_common.settings import parse_cli
-from infera_common.tracing import configure_tracing
 from infera_frontend.metrics import FrontendMetrics
 from infera_frontend.service import Frontend
 from infera_kv_indexer.metrics import KvIndexerMetrics
@@ -100,8 +98,7 @@ async def serve(settings: ServerSettings) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     settings, _ = parse_cli(ServerSettings, argv, prog="python -m infera.server", description=__doc__)
-    configure_logging(settings.log_level, settings.log_format, service="server")
-    configure_tracing(settings.otlp_traces_endpoint, "server")
+    configure_observability(settings, "server")
     with event_loop_runner() as runner:
         return runner.run(serve(settings))
 

@@ -104,19 +104,27 @@ async def run_service(service: Service, *, name: str, metrics_host: str, metrics
         await runner.cleanup()
 
 
+def configure_observability(settings: Any, service: str) -> Any:
+    """This process's structured logs and, with ``--otlp-traces-endpoint``, its trace export, from its
+    ``LogSettings``; returns the logger."""
+    from infera_common.logs import configure_logging
+    from infera_common.tracing import configure_tracing
+
+    log = configure_logging(settings.log_level, settings.log_format, service)
+    configure_tracing(settings.otlp_traces_endpoint, service)
+    return log
+
+
 def service_main(argv: list[str] | None, settings_cls: type, make_service: Callable[[Any], Service], *,
                  name: str, prog: str, description: str) -> None:
     """The whole ``main`` of a NATS service with a metrics endpoint: parse its settings (flags, env),
     configure logging and tracing, then ``run_service`` on the event loop."""
-    from infera_common.logs import configure_logging
     from infera_common.settings import parse_cli
-    from infera_common.tracing import configure_tracing
 
     settings, _ = parse_cli(settings_cls, argv, prog=prog, description=description)
 
     async def run() -> None:
-        log = configure_logging(settings.log_level, settings.log_format, name)
-        configure_tracing(settings.otlp_traces_endpoint, name)
+        log = configure_observability(settings, name)
         await run_service(make_service(settings), name=name, metrics_host=settings.metrics_host,
                           metrics_port=settings.metrics_port, log=log)
 

@@ -6,10 +6,8 @@ request, asks the router where it runs, and relays the worker's response frames 
 
 from __future__ import annotations
 
-from infera_common.logs import configure_logging
-from infera_common.runtime import event_loop_runner, run_until_signal
+from infera_common.runtime import configure_observability, event_loop_runner, run_until_signal
 from infera_common.settings import parse_cli
-from infera_common.tracing import configure_tracing
 
 from infera_frontend.service import Frontend
 from infera_frontend.settings import FrontendSettings
@@ -17,8 +15,7 @@ from infera_frontend.settings import FrontendSettings
 
 def main(argv: list[str] | None = None) -> int:
     settings, _ = parse_cli(FrontendSettings, argv, prog="infera-frontend", description=__doc__)
-    configure_logging(settings.log_level, settings.log_format, service="frontend")
-    configure_tracing(settings.otlp_traces_endpoint, "frontend")
+    configure_observability(settings, "frontend")
     with event_loop_runner() as runner:
         return runner.run(run_until_signal(Frontend(settings), name="infera-frontend"))
 

@@ -7,10 +7,8 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 
-from infera_common.logs import configure_logging
 from infera_common.models import default_model_path
-from infera_common.runtime import event_loop_runner, free_port
-from infera_common.tracing import configure_tracing
+from infera_common.runtime import configure_observability, event_loop_runner, free_port
 from infera_worker_agent.engine_cmd import EngineArgsError, EnginePlan, plan_engine
 from infera_worker_agent.host_probe import HostFacts, probe_host
 from infera_worker_agent.planes import plane_problems
@@ -71,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(f"{PROG}: error: {problem}", file=sys.stderr)
         return 2
-    configure_logging(settings.log_level, settings.log_format, service="worker-agent")
-    configure_tracing(settings.otlp_traces_endpoint, "worker-agent")
+    configure_observability(settings, "worker-agent")
     from infera_worker_agent.service import Agent  # not needed to print the command
 
     with event_loop_runner() as runner:
