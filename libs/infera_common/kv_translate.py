@@ -13,6 +13,8 @@ clearing on ``reset``): the result does not depend on what it held of the touche
 so applying a delta twice, or a delta that overlaps one already applied, is harmless, and the
 consumer needs no reference counts of its own. One delta may gather several batches (``into``):
 the worker-agent keeps the delta of a batch whose relay failed and sends it with the next one.
+``apply_in_slices`` does the same work a slice at a time, for callers that share their process with
+requests (a long prompt's blocks arrive just ahead of its first token).
 
 Two places translate: the worker-agent, which relays each engine batch as its delta
 (``KvRelay(kind="blocks")``), so the kv-indexer never decodes a token on the NATS plane; and the
@@ -22,12 +24,16 @@ relays).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from infera_common.block_hash import ROOT, block_hashes, pack_hashes
 from infera_common.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from infera_common.schemas import KvRelay
+
+#: Blocks applied between two chances for other work (``apply_in_slices``): ~0.2 ms of SGLang-style
+#: per-block events on this project's 2-core CI machine.
+SLICE_BLOCKS = 32
 
 
 @dataclass(slots=True)
@@ -93,6 +99,20 @@ class BlockTranslator:
                 name = cls.__name__
                 applied[name] = applied.get(name, 0) + 1
         return delta
+
+    def apply_in_slices(self, events: Iterable[KvEvent], into: BlockDelta,
+                        blocks: int = SLICE_BLOCKS) -> Iterator[None]:
+        """``apply``, a slice at a time: the iterator yields each time about ``blocks`` blocks were
+        applied (whole events: an event is never split), so that an adapter can let other work run
+        in between; ``into`` is complete when it ends. Applying a 16k-token prompt's blocks at once
+        holds a Python process for milliseconds, in which a token waiting to be relayed waits too."""
+        done = 0
+        for event in events:
+            self.apply((event,), into)
+            done += len(event.block_hashes) if type(event) is not AllBlocksCleared else 1  # type: ignore[union-attr]
+            if done >= blocks:
+                done = 0
+                yield
 
     def _store(self, ev: BlockStored, delta: BlockDelta) -> bool:
         size = ev.block_size

@@ -21,6 +21,7 @@ per field, no per-token work.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import msgpack
@@ -89,6 +90,32 @@ def encode_seq(seq: int) -> bytes:
 
 def decode_batch(payload: bytes) -> EventBatch:
     """Decode one msgpack batch; a malformed event is reported in ``malformed``, not raised."""
+    raw = read_batch(payload)
+    malformed: list[str] = []
+    return EventBatch(raw.ts, list(raw.decoded(malformed)), raw.dp_rank, malformed)
+
+
+@dataclass(slots=True)
+class RawBatch:
+    """A batch whose envelope is read and checked, its events not yet decoded: ``decoded`` decodes
+    them one at a time, so that a consumer can let other work run between them."""
+
+    ts: float
+    events: list
+    dp_rank: int | None
+
+    def decoded(self, malformed: list[str]) -> Iterator[KvEvent]:
+        """The events in order, each decoded as it is reached; a malformed one is appended to
+        ``malformed`` and skipped."""
+        for event in self.events:
+            try:
+                yield decode_event(event)
+            except KvWireError as exc:
+                malformed.append(str(exc))
+
+
+def read_batch(payload: bytes) -> RawBatch:
+    """Unpack one msgpack batch and check its envelope; ``KvWireError`` if that is malformed."""
     raw = unpack(payload, "batch")
     if type(raw) is dict:
         ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
@@ -103,15 +130,7 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise KvWireError("batch 'ts' is not a number")
     if rank is not None and type(rank) is not int:
         raise KvWireError("batch dp rank is not an integer")
-    decoded: list[KvEvent] = []
-    malformed: list[str] = []
-    append = decoded.append
-    for event in events:
-        try:
-            append(decode_event(event))
-        except KvWireError as exc:
-            malformed.append(str(exc))
-    return EventBatch(float(ts), decoded, rank, malformed)
+    return RawBatch(float(ts), events, rank)
 
 
 _unpackb = msgpack.unpackb

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from infera_common.block_hash import block_hashes, unpack_hashes
-from infera_common.kv_translate import BlockTranslator, delta_relay
+from infera_common.kv_translate import BlockDelta, BlockTranslator, delta_relay
 from infera_common.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored
 
 
@@ -166,3 +168,67 @@ def test_a_relay_sent_sparse_decodes_to_the_same_relay_in_fewer_bytes():
     assert len(sparse) < len(encode(relay)) and b"payload" not in sparse and b"first_seq" not in sparse
     cleared = KvRelay(worker_id="w1", kind="cleared")
     assert decode(KvRelay, encode_sparse(cleared)) == cleared
+
+
+def test_applied_in_slices_it_pauses_every_so_many_blocks_and_ends_where_apply_ends():
+    batches = random_batches(11, 60)
+    whole, sliced = BlockTranslator(), BlockTranslator()
+    for events in batches:
+        expected = whole.apply(events)
+        got = BlockDelta()
+        pauses = sum(1 for _ in sliced.apply_in_slices(iter(events), got, blocks=3))
+        assert (got.reset, got.stored, got.removed, got.applied) == \
+            (expected.reset, expected.stored, expected.removed, expected.applied)
+        touched = sum(len(e.block_hashes) if not isinstance(e, AllBlocksCleared) else 1 for e in events)
+        assert touched // 3 - len(events) <= pauses <= touched // 3  # whole events: a slice may run over
+    assert dict(sliced.held()) == dict(whole.held())
+
+
+def test_a_prompts_blocks_stored_one_event_each_are_applied_a_slice_at_a_time():
+    chain = [stored([i + 1], toks(4, 100 + 4 * i), parent=i or None) for i in range(100)]
+    t = BlockTranslator()
+    d = BlockDelta()
+    pauses = list(t.apply_in_slices(chain, d, blocks=32))
+    assert len(pauses) == 3 and d.blocks() == (100, 0) and d.applied == {"BlockStored": 100}
+    assert d.stored == {4: set(block_hashes(toks(400), 4))}
+
+
+def per_block_chains(seed: int, n: int) -> list[list]:
+    """SGLang-style batches: one BlockStored per block, chained, some chains broken (another LoRA,
+    a parent never stored, a bad token id), with removals in between."""
+    rng = random.Random(seed)
+    out, next_hash, cached = [], 1, []
+    for _ in range(n):
+        events: list = []
+        parent = rng.choice(cached) if cached and rng.random() < 0.5 else None
+        for _ in range(rng.randint(1, 40)):
+            roll = rng.random()
+            tokens = [rng.randrange(30) for _ in range(4)]
+            if roll < 0.03:
+                tokens[2] = -1  # unhashable: this event is malformed, its children orphans
+            ev = stored([next_hash], tokens, parent)
+            if roll > 0.97:
+                ev.lora_id = 7
+            elif 0.93 < roll <= 0.97:
+                ev.parent_block_hash = 10**9  # never stored
+            events.append(ev)
+            cached.append(next_hash)
+            parent, next_hash = next_hash, next_hash + 1
+            if rng.random() < 0.05:
+                gone = rng.sample(cached, min(len(cached), 2))
+                events.append(BlockRemoved(block_hashes=gone))
+                cached = [h for h in cached if h not in gone]
+        out.append(events)
+    return out
+
+
+@pytest.mark.parametrize("slice_blocks", [1, 5, 32])
+def test_one_block_events_applied_in_slices_of_any_size_give_what_apply_gives(slice_blocks):
+    whole, sliced = BlockTranslator(), BlockTranslator()
+    for events in per_block_chains(4, 80):
+        expected = whole.apply(events)
+        got = BlockDelta()
+        for _ in sliced.apply_in_slices(events, got, blocks=slice_blocks):
+            pass
+        assert got == expected
+    assert dict(sliced.held()) == dict(whole.held())

@@ -8,6 +8,7 @@ import msgpack
 import pytest
 
 from infera_common.block_hash import block_hashes, pack_hashes
+from infera_common.kv_wire import decode_batch
 from infera_common.schemas import KvRelay, encode
 from infera_kv_indexer.index import KvIndex
 from infera_kv_indexer.ingest import ingest
@@ -175,6 +176,23 @@ def test_a_worker_leaving_discovery_disappears_at_once():
     reply = index.overlap(query(prompt))
     assert depths(reply) == {("w2", 0): 2} and reply.unseen == []
     assert index.worker_blocks("w1") == 0
+
+
+@pytest.mark.parametrize("meanwhile", ["left", "cleared"])
+def test_a_raw_batch_still_being_applied_when_its_worker_left_or_was_cleared_changes_nothing(meanwhile):
+    """The ZMQ path applies a batch in slices: discovery may drop the worker, or its engine restart
+    clear it, before the batch's last slice."""
+    index = indexed("w1")
+    engine = FakeEngine("w1", "sglang")
+    prompt = tokens(8)
+    batch = decode_batch(engine.batch([engine.stored(prompt)]))
+    raw = index.open_batch("w1", 0, 0, 0.0)
+    raw.translator.apply(batch.events, into=raw.delta)
+    index.worker_left("w1") if meanwhile == "left" else index.clear("w1", None, 0.0)
+    out = index.close_batch(raw)
+    assert out.applied == {"BlockStored": 1} and out.stored == 0
+    assert depths(index.overlap(query(prompt))) == {}
+    assert index.is_seen("w1") is (meanwhile == "cleared")  # a worker that left is not re-created
 
 
 def test_events_before_the_discovery_record_attach_when_it_arrives_or_expire():

@@ -8,9 +8,12 @@ the same endpoint (its seq going back), DP ranks, and a worker leaving discovery
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from infera_common.discovery_select import Discovery
+from infera_common.kv_translate import SLICE_BLOCKS
 from infera_common.local_bus import LocalBus
 from infera_kv_indexer.service import KvIndexerService
 from infera_kv_indexer.settings import KvIndexerSettings
@@ -132,3 +135,46 @@ async def test_each_dp_rank_publisher_is_read_as_its_rank(local_indexer):
     finally:
         for pub in pubs:
             await pub.close()
+
+
+async def test_a_long_prompts_blocks_are_indexed_in_slices_letting_the_servers_requests_run_between(local_indexer):
+    """In ``infera.server`` the index shares its process with the frontend and router: a 32k-token
+    prompt's 512 per-block events applied at once would hold every request in the process meanwhile."""
+    service, _bus, register = local_indexer
+    pub = FakePublisher()
+    turns = {"n": 0}
+    spans: list[int] = []
+    index = service.index
+    open_batch, close_batch = index.open_batch, index.close_batch
+    began: list[int] = []
+
+    def opening(*args):
+        began.append(turns["n"])
+        return open_batch(*args)
+
+    def closing(raw, unreadable=0):
+        spans.append(turns["n"] - began[-1])
+        return close_batch(raw, unreadable)
+
+    index.open_batch, index.close_batch = opening, closing
+
+    async def other_work() -> None:
+        while True:
+            turns["n"] += 1
+            await asyncio.sleep(0)
+
+    engine = FakeEngine("w1", "sglang", block_size=4)
+    prompt = tokens(4 * 512)
+    events = [engine.stored(prompt[:4 * (i + 1)]) for i in range(512)]  # one event per block, chained
+    await register(pub.record("w1"))
+    await service.start()
+    ticker = asyncio.create_task(other_work())
+    try:
+        await pub.send(0, engine.batch(events[:1]))
+        await probe_until(pub, 0, lambda: overlap(service, prompt) == {("w1", 0): 1})
+        await pub.send(1, engine.batch(events[1:]))
+        await probe_until(pub, 1, lambda: overlap(service, prompt) == {("w1", 0): 512})
+        assert spans[0] == 0 and spans[-1] >= 511 // SLICE_BLOCKS
+    finally:
+        ticker.cancel()
+        await pub.close()

@@ -5,8 +5,10 @@ import asyncio
 import msgpack
 
 from infera_common.block_hash import block_hashes, pack_hashes, unpack_hashes
+from infera_common.kv_translate import SLICE_BLOCKS
 from infera_common.kv_wire import encode_seq
 from infera_worker_agent.kv_config import KvSource
+from infera_worker_agent import kv_relay
 from infera_worker_agent.kv_relay import KvRelayer
 from infera_worker_agent.metrics import AgentMetrics
 from tests.kv_indexer.zmq_helpers import FakePublisher as ZmqFakePublisher
@@ -249,5 +251,48 @@ async def test_what_a_failed_publish_carried_arrives_with_the_next_relay_and_a_f
         assert list(unpack_hashes(relay.removed[64])) == block_hashes(tokens(1), 64)
         assert metrics.kv_batches.labels("0")._value.get() == 4
     finally:
+        await relayer.close()
+        await pub.close()
+
+
+async def test_a_long_prompts_blocks_are_relayed_in_slices_letting_the_agents_other_work_run_between(monkeypatch):
+    """A 32k-token prompt stored by SGLang is 512 events in one batch; translating them at once would
+    hold the agent for milliseconds while the prompt's first token waits behind them to be relayed."""
+    pub = FakePublisher()
+    turns = {"n": 0}
+    began: dict[int, int] = {}  # batch ts -> loop turns of other work when the agent began reading it
+    ended: dict[int, int] = {}  # relay seq -> the same when its relay went out
+
+    async def other_work() -> None:  # stands in for the agent's request relays
+        while True:
+            turns["n"] += 1
+            await asyncio.sleep(0)
+
+    read = kv_relay.read_batch
+
+    def reading(payload: bytes):
+        batch = read(payload)
+        began[int(batch.ts)] = turns["n"]
+        return batch
+
+    async def collect(relay):
+        ended[relay.seq] = turns["n"]
+
+    monkeypatch.setattr(kv_relay, "read_batch", reading, raising=True)
+    relayer, got, metrics = await start_relay(pub, publish=collect)
+    ticker = asyncio.create_task(other_work())
+    try:
+        events, parent = [], None
+        for i in range(512):
+            events.append(["BlockStored", [1000 + i], parent, tokens(1000 + i), 64, None, "GPU", None])
+            parent = 1000 + i
+        for seq, batch_events in ((0, events[:1]), (1, events[1:])):
+            await pub.send(seq, msgpack.packb([float(seq), batch_events, 0]))
+            assert await wait_for(lambda: seq in ended)
+        assert ended[0] == began[0]  # one block: no pause
+        assert ended[1] - began[1] >= 511 // SLICE_BLOCKS  # the loop ran other work between the slices
+        assert metrics.kv_blocks.labels("stored")._value.get() == 512
+    finally:
+        ticker.cancel()
         await relayer.close()
         await pub.close()

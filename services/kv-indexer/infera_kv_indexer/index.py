@@ -44,6 +44,17 @@ class Outcome:
     orphaned: int = 0  # stored blocks dropped because their parent block is unknown
 
 
+@dataclass(slots=True)
+class RawApply:
+    """A raw engine batch between ``KvIndex.open_batch`` and ``close_batch``."""
+
+    worker: _Worker
+    target: _Target
+    outcome: Outcome
+    translator: BlockTranslator | None  # None: the batch was applied already (a duplicate)
+    delta: BlockDelta = field(default_factory=BlockDelta)
+
+
 class _Target:
     __slots__ = ("key", "last_seq", "held", "bit", "translator")
 
@@ -110,18 +121,37 @@ class KvIndex:
     def apply_batch(self, worker_id: str, dp_rank: int | None, seq: int, batch: EventBatch, now: float) -> Outcome:
         """Apply one raw engine batch; ``dp_rank`` is the relay's (the batch's own rank wins), ``seq``
         the engine's sequence number (negative: unknown, no duplicate/gap check)."""
+        raw = self.open_batch(worker_id, batch.dp_rank if batch.dp_rank is not None else (dp_rank or 0), seq, now)
+        if raw.translator is not None:
+            raw.translator.apply(batch.events, into=raw.delta)
+        return self.close_batch(raw, len(batch.malformed))
+
+    def open_batch(self, worker_id: str, dp_rank: int, seq: int, now: float) -> RawApply:
+        """Begin applying raw engine batch ``seq`` of the target: translate its events with
+        ``translator`` (None: ``seq`` was applied already, nothing to do) into ``delta``, then
+        ``close_batch``. Between the two the index answers as before the batch."""
         worker = self._worker(worker_id, now)
-        target = self._target(worker, batch.dp_rank if batch.dp_rank is not None else (dp_rank or 0))
-        out = Outcome(target.key, malformed=len(batch.malformed))
+        target = self._target(worker, dp_rank)
+        out = Outcome(target.key)
         if self._skip(target, seq, out):
-            return out
+            return RawApply(worker, target, out, None)
         translator = target.translator
         if translator is None:
             translator = target.translator = BlockTranslator()
-        delta: BlockDelta = translator.apply(batch.events)
+        return RawApply(worker, target, out, translator)
+
+    def close_batch(self, raw: RawApply, unreadable: int = 0) -> Outcome:
+        """Apply what ``open_batch``'s translator gathered (``unreadable``: events the wire could not
+        decode). Nothing is applied when the worker left or its target was cleared in between."""
+        out, delta = raw.outcome, raw.delta
+        out.malformed += unreadable
+        if raw.translator is None:
+            return out
         out.applied, out.malformed = delta.applied, out.malformed + delta.malformed
         out.unknown_removed, out.orphaned = delta.unknown_removed, delta.orphaned
-        self._change(worker, target, delta.reset, delta.stored, delta.removed, out)
+        worker, target = raw.worker, raw.target
+        if self._workers.get(worker.worker_id) is worker and worker.targets.get(target.key[1]) is target:
+            self._change(worker, target, delta.reset, delta.stored, delta.removed, out)
         return out
 
     def apply_blocks(self, worker_id: str, dp_rank: int, seq: int, reset: bool,

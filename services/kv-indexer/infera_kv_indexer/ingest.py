@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import time
 from array import array
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Literal
 
 from infera_common.block_hash import unpack_hashes
-from infera_common.kv_wire import KvWireError, decode_batch, unpack
+from infera_common.kv_wire import KvWireError, decode_batch, read_batch, unpack
 from infera_common.schemas import KvRelay
 from infera_common.subjects import kv_event_subject
 
@@ -74,10 +75,21 @@ def ingest(index: KvIndex, subject: str, data: bytes, now: float) -> Ingested:
     return _apply(index, relay, now)
 
 
-def ingest_batch(index: KvIndex, worker_id: str, dp_rank: int, seq: int, payload: bytes, now: float) -> Ingested:
-    """One engine batch read straight from the worker's ZMQ publisher of rank ``dp_rank``
-    (``--kv-event-transport zmq``): decoded and applied exactly as a relayed one."""
-    return _apply(index, Relay(worker_id, "batch", dp_rank, seq, payload, None, now), now)
+def ingest_batch(index: KvIndex, worker_id: str, dp_rank: int, seq: int, payload: bytes,
+                 now: float) -> Generator[None, None, Ingested]:
+    """One batch read straight from the worker's ZMQ publisher of rank ``dp_rank``
+    (``--kv-event-transport zmq``), decoded and applied as a relayed one, but in slices: the
+    generator yields between them (``BlockTranslator.apply_in_slices``) and returns the result."""
+    relay = Relay(worker_id, "batch", dp_rank, seq, payload, None, now)
+    try:
+        batch = read_batch(payload)
+    except KvWireError as exc:
+        return Ingested(relay, malformed="batch", error=str(exc)[:300])
+    raw = index.open_batch(worker_id, batch.dp_rank if batch.dp_rank is not None else dp_rank, seq, now)
+    unreadable: list[str] = []
+    if raw.translator is not None:
+        yield from raw.translator.apply_in_slices(batch.decoded(unreadable), raw.delta)
+    return Ingested(relay, index.close_batch(raw, len(unreadable)))
 
 
 def _apply(index: KvIndex, relay: Relay, now: float) -> Ingested:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -172,9 +173,11 @@ class KvIndexerService:
             self.metrics.malformed.labels("relay").inc()
             log.exception("event_failed", subject=subject)
 
-    def _apply_zmq(self, worker_id: str, dp_rank: int, seq: int, payload: bytes) -> None:
+    def _apply_zmq(self, worker_id: str, dp_rank: int, seq: int, payload: bytes) -> Iterator[None]:
+        """Apply one batch read from ZMQ; yields between slices of it (the reader lets the loop run then)."""
         try:
-            self._record(ingest_batch(self.index, worker_id, dp_rank, seq, payload, time.time()))
+            result = yield from ingest_batch(self.index, worker_id, dp_rank, seq, payload, time.time())
+            self._record(result)
         except Exception:  # a bug must not stop the reader
             self.metrics.malformed.labels("batch").inc()
             log.exception("event_failed", worker_id=worker_id, dp_rank=dp_rank, seq=seq)

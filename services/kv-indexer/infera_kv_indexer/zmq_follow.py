@@ -16,7 +16,7 @@ never re-created in the index by a late batch.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import zmq.asyncio
 
@@ -29,8 +29,9 @@ from infera_kv_indexer.zmq_plan import WorkerFeed, decide, feed_for
 
 log = get_logger("kv_indexer.zmq")
 
-#: ``apply(worker_id, dp_rank, seq, payload)``: one in-order engine batch of the worker's publisher of rank ``dp_rank``
-Apply = Callable[[str, int, int, bytes], None]
+#: ``apply(worker_id, dp_rank, seq, payload)``: one in-order engine batch of the worker's publisher of
+#: rank ``dp_rank``, applied as the returned iterator is consumed (the loop runs other work between its items)
+Apply = Callable[[str, int, int, bytes], Iterator[None]]
 #: ``clear(worker_id, dp_rank or None for every rank, reason)``: the worker's engine restarted empty
 Clear = Callable[[str, int | None, str], None]
 
@@ -56,7 +57,8 @@ class _Followed(KvReadObserver):
     async def _on_batch(self, source: ZmqKvSource, seq: int, payload: bytes) -> None:
         if self.current:
             self.follower.metrics.zmq_batches.inc()
-            self.follower.apply(self.worker_id, source.dp_rank, seq, payload)
+            for _ in self.follower.apply(self.worker_id, source.dp_rank, seq, payload):
+                await asyncio.sleep(0)
 
     async def _on_restart(self, source: ZmqKvSource, seq: int) -> None:
         if self.current:

@@ -20,12 +20,12 @@ rank's next relay. The index cannot keep blocks the engine evicted while JetStre
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from infera_common.kv_endpoints import local_endpoint, subscriber_binds
 from infera_common.kv_translate import BlockDelta, BlockTranslator, delta_relay
-from infera_common.kv_wire import BlockStored, EventBatch, KvWireError, decode_batch
+from infera_common.kv_wire import BlockStored, KvEvent, KvWireError, RawBatch, read_batch
 from infera_common.kv_zmq import REPLAY_TIMEOUT, KvReadObserver, KvZmqReader, ZmqKvSource
 from infera_common.logs import get_logger
 from infera_common.schemas import KvRelay
@@ -118,7 +118,7 @@ class KvRelayer:
     async def _relay_batch(self, source: ZmqKvSource, seq: int, payload: bytes) -> None:
         rank = source.dp_rank
         try:
-            batch: EventBatch | None = decode_batch(payload)
+            batch: RawBatch | None = read_batch(payload)
         except KvWireError as exc:
             batch = None
             self.metrics.kv_malformed.labels("batch").inc()
@@ -128,14 +128,20 @@ class KvRelayer:
         carried = self._carried.pop(rank, None) or _Carried(None, 0, BlockDelta())
         delta = carried.delta
         if batch is not None:
+            unreadable: list[str] = []
+            events: Iterable[KvEvent] = batch.decoded(unreadable)
             if not self._block_size_seen:
-                await self._check_block_size(batch)
+                events = list(events)
+                await self._check_block_size(events)
             translator = self._translators.get(rank)
             if translator is None:
                 translator = self._translators[rank] = BlockTranslator()
             before = (delta.malformed, delta.orphaned, delta.unknown_removed)
-            translator.apply(batch.events, into=delta)
-            self._count_errors(len(batch.malformed), before, delta)
+            # in slices: the engine's first token of the request that stored these blocks is
+            # usually right behind this batch, waiting for this process to relay it
+            for _ in translator.apply_in_slices(events, delta):
+                await asyncio.sleep(0)
+            self._count_errors(len(unreadable), before, delta)
         first = seq if carried.first_seq is None else carried.first_seq
         if await self._send(delta_relay(self.worker_id, rank, seq, delta, self.block_size, first)):
             self.metrics.kv_batches.labels(str(rank)).inc(carried.batches + 1)
@@ -158,8 +164,8 @@ class KvRelayer:
         if unknown:
             m.kv_unknown_removed.inc(unknown)
 
-    async def _check_block_size(self, batch: EventBatch) -> None:
-        size = next((e.block_size for e in batch.events if isinstance(e, BlockStored)), None)
+    async def _check_block_size(self, events: list[KvEvent]) -> None:
+        size = next((e.block_size for e in events if isinstance(e, BlockStored)), None)
         if size is None:
             return
         self._block_size_seen = True
