@@ -234,7 +234,9 @@ def measure(send, url: str, engines: list[str], trace, prompts, offsets, args) -
     results = asyncio.run(replay(send, url, trace, prompts, offsets, args.max_tokens))
     makespan = time.perf_counter() - t0
     split = [b - a for a, b in zip(before, engine_requests(engines))]
-    return summarize(results, args.speedup, makespan, split)
+    out = summarize(results, args.speedup, makespan, split)
+    out["results"] = results
+    return out
 
 
 #: The router's own counters worth reading after a replay (why a kv-aware pick went where it did).
@@ -315,6 +317,30 @@ def print_table(rows: dict[str, dict], args, n: int, infinite: float, fleet_lru:
                   + ", ".join(f"{k.removeprefix('infera_router_')} {v:.0f}" for k, v in r["router"].items()))
 
 
+PROMPT_BUCKETS = ((0, 2000), (2000, 6000), (6000, 12000), (12000, 1 << 30))
+
+
+def print_same_hit_gaps(rows: dict[str, dict], speedup: float) -> None:
+    """Routing or path? For the requests that got the SAME cached tokens in two rows, the TTFT
+    difference is the paths' (and the load's), not the cache's: each row against the sglang-router row."""
+    ref_name = next((p for p in rows if p.startswith(SGLANG_ROW)), None)
+    if ref_name is None:
+        return
+    ref = rows[ref_name]["results"]
+    for policy, r in rows.items():
+        if policy == ref_name:
+            continue
+        cells = []
+        for lo, hi in PROMPT_BUCKETS:
+            diff = sorted(1000 * speedup * (x["ttft"] - y["ttft"]) for x, y in zip(r["results"], ref)
+                          if x["ok"] and y["ok"] and x["cached"] == y["cached"] and lo <= x["prompt"] < hi)
+            if diff:
+                span = f"{lo // 1000}k-{hi // 1000}k" if hi < 1 << 30 else f"{lo // 1000}k+"
+                cells.append(f"{span}: {statistics.median(diff):+.0f} (n {len(diff)})")
+        print(f"TTFT {row_label(policy)} minus {row_label(ref_name)}, requests with the same cache hit in both, "
+              f"median by prompt length (simulated ms): " + ", ".join(cells))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--start", type=int, default=2000, help="first trace record of the window")
@@ -331,6 +357,8 @@ def main() -> None:
                     f"ZMQ with one infera.server), and {SGLANG_ROW} (or {SGLANG_ROW}@round_robin, ...: another of its policies) "
                     "(the public sglang-router, policy cache_aware, in front of bare mock engines)")
     ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--dump-dir", type=Path, default=None,
+                    help="also write each row's per-request results (wall seconds) to DIR/<row>.jsonl")
     args = ap.parse_args()
     if any(p.startswith(SGLANG_ROW) for p in args.policies) and not sglang_router_installed():
         ap.error(f"the {SGLANG_ROW} row needs the sglang-router package: `make bench` installs it (or "
@@ -347,9 +375,16 @@ def main() -> None:
             rows[policy] = run_sglang_router(policy, engine_args, trace, prompts, offsets, args)
         else:
             rows[policy] = run_infera(policy, engine_args, trace, prompts, offsets, args)
+    if args.dump_dir is not None:
+        args.dump_dir.mkdir(parents=True, exist_ok=True)
+        for policy, r in rows.items():
+            with open(args.dump_dir / f"{policy}.jsonl", "w") as f:
+                for i, res in enumerate(r["results"]):
+                    f.write(json.dumps({"i": args.start + i, "arrival_s": offsets[i], **res}) + "\n")
     infinite = reference_hits(prompts, args.block_size, None)
     fleet_lru = reference_hits(prompts, args.block_size, args.workers * args.kv_blocks)
     print_table(rows, args, len(trace), infinite, fleet_lru)
+    print_same_hit_gaps(rows, args.speedup)
 
 
 if __name__ == "__main__":

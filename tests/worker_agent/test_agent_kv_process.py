@@ -56,25 +56,30 @@ async def stream_exists(js) -> bool:
         return False
 
 
-@pytest.mark.parametrize("flavor", ["sglang", "vllm"])
-async def test_engine_kv_events_are_relayed_after_a_cleared(bus, agents, flavor):
-    agents(f"kv-{flavor}", [], ["--served-model-name", "smol", "--page-size", str(PAGE),
-                                "--engine-flavor", flavor])
+@pytest.mark.parametrize("flavor,page", [("sglang", 4), ("vllm", PAGE)])
+async def test_engine_kv_events_are_relayed_after_a_cleared(bus, agents, flavor, page):
+    agent = agents(f"kv-{flavor}", [], ["--served-model-name", "smol", "--page-size", str(page),
+                                        "--engine-flavor", flavor])
     record = await bus.active(f"kv-{flavor}")
-    assert record.kv_block_size == PAGE
+    assert record.kv_block_size == page
     assert len(record.kv_events_endpoints) == 1
     assert record.kv_events_endpoints[0].startswith("tcp://127.0.0.1:")
     assert not record.kv_events_endpoints[0].endswith(":0")
+    small = agent.event("kv_block_size_small")  # a page under 16 is named, with the flag to change
+    assert (small is not None) is (page < 16)
+    if small is not None:
+        assert small["block_size"] == page and "--page-size 16" in small["hint"] and "4,096 events" in small["hint"]
 
+    prompt = list(range(1000, 1000 + 3 * page))  # three full blocks
     stream = await KvStream().follow(bus.js, f"kv-{flavor}")
-    await complete(record.url, PROMPT)
-    want = set(block_hashes(PROMPT, PAGE))  # the prompt's three blocks, hashed from the engine's token ids
+    await complete(record.url, prompt)
+    want = set(block_hashes(prompt, page))  # the prompt's three blocks, hashed from the engine's token ids
     assert await eventually(lambda: want <= stream.stored_hashes(), 20), stream.relays
     first = stream.relays[0]
     assert first.kind == "cleared" and first.dp_rank is None and first.worker_id == f"kv-{flavor}"
     batches = [r for r in stream.relays if r.kind == "blocks"]
     assert [r.seq for r in batches] == list(range(len(batches)))  # in order, none lost or repeated
-    assert all(r.dp_rank == 0 and r.block_size == PAGE for r in batches)
+    assert all(r.dp_rank == 0 and r.block_size == page for r in batches)
 
 
 async def test_no_enable_kv_events_passes_no_config_and_relays_nothing(bus, agents):

@@ -161,6 +161,24 @@ def block_size(engine: str, server_info: dict[str, Any] | None, args: Sequence[s
     return VLLM_DEFAULT_BLOCK_SIZE if engine == "vllm" else None
 
 
+#: Below this page size KV-aware routing still works, at a cost worth a warning (``small_block_note``).
+SMALL_BLOCK_SIZE = 16
+
+
+def small_block_note(engine: str, size: int | None) -> str | None:
+    """What to tell the operator when the engine's KV events come at a small page size: each block
+    is one event, one hash per router per request and one index entry per cached block, so a page
+    of 1 costs all of them per token. SGLang resolves ``--page-size`` to 1 unless told otherwise
+    (on ROCm too, bar its vectorized 5D KV layout), which a runbook easily leaves unset."""
+    if size is None or size >= SMALL_BLOCK_SIZE:
+        return None
+    flag = "--block-size" if engine == "vllm" else "--page-size"
+    return (f"the engine's KV block (page) size is {size}: KV-aware routing sends, hashes and indexes one block per "
+            f"{size} token(s), e.g. {16384 // size:,} events, hashes and index entries for a 16k-token prompt; "
+            f"pass {flag} 16 (or larger) to the engine unless its attention backend or speculative decoding needs "
+            f"this size")
+
+
 def sources_from_event_sources(data: Any) -> tuple[KvSource, ...]:
     """vLLM ``GET /kv_event_sources``: ``[{data_parallel_rank, endpoint, replay_endpoint, topic}]``, or
     (vLLM 0.32) the same entries in a map keyed by DP rank: ``{"0": {endpoint, replay_endpoint, ...}}``."""

@@ -41,7 +41,7 @@ from infera_worker_agent.health import (
     Startup, bootstrap_ranks, engine_json, served_model, wait_healthy,
 )
 from infera_worker_agent.engine_drain import wait_engine_idle
-from infera_worker_agent.kv_config import KvSource, advertised_endpoint, block_size, resolve_sources
+from infera_worker_agent.kv_config import KvSource, advertised_endpoint, block_size, resolve_sources, small_block_note
 from infera_worker_agent.kv_probe import KvBlockSizeProbe
 from infera_worker_agent.kv_relay import KvRelayer
 from infera_worker_agent.load import EngineLoad, LoadReporter, scrape_engine
@@ -250,6 +250,12 @@ class Agent:
         self._kv_sources = resolve_sources(kv.sources, event_sources, info)
         log.info("kv_events_found", block_size=self._kv_block_size,
                  sources=[(s.dp_rank, s.endpoint, s.replay_endpoint) for s in self._kv_sources])
+        self._note_block_size()
+
+    def _note_block_size(self) -> None:
+        note = small_block_note(self.s.engine, self._kv_block_size)
+        if note is not None:
+            log.warning("kv_block_size_small", block_size=self._kv_block_size, hint=note)
 
     # --- prefill/decode role --------------------------------------------------------------------
     async def _learn_pd(self, info: dict | None) -> None:
@@ -288,6 +294,7 @@ class Agent:
         """The engine's KV events show another block size than the one registered: register theirs
         (the router hashes requests at the registered size; a wrong one would never match)."""
         self._kv_block_size = size
+        self._note_block_size()
         if self._registrar is not None:
             status = self._registrar.record.status
             self._registrar.record = self._record(self._model, status)
