@@ -178,3 +178,35 @@ async def test_a_long_prompts_blocks_are_indexed_in_slices_letting_the_servers_r
     finally:
         ticker.cancel()
         await pub.close()
+
+
+async def test_a_batch_being_applied_when_its_reader_is_replaced_is_applied_whole(local_indexer):
+    """A record that moves the worker's endpoints replaces its reader; the batch the old reader was
+    applying slice by slice is finished at once, not left half applied (its seq already counts as done,
+    so the new reader's replay skips it)."""
+    service, _bus, register = local_indexer
+    pub = FakePublisher()
+    engine = FakeEngine("w1", "sglang", block_size=4)
+    prompt = tokens(4 * 256)
+    events = [engine.stored(prompt[:4 * (i + 1)]) for i in range(256)]
+    record = pub.record("w1")
+    moved = record.model_copy(update={"kv_events_endpoints": [f"tcp://localhost:{pub.port}"]})
+    index = service.index
+    open_batch = index.open_batch
+
+    def opening(worker_id, dp_rank, seq, now):
+        if seq == 1:
+            service._zmq.on_record(moved)  # the old reader is closed while this batch is half applied
+        return open_batch(worker_id, dp_rank, seq, now)
+
+    index.open_batch = opening
+    await register(record)
+    await service.start()
+    try:
+        await pub.send(0, engine.batch(events[:1]))
+        await probe_until(pub, 0, lambda: overlap(service, prompt) == {("w1", 0): 1})
+        await pub.send(1, engine.batch(events[1:]))
+        await eventually(lambda: service._zmq.followed["w1"].feed.sources[0].endpoint.startswith("tcp://localhost"))
+        await eventually(lambda: overlap(service, prompt) == {("w1", 0): 256}, timeout=5)
+    finally:
+        await pub.close()

@@ -57,8 +57,14 @@ class _Followed(KvReadObserver):
     async def _on_batch(self, source: ZmqKvSource, seq: int, payload: bytes) -> None:
         if self.current:
             self.follower.metrics.zmq_batches.inc()
-            for _ in self.follower.apply(self.worker_id, source.dp_rank, seq, payload):
-                await asyncio.sleep(0)
+            steps = self.follower.apply(self.worker_id, source.dp_rank, seq, payload)
+            try:
+                for _ in steps:
+                    await asyncio.sleep(0)
+            except asyncio.CancelledError:  # the reader is closing (replaced): apply the rest at once, or
+                for _ in steps:  # the seq counts as applied with half its blocks missing
+                    pass
+                raise
 
     async def _on_restart(self, source: ZmqKvSource, seq: int) -> None:
         if self.current:
