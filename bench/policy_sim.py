@@ -247,8 +247,9 @@ def main() -> None:
         print(f"{name:<27} {r['hit']:>6.3f} {r['ttft_mean']:>9.0f} {r['ttft_p50']:>6.0f} {r['ttft_p90']:>6.0f} "
               f"{r['ttft_p99']:>6.0f} {r['floor_p90']:>9.0f} {r['e2e_p50']:>8.0f} {r['max_share']:>8.2f} | "
               f"{'':>16} {r['hit'] / base[1]['hit']:>5.2f}x {r['ttft_p90'] / base[1]['ttft_p90']:>5.2f}x")
-    print(f"{'fleet LRU (reference)':<27} "
-          f"{tr.reference_hits(prompts, args.block_size, args.workers * args.kv_blocks):>6.3f}")
+    capacity = args.workers * args.kv_blocks
+    print(f"{'fleet LRU (reference)':<27} {tr.reference_hits(prompts, args.block_size, capacity):>6.3f}")
+    print(f"{'  the same, outputs cached':<27} {tr.reference_hits(prompts, args.block_size, capacity, outputs):>6.3f}")
     print("\nfloor p90: the p90 of each request's TTFT alone on an idle engine with the cache hit it got "
           "(its own chunked prefill): no routing can go below it without more cache hits.")
     for name, r in runs:

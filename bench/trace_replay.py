@@ -18,9 +18,11 @@ in one run:
 Reported per row: prefix hit ratio (engine-reported cached / prompt tokens), TTFT mean/p50/p90
 and end-to-end p50 in SIMULATED ms (wall time x speedup), throughput over the replay (requests/s
 and output tokens/s, simulated), the request split across engines (max share / mean share, from
-each engine's own request counter), failures; ratios against round-robin; and two references over
-the same window: one infinite cache and one LRU cache of the whole fleet's capacity (both at block
-size 64, full blocks only).
+each engine's own request counter), failures; ratios against round-robin; and three references over
+the same window: one infinite cache, one LRU cache of the whole fleet's capacity, and the same LRU
+also caching each request's output after its prompt, as the engines do (all at block size 64, full
+blocks only). With sglang-router in the run, each other row's TTFT is also compared with its on the
+requests that got the same cache hit in both (the paths' cost, not the routing's).
 
     .venv/bin/python bench/trace_replay.py [--start 2000 --count 1000] [--workers 4]
         [--policies round-robin least-loaded kv-aware sglang-router]
@@ -81,11 +83,15 @@ def prompt_ids(rec: dict, cache: dict[int, list[int]], max_prompt: int) -> list[
     return ids[: min(rec["input_length"], max_prompt)]
 
 
-def reference_hits(prompts: list[list[int]], block: int, capacity_blocks: int | None) -> float:
-    """Hit ratio (cached / prompt tokens) of ONE cache over the window: infinite, or LRU of capacity_blocks."""
+def reference_hits(prompts: list[list[int]], block: int, capacity_blocks: int | None,
+                   outputs: list[int] | None = None) -> float:
+    """Hit ratio (cached / prompt tokens) of ONE cache over the window: infinite, or LRU of capacity_blocks.
+
+    ``outputs`` (tokens generated per request): also cache each request's output after its prompt,
+    as every engine (and the mock) does; the output tokens are unique to their request."""
     lru: OrderedDict[int, None] = OrderedDict()
     hit_tokens = total = 0
-    for ids in prompts:
+    for i, ids in enumerate(prompts):
         total += len(ids)
         hashes = block_hashes(ids, block)
         matched = 0
@@ -94,6 +100,9 @@ def reference_hits(prompts: list[list[int]], block: int, capacity_blocks: int | 
                 break
             matched += 1
         hit_tokens += matched * block
+        if outputs is not None and outputs[i]:
+            rng = random.Random(-1 - i)
+            hashes = block_hashes(ids + [rng.randrange(100, VOCAB) for _ in range(outputs[i])], block)
         for h in hashes:
             lru[h] = None
             lru.move_to_end(h)
@@ -290,7 +299,8 @@ def row_label(policy: str) -> str:
     return f"{SGLANG_ROW} {sglang_policy(policy)}" if policy.startswith(SGLANG_ROW) else policy
 
 
-def print_table(rows: dict[str, dict], args, n: int, infinite: float, fleet_lru: float) -> None:
+def print_table(rows: dict[str, dict], args, n: int, infinite: float, fleet_lru: float,
+                fleet_lru_outputs: float) -> None:
     base = rows.get("round-robin") or next(iter(rows.values()))
     print(f"\nMooncake conversation trace, requests {args.start}-{args.start + n - 1}; prompts <= "
           f"{args.max_prompt} tokens, outputs <= {args.max_tokens}; {args.workers} mock engines x {args.kv_blocks} "
@@ -308,6 +318,8 @@ def print_table(rows: dict[str, dict], args, n: int, infinite: float, fleet_lru:
               f"{r['ttft_p90'] / base['ttft_p90']:>7.2f}x")
     print(f"{'infinite cache':<{w}} {infinite:>6.3f}   (reference: one cache of unbounded size)")
     print(f"{'fleet LRU':<{w}} {fleet_lru:>6.3f}   (reference: one LRU of {args.workers * args.kv_blocks} blocks)")
+    print(f"{'fleet LRU, outputs too':<{w}} {fleet_lru_outputs:>6.3f}   (reference: the same LRU also caching each "
+          "request's output after its prompt, as the engines do)")
     for policy, r in rows.items():
         errors = f"; errors: {', '.join(r['errors'])}" if r["errors"] else ""
         print(f"requests per engine, {row_label(policy)}: {[int(x) for x in r['split_counts']]} "
@@ -383,7 +395,9 @@ def main() -> None:
                     f.write(json.dumps({"i": args.start + i, "arrival_s": offsets[i], **res}) + "\n")
     infinite = reference_hits(prompts, args.block_size, None)
     fleet_lru = reference_hits(prompts, args.block_size, args.workers * args.kv_blocks)
-    print_table(rows, args, len(trace), infinite, fleet_lru)
+    outputs = [max(1, min(rec["output_length"], args.max_tokens)) for rec in trace]
+    fleet_lru_outputs = reference_hits(prompts, args.block_size, args.workers * args.kv_blocks, outputs)
+    print_table(rows, args, len(trace), infinite, fleet_lru, fleet_lru_outputs)
     print_same_hit_gaps(rows, args.speedup)
 
 
