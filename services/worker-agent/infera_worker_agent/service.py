@@ -33,6 +33,7 @@ from infera_common.metrics import start_metrics_server
 from infera_common.nats_conn import (
     connect, delete_stream_quietly, ensure_kv_event_stream, ensure_request_stream, nats_log_fields,
 )
+from infera_common.runtime import freeze_startup_heap
 from infera_common.schemas import KvRelay, LoadReport, WorkerRecord, WorkerStatus, encode, encode_sparse
 from infera_common.subjects import kv_event_subject, load_subject
 from infera_worker_agent.engine_cmd import EnginePlan
@@ -163,6 +164,7 @@ class Agent:
             await self._start_request_worker(js)
         self._model = model
         self._registrar.record = self._record(model, WorkerStatus.STARTING)
+        frozen = freeze_startup_heap()  # before any request can be routed here
         await self._registrar.set_status(WorkerStatus.ACTIVE)
         self.metrics.engine_up.set(1)
         self._reporter = LoadReporter(
@@ -172,7 +174,7 @@ class Agent:
             publish=self._publish_load, on_load=self._on_load,
         )
         self._reporter.start()
-        log.info("worker_active", worker_id=self.worker_id, model=model, url=self.plan.url)
+        log.info("worker_active", worker_id=self.worker_id, model=model, url=self.plan.url, frozen_objects=frozen)
 
         engine_exit = asyncio.create_task(self._engine.wait())
         stop = asyncio.create_task(self._stop.wait())
