@@ -206,6 +206,34 @@ async def test_the_loop_survives_a_failing_step_and_keeps_serving():
         task.cancel()
 
 
+async def test_a_steps_tokens_reach_their_streams_before_its_kv_events_are_published():
+    """As on SGLang and vLLM, whose publisher thread encodes and sends the events: the prompt's
+    BlockStored batch (a long prompt's is large) never delays its first token."""
+    import asyncio
+
+    order: list[str] = []
+    sched = Scheduler(SchedulerConfig(), PrefixCache(100, 4), TimingModel(speedup=1000),
+                      on_kv_events=lambda events: order.append(f"events {len(events)}"))
+    a = seq("a", 16, max_new=1)
+
+    async def stream() -> None:  # stands in for the request's HTTP handler
+        order.append(f"token {await a.events.get()}")
+
+    reader = asyncio.create_task(stream())
+    task = asyncio.create_task(sched.run())
+    try:
+        await asyncio.sleep(0)  # the handler waits for its first token
+        sched.add(a)
+        await asyncio.wait_for(reader, 5)
+        for _ in range(50):
+            if len(order) > 1:
+                break
+            await asyncio.sleep(0.01)
+        assert order == ["token 100", "events 1"]
+    finally:
+        task.cancel()
+
+
 def run_to_end(sched: Scheduler, *seqs: Sequence, limit: int = 500) -> None:
     for _ in range(limit):
         if all(s.state == "finished" for s in seqs):

@@ -160,7 +160,8 @@ class Scheduler:
         return len(victims)
 
     def publish_kv_events(self) -> None:
-        """Hand the KV events recorded since the last call to `on_kv_events` as one batch."""
+        """Hand the KV events recorded since the last call to `on_kv_events` as one batch (in order:
+        every call takes all that is pending, so a call made out of turn only makes a batch larger)."""
         events = self.kv.take_events()
         if events and self.on_kv_events is not None:
             try:
@@ -292,4 +293,6 @@ class Scheduler:
             except Exception:  # noqa: BLE001
                 log.exception("scheduler step failed; aborting in-flight requests")
                 self.abort_all("internal error in the mock engine's scheduler")
-            self.publish_kv_events()
+            # after the step's tokens go out (their streams were woken first): SGLang and vLLM encode
+            # and send KV events on a publisher thread, off the path of the tokens
+            loop.call_soon(self.publish_kv_events)
