@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import signal
-import socket
 import sys
 from collections.abc import Callable
 from typing import Any, Protocol
+
+from infera_common.ports import free_port  # noqa: F401  (where the services have always found it)
 
 
 def event_loop_runner() -> asyncio.Runner:
@@ -55,13 +56,6 @@ async def run_until_signal(service: Any, *, name: str, on_started: Callable[[], 
     finally:
         await service.stop()
     return 0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class Service(Protocol):
