@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from infera_common.runtime import free_port
+from infera_common.ports import free_port
 
 __all__ = [
     "free_port", "wait_port", "nats_server_binary", "start_nats", "etcd_binary", "start_etcd", "wait_etcd",

@@ -23,7 +23,7 @@ from infera_common.logs import get_logger
 from infera_common.schemas import EngineKind, FrameKind, WorkEnvelope, encode_frame
 from infera_common.sse import SseDecoder, is_done
 from infera_common.tracing import HEADER as TRACE_HEADER
-from infera_common.tracing import SpanKind, finish, start_span, traceparent
+from infera_common.tracing import SpanKind, engine_headers, finish, start_span, traceparent
 
 log = get_logger("engine_relay")
 
@@ -103,9 +103,8 @@ class Relay:
             return "error"
 
     async def _forward(self, env: WorkEnvelope, sink: FrameSink, trace_context: str | None) -> Outcome:
-        headers = {**env.headers, "Content-Type": "application/json", "X-Request-Id": env.request_id}
-        if trace_context:
-            headers[TRACE_HEADER] = trace_context
+        headers = {**env.headers, "Content-Type": "application/json", "X-Request-Id": env.request_id,
+                   **engine_headers(trace_context)}
         async with self._session.post(self._base + env.endpoint.value, data=env.body, headers=headers) as resp:
             streaming = (
                 env.stream and resp.status < 400 and resp.content_type == SSE_CONTENT_TYPE

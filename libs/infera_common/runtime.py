@@ -1,4 +1,4 @@
-"""Process-level helpers every service shares: the event loop, running until a signal, free ports."""
+"""Process-level helpers every service shares: the event loop, running until a signal, observability."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import signal
 import sys
 from collections.abc import Callable
 from typing import Any, Protocol
-
-from infera_common.ports import free_port  # noqa: F401  (where the services have always found it)
 
 
 def event_loop_runner() -> asyncio.Runner:

@@ -8,7 +8,8 @@ import sys
 from collections.abc import Callable, Mapping
 
 from infera_common.models import default_model_path
-from infera_common.runtime import configure_observability, event_loop_runner, free_port
+from infera_common.ports import free_port
+from infera_common.runtime import configure_observability, event_loop_runner
 from infera_worker_agent.engine_cmd import EngineArgsError, EnginePlan, plan_engine
 from infera_worker_agent.host_probe import HostFacts, probe_host
 from infera_worker_agent.planes import plane_problems
