@@ -8,7 +8,7 @@ from collections import Counter
 from infera_common.schemas import LoadReport, OverlapReply, WorkerOverlap
 
 from infera_router.core import RouterCore
-from infera_router.kv_view import KvView, kv_query, kv_view
+from infera_router.kv_view import KvView, kv_query, kv_view, without_index
 from infera_router.policy_kv_aware import KvAware
 from infera_router.state import WorkerState
 
@@ -131,6 +131,19 @@ def test_failed_query_falls_back_to_load_only():
 def test_no_query_without_tokens_or_block_sizes():
     assert kv_query([worker("a")], route_request()) is None
     assert kv_query([worker("a", bs=None)], request()) is None
+
+
+def test_a_prompt_without_a_full_block_needs_no_indexer():
+    ws = [worker("small", bs=32), worker("big", bs=64)]
+    short = route_request(token_ids=list(range(31)), prompt_tokens=31)
+    query = kv_query(ws, short)
+    assert query is not None and query.hashes == {32: [], 64: []}
+    view_ = without_index(query)
+    assert view_ is not None and view_.ok and not view_.asked and view_.depth == {}
+    costs = KvAware().explain(ws, short, view_)
+    assert {(c.matched_blocks, c.prefill_blocks, c.cache_info) for c in costs} == {(0, 1, "ok")}
+    # one full block at the smaller size: the indexer is asked
+    assert without_index(kv_query(ws, route_request(token_ids=list(range(32)), prompt_tokens=32))) is None
 
 
 def test_reply_is_read_per_worker_and_pinned_dp_rank():

@@ -128,3 +128,31 @@ async def test_debug_log_tells_the_pick_and_its_cost_breakdown(nats_server, monk
     [cost] = pick["costs"]
     assert (cost["worker"], cost["request_blocks"], cost["block_size"]) == ("a", 6, 64)
     assert cost["cache_info"] in ("no_indexer", "timeout")
+
+
+async def test_a_prompt_shorter_than_every_block_is_routed_without_asking_the_indexer(kv_bench):
+    """No full block at 32 or 64 tokens: no worker can hold any of it, so the indexer round trip is
+    skipped (counted), the pick is by load alone, and an unseen worker's gauge is left as it was."""
+    router, nc = kv_bench
+    queries: list[OverlapQuery] = []
+
+    async def indexer(msg):
+        queries.append(decode(OverlapQuery, msg.data))
+        await msg.respond(encode(OverlapReply(overlaps=[], unseen=["b"])))
+
+    sub = await nc.subscribe(KV_QUERY, queue=KV_INDEXER_QUEUE, cb=indexer)
+    try:
+        long = await route(nc, "long")  # 6 blocks: asked; b is unseen
+        short = TOKENS[:31]
+        replies = [decode(RouteReply, (await nc.request(ROUTER_ROUTE, encode(route_request(
+            request_id=f"s{i}", token_ids=short, prompt_tokens=len(short))), timeout=5)).data) for i in range(3)]
+    finally:
+        await sub.unsubscribe()
+    assert [r.status for r in replies] == [200] * 3
+    assert len(queries) == 1  # only the long prompt's
+    assert metric(router, "infera_router_kv_queries_skipped_total") == 3
+    assert metric(router, "infera_router_kv_query_failures_total", reason="no_indexer") == 0
+    assert metric(router, "infera_router_kv_picks_without_cache_info_total", reason="no_indexer") == 0
+    assert metric(router, "infera_router_kv_workers_without_events", worker="b", reason="unseen") == 1
+    # by load: the long prompt's worker has its whole prompt still to prefill, so the first short one goes elsewhere
+    assert replies[0].worker_id != long.worker_id

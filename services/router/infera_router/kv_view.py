@@ -30,6 +30,7 @@ class KvView:
     unseen: frozenset[str] = frozenset()
     failure: str = ""  # why ok is False: no_tokens, no_block_size, timeout, no_indexer, error, bad_reply
     hashes: dict[int, list[int]] = field(default_factory=dict)  # the request's block hashes per block size
+    asked: bool = True  # False: answered without the indexer (``without_index``), so ``unseen`` is not known
 
     @classmethod
     def failed(cls, reason: str) -> KvView:
@@ -49,6 +50,14 @@ def kv_query(candidates: list[WorkerState], request: RouteRequest) -> OverlapQue
         hashes={bs: block_hashes(ids, bs) for bs in sizes},
         workers=list(dict.fromkeys(w.base_id for w in candidates)),
     )
+
+
+def without_index(query: OverlapQuery) -> KvView | None:
+    """The answer to ``query`` when it needs no indexer: a prompt shorter than every candidate's block
+    size has no full block, so no worker can hold any of it (depth 0 everywhere). None: ask the indexer."""
+    if any(query.hashes.values()):
+        return None
+    return KvView(ok=True, hashes=query.hashes, asked=False)
 
 
 def kv_view(candidates: list[WorkerState], reply: OverlapReply) -> KvView:

@@ -86,6 +86,11 @@ class RouterMetrics:
             "kv-indexer queries that gave no answer (no_indexer, timeout, error, bad_reply); "
             "each such request was routed by load only.", ["reason"], registry=r,
         )
+        self.kv_queries_skipped = Counter(
+            "infera_router_kv_queries_skipped",
+            "kv-aware requests routed without a kv-indexer query: the prompt is shorter than every "
+            "candidate's KV block size, so no worker can hold any of it.", registry=r,
+        )
         self.kv_query_seconds = Histogram(
             "infera_router_kv_query_seconds", "Time of one kv-indexer overlap query (failures included).",
             buckets=KV_QUERY_BUCKETS, registry=r,

@@ -19,7 +19,7 @@ from infera_common.tracing import Span, engine_headers, finish, start_span, trac
 from infera_router.core import Plan
 from infera_router.dp_pin import pin_bytes, rank_headers
 from infera_router.jetstream import PubResult
-from infera_router.kv_view import KvView
+from infera_router.kv_view import KvView, without_index
 from infera_router.leases import Lease
 from infera_router.policy_kv_aware import WorkerCost
 from infera_router.sessions import SessionIdError
@@ -64,6 +64,14 @@ class RoutePath:
                               attributes={"infera.request_id": request.request_id, "infera.model": request.model})
             request.traceparent = traceparent(span)  # the engine call's parent
             ask = self.core.kv_query(request)
+            known = without_index(ask[0]) if ask is not None else None
+            if known is not None:  # no full block to look up: the round trip would only add latency
+                self.metrics.kv_queries_skipped.inc()
+                try:
+                    await self._route(request, msg.reply, t0, known, span)
+                finally:
+                    finish(span)
+                return
             if ask is not None and self._kv is not None:
                 # the indexer round trip must not hold up the next route request: continue in a task
                 self._spawn(self._route_with_kv(request, msg.reply, t0, *ask, span))
@@ -119,7 +127,7 @@ class RoutePath:
         if plan.costs:
             routing.costs = plan.costs
             routing.hashes = kv.hashes if kv is not None else {}
-            self._account_pick(request, plan.costs)
+            self._account_pick(request, plan.costs, asked=kv is None or kv.asked)
         if plan.disaggregated and self._pd is not None:
             async def reply(status: int, message: str, worker_id: str | None, lease_id: str | None) -> None:
                 await self._reply(routing, status, message, worker_id, lease_id)
@@ -134,8 +142,9 @@ class RoutePath:
         self._route_tasks.add(task)
         task.add_done_callback(self._route_tasks.discard)
 
-    def _account_pick(self, request: RouteRequest, costs: list[WorkerCost]) -> None:
-        """Metrics and the debug line of one kv-aware decision (``costs`` cheapest first)."""
+    def _account_pick(self, request: RouteRequest, costs: list[WorkerCost], asked: bool = True) -> None:
+        """Metrics and the debug line of one kv-aware decision (``costs`` cheapest first; ``asked`` False:
+        decided without the indexer, which then said nothing about which workers it has seen)."""
         m = self.metrics
         best = costs[0]
         m.kv_picks.labels(best.worker_id).inc()
@@ -144,7 +153,7 @@ class RoutePath:
         if best.cache_info != "ok":
             m.kv_picks_without_cache_info.labels(best.cache_info).inc()
         for c in costs:
-            if c.cache_info in ("ok", "unknown_block_size", "unseen"):
+            if c.cache_info in ("ok", "unknown_block_size", "unseen") and (asked or c.cache_info != "ok"):
                 m.set_blind(c.worker_id, None if c.cache_info == "ok" else c.cache_info)
         if self.settings.log_level == "debug":  # the breakdown costs a list build: only when shown
             log.debug("route_pick", request_id=request.request_id, model=request.model, worker_id=best.worker_id,
