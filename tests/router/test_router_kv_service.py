@@ -156,3 +156,31 @@ async def test_a_prompt_shorter_than_every_block_is_routed_without_asking_the_in
     assert metric(router, "infera_router_kv_workers_without_events", worker="b", reason="unseen") == 1
     # by load: the long prompt's worker has its whole prompt still to prefill, so the first short one goes elsewhere
     assert replies[0].worker_id != long.worker_id
+
+
+async def test_a_failure_while_deciding_answers_500_and_still_ends_the_route_span(kv_bench, monkeypatch):
+    from infera_router import routing
+
+    started, ended = [], []
+    real_start, real_finish = routing.start_span, routing.finish
+
+    def start(name, *args, **kw):
+        started.append(name)
+        return real_start(name, *args, **kw)
+
+    def end(span, *args, **kw):
+        ended.append(span)
+        return real_finish(span, *args, **kw)
+
+    def broken(request):
+        raise RuntimeError("index view broken")
+
+    router, nc = kv_bench
+    monkeypatch.setattr(routing, "start_span", start)
+    monkeypatch.setattr(routing, "finish", end)
+    monkeypatch.setattr(router.core, "kv_query", broken)
+    reply = await route(nc, "x")
+    assert reply.status == 500 and "index view broken" in reply.message
+    assert started == ["route"] and len(ended) == 1
+    monkeypatch.undo()
+    assert (await route(nc, "y")).status == 200  # the router goes on serving

@@ -63,26 +63,23 @@ class RoutePath:
             span = start_span("route", request.traceparent,
                               attributes={"infera.request_id": request.request_id, "infera.model": request.model})
             request.traceparent = traceparent(span)  # the engine call's parent
-            ask = self.core.kv_query(request)
-            known = without_index(ask[0]) if ask is not None else None
-            if known is not None:  # no full block to look up: the round trip would only add latency
-                self.metrics.kv_queries_skipped.inc()
-                try:
-                    await self._route(request, msg.reply, t0, known, span)
-                finally:
-                    finish(span)
-                return
-            if ask is not None and self._kv is not None:
-                # the indexer round trip must not hold up the next route request: continue in a task
-                self._spawn(self._route_with_kv(request, msg.reply, t0, *ask, span))
-                return
+            handed_over = False  # the span is then ended by the task that continues the decision
             try:
-                kv = None
-                if getattr(self.core.policy, "needs_kv", False):
+                ask = self.core.kv_query(request)
+                kv = without_index(ask[0]) if ask is not None else None
+                if kv is not None:  # no full block to look up: the round trip would only add latency
+                    self.metrics.kv_queries_skipped.inc()
+                elif ask is not None and self._kv is not None:
+                    # the indexer round trip must not hold up the next route request: continue in a task
+                    self._spawn(self._route_with_kv(request, msg.reply, t0, *ask, span))
+                    handed_over = True
+                    return
+                elif getattr(self.core.policy, "needs_kv", False):
                     kv = KvView.failed("no_tokens" if not request.tokens else "no_block_size")
                 await self._route(request, msg.reply, t0, kv, span)
             finally:
-                finish(span)
+                if not handed_over:
+                    finish(span)
         except Exception as exc:  # never leave a requester without an answer
             log.exception("route_failed")
             await self._send(msg.reply, RouteReply(status=500, message=f"router failure: {type(exc).__name__}: {exc}",
