@@ -61,13 +61,14 @@ def plan_fleet(
     etcd_endpoint: str | None = None,
     request_transport: str = "nats",
     kv_event_transport: str = "nats",
+    otlp_traces_endpoint: str | None = None,
 ) -> list[ProcSpec]:
     """kv-indexer, router, frontend, ``workers`` aggregated mock worker-agents and
     ``prefill_workers`` + ``decode_workers`` disaggregated ones (SGLang bootstrap protocol), all on
     the NATS plane; with ``etcd_endpoint`` every one of them discovers the fleet in that etcd
-    instead, and the transports are passed to every process. On the no-broker plane (etcd, http,
-    zmq: ``no_broker``) the kv-indexer, router and frontend are one ``infera.server`` and nothing
-    is given a NATS URL.
+    instead, and the transports (and ``otlp_traces_endpoint``, when given) are passed to every
+    process. On the no-broker plane (etcd, http, zmq: ``no_broker``) the kv-indexer, router and
+    frontend are one ``infera.server`` and nothing is given a NATS URL.
 
     ``metrics_ports`` holds one free port per kv-indexer, router and worker-agent, in that order
     (the frontend serves /metrics on its own HTTP port).
@@ -83,6 +84,8 @@ def plan_fleet(
     if etcd_endpoint:
         common += ["--discovery-backend", "etcd", "--etcd-endpoint", etcd_endpoint]
     common += ["--request-transport", request_transport, "--kv-event-transport", kv_event_transport]
+    if otlp_traces_endpoint:
+        common += ["--otlp-traces-endpoint", otlp_traces_endpoint]
     policy = ["--router-policy", router_policy] if router_policy else []
     if broker_free:
         procs = [ProcSpec("server", "server", "infera.server", [*common, "--host", host, "--port", str(port), *policy])]

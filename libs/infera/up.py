@@ -29,11 +29,11 @@ from infera.fleet_plan import ProcSpec, no_broker, plan_fleet
 from infera.procs import free_port, start_etcd, start_nats, stop_process, wait_port
 from infera_common.models import BUNDLED_MODEL_NAME
 from infera_common.schemas import KvEventTransport, RequestTransport
-from infera_common.settings import InferaSettings, parse_cli
+from infera_common.settings import TracingSettings, parse_cli
 from infera_router.settings import PolicyName
 
 
-class UpSettings(InferaSettings):
+class UpSettings(TracingSettings):  # --otlp-traces-endpoint: passed to every service
     host: str = Field("127.0.0.1", description="Address the frontend listens on.")
     port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI HTTP endpoint.")
     workers: int = Field(2, ge=0, le=64, description="Number of aggregated mock engines (each behind a worker-agent).")
@@ -98,6 +98,7 @@ def main(argv: list[str]) -> int:
             etcd_endpoint=etcd_endpoint,
             request_transport=settings.request_transport,
             kv_event_transport=settings.kv_event_transport,
+            otlp_traces_endpoint=settings.otlp_traces_endpoint,
         )
     except ValueError as exc:
         print(f"infera up: error: {exc}", file=sys.stderr)

@@ -25,14 +25,17 @@ class InferaSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", validate_default=True)
 
 
-class LogSettings(InferaSettings):
-    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
-    log_format: Literal["json", "console"] = Field(
-        "json", description="Log line format: one JSON object a line, or human-readable console lines."
-    )
+class TracingSettings(InferaSettings):
     otlp_traces_endpoint: str | None = Field(
         None, description="OTLP/HTTP collector URL for request spans (e.g. http://127.0.0.1:4318/v1/traces); "
         "unset: no spans (a client's W3C traceparent still passes through to the engine).",
+    )
+
+
+class LogSettings(TracingSettings):
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    log_format: Literal["json", "console"] = Field(
+        "json", description="Log line format: one JSON object a line, or human-readable console lines."
     )
 
 

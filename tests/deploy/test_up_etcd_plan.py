@@ -63,3 +63,15 @@ def test_a_transport_on_http_with_nats_discovery_keeps_the_separate_services_on_
     assert sorted(p.role for p in plan) == ["frontend", "kv-indexer", "router", "worker"]
     assert {_planes(p.role, p.args) for p in plan} == {("nats", "http", "nats")}
     assert all("--nats-url" in p.args for p in plan)
+
+
+def test_an_otlp_endpoint_reaches_every_process_of_both_planes():
+    url = "http://127.0.0.1:4318/v1/traces"
+    for planes in ({}, {"etcd_endpoint": "127.0.0.1:23790", "request_transport": "http", "kv_event_transport": "zmq"}):
+        plan = plan_fleet(nats_url="nats://127.0.0.1:4222", host="127.0.0.1", port=8000, workers=2,
+                          router_policy=None, engine_args=[], metrics_ports=[1, 2, 3, 4],
+                          otlp_traces_endpoint=url, **planes)
+        assert {_settings(p.role, p.args).otlp_traces_endpoint for p in plan} == {url}
+    plan = plan_fleet(nats_url="nats://127.0.0.1:4222", host="127.0.0.1", port=8000, workers=1, router_policy=None,
+                      engine_args=[], metrics_ports=[1, 2, 3])
+    assert not any("--otlp-traces-endpoint" in p.args for p in plan)

@@ -1,5 +1,5 @@
-"""OpenTelemetry spans of one request, from real processes: a fleet started by `infera up` with
-INFERA_OTLP_TRACES_ENDPOINT pointing at an OTLP/HTTP receiver in this test, which decodes what the
+"""OpenTelemetry spans of one request, from real processes: a fleet started by `infera up
+--otlp-traces-endpoint` pointing at an OTLP/HTTP receiver in this test, which decodes what the
 services export. The client's W3C traceparent must come back as one trace: the frontend's server
 span under the client's span, the router's route span under it, the engine call under that."""
 
@@ -70,12 +70,16 @@ class Receiver:
         self.server.server_close()
 
 
+#: A prompt of more than one KV block (64 tokens): the router asks the kv-indexer about it.
+LONG = "Tell me everything you know about the sea and its tides. " * 12
+
+
 @pytest.fixture(scope="module", params=list(PLANES))
 def traced(tmp_path_factory, request):
     receiver = Receiver()
     fleet = Fleet(tmp_path_factory.mktemp("traced"), workers=1, plane=request.param,
-                  extra=["--engine-arg=--speedup 20"],
-                  env=env_with(INFERA_OTLP_TRACES_ENDPOINT=receiver.url, OTEL_BSP_SCHEDULE_DELAY="100")).start()
+                  extra=["--engine-arg=--speedup 20", f"--otlp-traces-endpoint={receiver.url}"],
+                  env=env_with(OTEL_BSP_SCHEDULE_DELAY="100")).start()
     yield fleet, receiver
     fleet.stop()
     receiver.close()
@@ -90,7 +94,7 @@ async def post(fleet: Fleet, body: dict, headers: dict[str, str]) -> tuple[int, 
 async def test_one_request_is_one_trace_under_the_clients_span(traced):
     fleet, receiver = traced
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
-    body = {"model": BUNDLED_MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+    body = {"model": BUNDLED_MODEL_NAME, "messages": [{"role": "user", "content": LONG}], "max_tokens": 4,
             "stream": True}
     status, raw = await post(fleet, body, {"traceparent": f"00-{trace_id}-{client_span}-01", "X-Request-Id": "tr-1"})
     assert status == 200 and raw.endswith(b"data: [DONE]\n\n"), raw
@@ -127,7 +131,9 @@ async def test_a_request_without_a_traceparent_starts_its_own_trace_and_a_bad_on
             break
         time.sleep(0.1)
     assert fronts and fronts[0]["parent"] == ""  # a root span: the malformed header changed nothing else
-    assert len(receiver.trace(fronts[0]["trace"], 4)) == 4
+    # "Hi" is shorter than one KV block: routed without a kv-indexer query, so no "kv query" span
+    names = sorted(s["name"] for s in receiver.trace(fronts[0]["trace"], 3))
+    assert names == ["POST /v1/chat/completions", "engine POST /v1/chat/completions", "route"], names
     assert json.loads(raw)["usage"]["completion_tokens"] == 2
 
 
@@ -148,7 +154,7 @@ async def test_a_nats_client_request_joins_the_clients_trace_too(traced):
     finally:
         await nc.close()
     assert json.loads(msg.data)["usage"]["completion_tokens"] == 2
-    spans = {s["name"]: s for s in receiver.trace(trace_id, 4)}
+    spans = {s["name"]: s for s in receiver.trace(trace_id, 3)}
     assert spans["NATS /v1/chat/completions"]["parent"] == client_span
     assert spans["route"]["parent"] == spans["NATS /v1/chat/completions"]["span"]
     assert spans["engine POST /v1/chat/completions"]["parent"] == spans["route"]["span"]
