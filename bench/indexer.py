@@ -58,8 +58,8 @@ from infera_common.kv_translate import BlockTranslator, delta_relay
 from infera_common.kv_wire import decode_batch
 from infera_common.schemas import OverlapQuery, encode, encode_sparse
 
-from infera_kv_indexer.index import KvIndex
-from infera_kv_indexer.ingest import ingest
+from infera_common.kv_index.index import KvIndex
+from infera_common.kv_index.ingest import ingest
 from infera_kv_indexer.query import answer
 
 REPLAY_ROUNDS = 3

@@ -13,7 +13,7 @@ from indexer_workload import check
 from infera_common.nats_conn import ensure_kv_event_stream
 from infera_common.schemas import OverlapReply, decode
 from infera_common.subjects import KV_EVENT_STREAM, KV_QUERY
-from infera_kv_indexer.index import KvIndex
+from infera_common.kv_index.index import KvIndex
 from infera_kv_indexer.service import KvIndexerService
 from infera_kv_indexer.settings import KvIndexerSettings
 

@@ -10,9 +10,9 @@ import pytest
 from infera_common.block_hash import block_hashes, pack_hashes
 from infera_common.kv_wire import decode_batch
 from infera_common.schemas import KvRelay, encode
-from infera_kv_indexer.index import KvIndex
-from infera_kv_indexer.ingest import ingest
-from infera_kv_indexer.prefix import PrefixIndex
+from infera_common.kv_index.index import KvIndex
+from infera_common.kv_index.ingest import ingest
+from infera_common.kv_index.prefix import PrefixIndex
 from tests.kv_indexer.kv_fakes import MODEL, FakeEngine, cleared_relay, depths, query, tokens
 
 FLAVOURS = ["vllm", "sglang"]

@@ -9,9 +9,9 @@ import msgpack
 import pytest
 
 from infera_common.schemas import KvRelay, OverlapQuery, encode
-from infera_kv_indexer.index import KvIndex
-from infera_kv_indexer.ingest import decode_relay
-from infera_kv_indexer.prefix import PrefixIndex
+from infera_common.kv_index.index import KvIndex
+from infera_common.kv_index.ingest import decode_relay
+from infera_common.kv_index.prefix import PrefixIndex
 from infera_kv_indexer.query import EMPTY_REPLY, answer
 from tests.kv_indexer.kv_fakes import MODEL, FakeEngine, query, tokens
 from tests.kv_indexer.test_kv_index import feed

@@ -15,9 +15,9 @@ Behaviour (NATS plane; see the service README):
   ``OverlapReply`` out: the matched prefix depth of each target, and the model's workers whose
   events never arrived (``unseen``).
 
-Modules: pure ``prefix`` (one model's bitmask index and prefix matching), ``index`` (targets,
-event application, discovery bookkeeping), ``ingest`` (decode + apply one stream message or ZMQ
-batch), ``zmq_plan`` (a worker record's publishers; what a record change means); adapters
-``service`` (lifecycle, discovery, queries), ``stream`` (JetStream), ``zmq_follow`` (ZMQ readers,
-over ``infera_common.kv_zmq``), ``metrics``, ``settings``, ``main``.
+Modules: the index (``prefix``, ``index``, ``ingest``) and the stream follower (``stream``) are
+``infera_common.kv_index``, shared with a router on ``--kv-index local``; here pure ``query``
+and ``zmq_plan`` (a worker record's publishers; what a record change means); adapters ``service``
+(lifecycle, discovery, queries), ``zmq_follow`` (ZMQ readers, over ``infera_common.kv_zmq``),
+``metrics``, ``settings``, ``main``.
 """

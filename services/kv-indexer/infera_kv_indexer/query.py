@@ -16,7 +16,7 @@ import msgpack
 from infera_common.kv_wire import unpack
 from infera_common.schemas import OverlapQuery, OverlapReply, encode
 
-from infera_kv_indexer.index import KvIndex
+from infera_common.kv_index.index import KvIndex
 
 #: The reply to a malformed query, or when answering failed: nothing known.
 EMPTY_REPLY = encode(OverlapReply())

@@ -34,12 +34,12 @@ from infera_common.logs import get_logger
 from infera_common.nats_conn import close_connection, connect, nats_log_fields, unsubscribe_quietly
 from infera_common.subjects import KV_INDEXER_QUEUE, KV_QUERY
 
-from infera_kv_indexer.index import KvIndex
-from infera_kv_indexer.ingest import Ingested, ingest, ingest_batch
+from infera_common.kv_index.index import KvIndex
+from infera_common.kv_index.ingest import Ingested, ingest, ingest_batch
 from infera_kv_indexer.metrics import KvIndexerMetrics
 from infera_kv_indexer.query import EMPTY_REPLY, decode_query, encode_reply
 from infera_kv_indexer.settings import KvIndexerSettings
-from infera_kv_indexer.stream import StreamFollower
+from infera_common.kv_index.stream import StreamFollower
 from infera_kv_indexer.zmq_follow import ZmqFollower
 
 log = get_logger("kv_indexer")
@@ -86,7 +86,7 @@ class KvIndexerService:
             self.nc = await connect(s.nats_url, "infera-kv-indexer", NATS_CONNECT_TIMEOUT)
         js = self.nc.jetstream() if self.uses_stream or s.discovery_backend == "nats" else None
         if self.uses_stream:
-            self._stream = StreamFollower(js, self._on_stream_message, self.metrics)
+            self._stream = StreamFollower(js, self._on_stream_message, self.metrics.replaying)
             await self._stream.prepare(s.kv_event_max_age, s.kv_event_max_bytes)
         discovery = discovery_for(s, js)
         log.info("discovery", **nats_log_fields(s.nats_url, self._owns_nc), kv_event_transport=s.kv_event_transport,

@@ -16,11 +16,14 @@ Behaviour (NATS plane, see docs/architecture.md for the contract):
 - Policy ``kv-aware`` (default): asks the kv-indexer (``infera.kv.query``, ``--kv-query-timeout``)
   for each candidate's cached prefix depth and picks the lowest
   ``--kv-overlap-weight`` x uncached prefill blocks + load blocks (``policy_kv_aware``); with no
-  answer it routes by load and counts ``infera_router_kv_query_failures_total``. The cost breakdown
-  of each pick is logged at debug level (``route_pick``).
+  answer it routes by load and counts ``infera_router_kv_query_failures_total``. A prompt with no
+  full block is ranked without asking (``infera_router_kv_queries_skipped_total``); with
+  ``--kv-index local`` the router keeps its own copy of the index instead (``kv_local``). The cost
+  breakdown of each pick is logged at debug level (``route_pick``).
 
 Modules: pure core ``state`` (fleet per model), ``leases``, ``policy`` (interface),
 ``policy_round_robin``, ``policy_least_loaded``, ``policy_kv_aware``, ``kv_view`` (the overlap
 query and its answer), ``policies`` (registry by name), ``core`` (decisions); adapters ``service``
-(NATS), ``kv_client`` (indexer query), ``metrics``, ``settings``, ``main``.
+(NATS), ``kv_client`` (indexer query), ``kv_local`` (the index kept in the router), ``metrics``,
+``settings``, ``main``.
 """

@@ -2,11 +2,13 @@
 
 ``kv_query`` builds the ``OverlapQuery`` for a request (one hash list per distinct
 ``kv_block_size`` among the candidates); ``KvView`` is the answer as the kv-aware policy reads it.
-The NATS round trip itself lives in ``kv_client.py``.
+The NATS round trip itself lives in ``kv_client.py``; the router's own index (``--kv-index local``)
+in ``kv_local.py``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from infera_common.block_hash import block_hashes
@@ -61,7 +63,13 @@ def without_index(query: OverlapQuery) -> KvView | None:
 
 
 def kv_view(candidates: list[WorkerState], reply: OverlapReply) -> KvView:
-    """Read the reply as depth per routing target.
+    """Read the kv-indexer's reply as depth per routing target (``depth_view``)."""
+    return depth_view(candidates, [(o.worker_id, o.dp_rank, o.blocks) for o in reply.overlaps], reply.unseen)
+
+
+def depth_view(candidates: list[WorkerState], overlaps: Iterable[tuple[str, int | None, int]],
+               unseen: Iterable[str]) -> KvView:
+    """Matched depths ``(worker_id, dp_rank, blocks)`` as depth per routing target.
 
     A per-rank target of a DP worker (``rank`` set) takes its own rank's depth; a worker that pins
     one rank in its record (``record.dp_rank``) takes that rank's; any other worker the deepest
@@ -71,10 +79,10 @@ def kv_view(candidates: list[WorkerState], reply: OverlapReply) -> KvView:
     for w in candidates:
         targets.setdefault(w.base_id, []).append(w)
     depth: dict[str, int] = {}
-    for ov in reply.overlaps:
-        for w in targets.get(ov.worker_id, ()):
+    for worker_id, dp_rank, blocks in overlaps:
+        for w in targets.get(worker_id, ()):
             rank = w.rank if w.rank is not None else w.record.dp_rank
-            if rank is not None and ov.dp_rank is not None and ov.dp_rank != rank:
+            if rank is not None and dp_rank is not None and dp_rank != rank:
                 continue
-            depth[w.worker_id] = max(depth.get(w.worker_id, 0), ov.blocks)
-    return KvView(ok=True, depth=depth, unseen=frozenset(reply.unseen))
+            depth[w.worker_id] = max(depth.get(w.worker_id, 0), blocks)
+    return KvView(ok=True, depth=depth, unseen=frozenset(unseen))

@@ -91,6 +91,15 @@ class RouterMetrics:
             "kv-aware requests routed without a kv-indexer query: the prompt is shorter than every "
             "candidate's KV block size, so no worker can hold any of it.", registry=r,
         )
+        self.kv_index_replaying = Gauge(
+            "infera_router_kv_index_replaying",
+            "--kv-index local: 1 while the router replays the KV event stream's history at start.", registry=r,
+        )
+        self.kv_index_messages = Counter(
+            "infera_router_kv_index_messages",
+            "--kv-index local: KV event stream messages the router's own index took in, by outcome (applied, "
+            "malformed, failed).", ["outcome"], registry=r,
+        )
         self.kv_query_seconds = Histogram(
             "infera_router_kv_query_seconds", "Time of one kv-indexer overlap query (failures included).",
             buckets=KV_QUERY_BUCKETS, registry=r,

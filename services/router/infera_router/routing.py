@@ -19,6 +19,7 @@ from infera_common.tracing import Span, engine_headers, finish, start_span, trac
 from infera_router.core import Plan
 from infera_router.dp_pin import pin_bytes, rank_headers
 from infera_router.jetstream import PubResult
+from infera_router.kv_local import LocalKvIndex
 from infera_router.kv_view import KvView, without_index
 from infera_router.leases import Lease
 from infera_router.policy_kv_aware import WorkerCost
@@ -69,6 +70,8 @@ class RoutePath:
                 kv = without_index(ask[0]) if ask is not None else None
                 if kv is not None:  # no full block to look up: the round trip would only add latency
                     self.metrics.kv_queries_skipped.inc()
+                elif ask is not None and isinstance(self._kv, LocalKvIndex):  # --kv-index local: read in place
+                    kv = self._kv.answer(*ask)
                 elif ask is not None and self._kv is not None:
                     # the indexer round trip must not hold up the next route request: continue in a task
                     self._spawn(self._route_with_kv(request, msg.reply, t0, *ask, span))

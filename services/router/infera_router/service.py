@@ -35,6 +35,7 @@ from infera_router.breaker import CircuitBreaker, Transition
 from infera_router.core import RouterCore
 from infera_router.dispatch import Dispatcher, HttpDispatcher, JetStreamDispatcher
 from infera_router.kv_client import KvClient
+from infera_router.kv_local import LocalKvIndex
 from infera_router.leases import Lease
 from infera_router.metrics import RouterMetrics
 from infera_router.pd_flow import PdFlow
@@ -72,7 +73,10 @@ class RouterService(RoutePath):
                                request_transport=settings.request_transport)
         self.pairs = PdPairs(settings.pd_prefill_guard_release)
         self._pd: PdFlow | None = None
-        self._kv: KvClient | None = None
+        self._kv: KvClient | LocalKvIndex | None = None
+        # --kv-index local: fed by discovery from the first record on, by the stream once started
+        self._local_kv = (LocalKvIndex(self.metrics) if settings.kv_index == "local"
+                          and getattr(policy, "needs_kv", False) else None)
         self._route_tasks: set[asyncio.Task] = set()
         self.nc: NATS | None = nc
         self._own_nc = nc is None
@@ -102,7 +106,11 @@ class RouterService(RoutePath):
             log.warning("discovery_snapshot_slow", waited=DISCOVERY_READY_TIMEOUT)
         self._dispatcher = self._make_dispatcher()
         await self._dispatcher.start()
-        self._kv = KvClient(self.nc, self.settings.kv_query_timeout, self.metrics)
+        if self._local_kv is not None:  # its history applied before the first request is routed
+            await self._local_kv.start(self.nc.jetstream())
+            self._kv = self._local_kv
+        else:
+            self._kv = KvClient(self.nc, self.settings.kv_query_timeout, self.metrics)
         self._pd = PdFlow(self.nc, self.router_id, self.core, self.pairs, self._dispatcher, self.metrics,
                           self.settings.publish_timeout, self._lease_gauge)
         await self._pd.start()
@@ -114,6 +122,7 @@ class RouterService(RoutePath):
         self._sweeper = asyncio.create_task(self._sweep(), name="lease-sweeper")
         log.info(
             "router_serving", router_id=self.router_id, policy=self.settings.router_policy,
+            kv_index="local" if self._local_kv is not None else "remote",
             workers=len(self.core.fleet), lease_max_age=self.settings.lease_max_age,
         )
 
@@ -133,6 +142,8 @@ class RouterService(RoutePath):
             await self._dispatcher.wait_idle(self.settings.publish_timeout + 1.0)
             await self._dispatcher.stop()
             self._dispatcher = None
+        if self._local_kv is not None:
+            await self._local_kv.stop()
         if self._sweeper is not None:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
@@ -160,6 +171,8 @@ class RouterService(RoutePath):
     # --- discovery -------------------------------------------------------------------------
     def _on_change(self, change: Change) -> None:
         record = change.record
+        if self._local_kv is not None:
+            self._local_kv.on_change(change)
         self._listed_or_told.add(record.worker_id)  # a leaving worker's trailing load reports are no mix
         old = self.core.fleet.get(record.worker_id)
         before = (old.model, old.record.status) if old is not None else None
@@ -244,6 +257,8 @@ class RouterService(RoutePath):
             await asyncio.sleep(interval)
             now = time.monotonic()
             self.core.sessions.table.expire(now)
+            if self._local_kv is not None:
+                self._local_kv.expire()
             self.metrics.set_session_stats(self.core.sessions.table.stats())
             self._breaker_metrics()
             for worker_id, state in self.core.breaker.snapshot(now).items():  # open -> half_open with time

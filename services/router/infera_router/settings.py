@@ -40,6 +40,13 @@ class RouterSettings(PlaneSettings, LogSettings):
         "against one block of prompt still to prefill on that worker (decode slows a new request's "
         "first token far less than a queued prefill; 0 = ignore decoding requests).",
     )
+    kv_index: Literal["remote", "local"] = Field(
+        "remote",
+        description="kv-aware: where the prefix index is read. remote: ask the kv-indexer service over NATS "
+        "per request; local: this router replays and follows the JetStream KV event stream itself and reads "
+        "its own copy (no round trip per request; every router then holds the whole index). local needs "
+        "--kv-event-transport nats.",
+    )
     kv_query_timeout: float = Field(
         0.05, gt=0, le=5.0,
         description="kv-aware: seconds to wait for the kv-indexer's overlap answer; on timeout or no "
@@ -86,6 +93,14 @@ class RouterSettings(PlaneSettings, LogSettings):
         description="This router instance's id (a subject token: letters, digits, '_', '-'); "
         "default: <hostname>-<random>, unique per process.",
     )
+
+    @model_validator(mode="after")
+    def _local_index_reads_the_stream(self) -> "RouterSettings":
+        if self.kv_index == "local" and self.kv_event_transport != "nats":
+            raise ValueError("--kv-index local follows the JetStream KV event stream, which exists only with "
+                             "--kv-event-transport nats; use --kv-index remote (the kv-indexer reads the engines' "
+                             "ZMQ publishers) or --kv-event-transport nats")
+        return self
 
     @model_validator(mode="after")
     def _cooldowns_in_order(self) -> "RouterSettings":

@@ -26,7 +26,7 @@ from infera_common.kv_translate import BlockDelta, BlockTranslator
 from infera_common.kv_wire import EventBatch
 from infera_common.schemas import OverlapQuery, OverlapReply, WorkerOverlap
 
-from infera_kv_indexer.prefix import PrefixIndex, Target
+from infera_common.kv_index.prefix import PrefixIndex, Target
 
 
 @dataclass(slots=True)

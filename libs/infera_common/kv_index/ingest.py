@@ -26,7 +26,7 @@ from infera_common.kv_wire import KvWireError, decode_batch, read_batch, unpack
 from infera_common.schemas import KvRelay
 from infera_common.subjects import kv_event_subject
 
-from infera_kv_indexer.index import KvIndex, Outcome
+from infera_common.kv_index.index import KvIndex, Outcome
 
 #: Worker ids whose subject was already checked (bounded: cleared when it grows past this).
 _SUBJECT_CACHE_MAX = 4096

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -25,9 +26,7 @@ from infera_common.logs import get_logger
 from infera_common.nats_conn import ensure_kv_event_stream, unsubscribe_quietly
 from infera_common.subjects import KV_EVENT_STREAM, KV_EVENT_SUBJECTS
 
-from infera_kv_indexer.metrics import KvIndexerMetrics
-
-log = get_logger("kv_indexer")
+log = get_logger("kv_index.stream")
 
 #: How often replay progress is checked (the history may age out under a slow replay).
 TICK = 1.0
@@ -37,11 +36,17 @@ SEQ_EVERY = 64
 Handle = Callable[[str, bytes], None]
 
 
+class Flag(Protocol):
+    """Where the follower says whether it is replaying (a Prometheus gauge: 1, then 0)."""
+
+    def set(self, value: float) -> None: ...
+
+
 class StreamFollower:
-    def __init__(self, js: JetStreamContext, handle: Handle, metrics: KvIndexerMetrics) -> None:
+    def __init__(self, js: JetStreamContext, handle: Handle, replaying: Flag) -> None:
         self._js = js
         self._handle = handle
-        self.metrics = metrics
+        self._replaying = replaying
         self._sub: Subscription | None = None
         self._replay_until = 0  # stream sequence of the last message present at start
         self._replay_count = 0  # messages present at start
@@ -63,7 +68,7 @@ class StreamFollower:
         state = (await self._js.stream_info(KV_EVENT_STREAM)).state
         self._replay_until = state.last_seq if state.messages else 0
         self._replay_count = state.messages
-        self.metrics.replaying.set(1)
+        self._replaying.set(1)
         if not self._replay_until:
             self._caught_up.set()
         self._sub = await self._js.subscribe(
@@ -76,7 +81,7 @@ class StreamFollower:
                 await asyncio.wait_for(self._caught_up.wait(), TICK)
             except TimeoutError:
                 await self._check_replay_end()
-        self.metrics.replaying.set(0)
+        self._replaying.set(0)
         log.info("replay_done", messages=self.messages, seconds=round(time.monotonic() - t0, 3))
 
     async def _check_replay_end(self) -> None:
