@@ -1,6 +1,6 @@
 """The JetStream KV event stream (``--kv-event-transport nats``): replayed from its start, then followed.
 
-``prepare`` makes sure the stream exists with the indexer's limits; ``replay`` subscribes an
+``prepare`` makes sure the stream exists (with the kv-indexer's limits); ``replay`` subscribes an
 ordered consumer over the whole stream (DeliverPolicy.ALL) and returns once the history present at
 that moment has been handed to ``handle`` (or has aged out meanwhile); new messages keep coming
 after that.
@@ -60,7 +60,8 @@ class StreamFollower:
         """True until the history present at start is applied."""
         return not self._caught_up.is_set()
 
-    async def prepare(self, max_age: float, max_bytes: int) -> None:
+    async def prepare(self, max_age: float | None, max_bytes: int | None) -> None:
+        """Create the stream if absent; apply these limits (None: leave the stream's own, as a router does)."""
         await ensure_kv_event_stream(self._js, max_age, max_bytes)
 
     async def replay(self) -> None:

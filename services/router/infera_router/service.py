@@ -75,8 +75,8 @@ class RouterService(RoutePath):
         self._pd: PdFlow | None = None
         self._kv: KvClient | LocalKvIndex | None = None
         # --kv-index local: fed by discovery from the first record on, by the stream once started
-        self._local_kv = (LocalKvIndex(self.metrics) if settings.kv_index == "local"
-                          and getattr(policy, "needs_kv", False) else None)
+        self._local_kv = (LocalKvIndex(self.metrics) if settings.kv_index == "local" and self._needs_kv()
+                          else None)
         self._route_tasks: set[asyncio.Task] = set()
         self.nc: NATS | None = nc
         self._own_nc = nc is None
@@ -122,7 +122,7 @@ class RouterService(RoutePath):
         self._sweeper = asyncio.create_task(self._sweep(), name="lease-sweeper")
         log.info(
             "router_serving", router_id=self.router_id, policy=self.settings.router_policy,
-            kv_index="local" if self._local_kv is not None else "remote",
+            kv_index=("local" if self._local_kv is not None else "remote") if self._needs_kv() else None,
             workers=len(self.core.fleet), lease_max_age=self.settings.lease_max_age,
         )
 
@@ -158,6 +158,9 @@ class RouterService(RoutePath):
             await close_connection(self.nc)
             self.nc = None
         log.info("router_stopped", router_id=self.router_id, leases_held=len(self.core.leases))
+
+    def _needs_kv(self) -> bool:
+        return bool(getattr(self.core.policy, "needs_kv", False))
 
     def _make_dispatcher(self) -> Dispatcher:
         if self.settings.request_transport == "http":
