@@ -259,8 +259,10 @@ def router_counters(metrics_url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in ROUTER_COUNTERS:
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[-1])
+        if name in ROUTER_COUNTERS:  # per reason where a reason is given (worker labels are summed)
+            reason = line.split('reason="', 1)[1].split('"', 1)[0] if 'reason="' in line else None
+            key = f"{name}{{reason={reason}}}" if reason else name
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[-1])
     return out
 
 
@@ -382,6 +384,8 @@ def main() -> None:
     ap.add_argument("--dump-dir", type=Path, default=None,
                     help="also write each row's per-request results (wall seconds) to DIR/<row>.jsonl")
     args = ap.parse_args()
+    if len(set(args.policies)) != len(args.policies):
+        ap.error("each row may be given once in --policies (rows are reported by name)")
     if any(p.startswith(SGLANG_ROW) for p in args.policies) and not sglang_router_installed():
         ap.error(f"the {SGLANG_ROW} row needs the sglang-router package: `make bench` installs it (or "
                  f"`.venv/bin/pip install -e '.[test,bench]'`); or leave {SGLANG_ROW} out of --policies")
