@@ -61,8 +61,14 @@ def free_port(host: str = "127.0.0.1", attempts: int = 100,
         return s.getsockname()[1]
 
 
-def free_port_block(n: int, taken: set[int], host: str = "0.0.0.0", attempts: int = 200) -> int:
-    """The first of ``n`` contiguous ports free now and not in ``taken``; adds them to ``taken``."""
+#: Blocks already handed out by this process (``free_port_block``'s default ``taken``): two must not overlap.
+_TAKEN: set[int] = set()
+
+
+def free_port_block(n: int, taken: set[int] | None = None, host: str = "0.0.0.0", attempts: int = 200) -> int:
+    """The first of ``n`` contiguous ports free now and not in ``taken`` (default: every block this
+    process was given); adds them to ``taken``."""
+    taken = _TAKEN if taken is None else taken
     ports = listen_ports()
     for _ in range(attempts):
         base = _random.randrange(ports.start, ports.stop - n)

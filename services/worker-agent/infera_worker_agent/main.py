@@ -8,12 +8,11 @@ import sys
 from collections.abc import Callable, Mapping
 
 from infera_common.models import default_model_path
-from infera_common.ports import free_port
+from infera_common.ports import free_port, free_port_block
 from infera_common.runtime import configure_observability, event_loop_runner
 from infera_worker_agent.engine_cmd import EngineArgsError, EnginePlan, plan_engine
 from infera_worker_agent.host_probe import HostFacts, probe_host
 from infera_worker_agent.planes import plane_problems
-from infera_worker_agent.ports import free_port_block
 from infera_worker_agent.recipes import apply_recipes, render_print_command
 from infera_worker_agent.settings import PROG, AgentSettings, parse_agent_cli
 
