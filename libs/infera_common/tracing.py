@@ -6,7 +6,8 @@ OTLP/HTTP collector (``http://collector:4318/v1/traces``); they are exported in 
 ``traceparent`` string:
 
     client header (HTTP, or the NATS request's header) -> frontend span ``POST /v1/...`` (server)
-    -> ``RouteRequest.traceparent`` -> router span ``route`` (and its ``kv query``)
+    -> ``RouteRequest.traceparent`` -> router span ``route`` (and its ``kv query``, whose NATS request's
+    ``traceparent`` header parents the kv-indexer's span ``kv overlap query``)
     -> the work envelope's engine headers -> engine span ``engine POST /v1/...`` (client; the
     worker-agent, or the router on ``--request-transport http``) -> the engine's HTTP request header
 

@@ -1,7 +1,8 @@
 """OpenTelemetry spans of one request, from real processes: a fleet started by `infera up
 --otlp-traces-endpoint` pointing at an OTLP/HTTP receiver in this test, which decodes what the
 services export. The client's W3C traceparent must come back as one trace: the frontend's server
-span under the client's span, the router's route span under it, the engine call under that."""
+span under the client's span, the router's route span under it, the engine call under that, and the
+kv-indexer's answer under the router's query."""
 
 from __future__ import annotations
 
@@ -98,24 +99,27 @@ async def test_one_request_is_one_trace_under_the_clients_span(traced):
             "stream": True}
     status, raw = await post(fleet, body, {"traceparent": f"00-{trace_id}-{client_span}-01", "X-Request-Id": "tr-1"})
     assert status == 200 and raw.endswith(b"data: [DONE]\n\n"), raw
-    spans = receiver.trace(trace_id, 4)
+    spans = receiver.trace(trace_id, 5)
     by_name = {s["name"]: s for s in spans}
-    assert set(by_name) == {"POST /v1/chat/completions", "route", "kv query", "engine POST /v1/chat/completions"}, \
-        spans
+    assert set(by_name) == {"POST /v1/chat/completions", "route", "kv query", "kv overlap query",
+                            "engine POST /v1/chat/completions"}, spans
     front, route, engine = (by_name[n] for n in ("POST /v1/chat/completions", "route",
                                                  "engine POST /v1/chat/completions"))
     assert front["parent"] == client_span
     assert route["parent"] == front["span"]
     assert engine["parent"] == route["span"] and by_name["kv query"]["parent"] == route["span"]
     assert by_name["kv query"]["attributes"]["infera.kv.ok"] is True
+    indexer = by_name["kv overlap query"]  # the kv-indexer's side of the round trip, in the same trace
+    assert indexer["parent"] == by_name["kv query"]["span"]
+    assert indexer["attributes"]["infera.outcome"] == "ok" and indexer["attributes"]["infera.model"] == BUNDLED_MODEL_NAME
     assert front["attributes"]["infera.request_id"] == "tr-1" and front["attributes"]["http.response.status_code"] == 200
     assert route["attributes"]["infera.worker_id"] == engine_worker(fleet)
     assert engine["attributes"]["infera.outcome"] == "ok" and not any(s["error"] for s in spans)
     if fleet.plane == "nats":  # three processes, each exporting its own span
-        assert {front["service"], route["service"], engine["service"]} == {
-            "infera-frontend", "infera-router", "infera-worker-agent"}
-    else:  # infera.server holds frontend and router and calls the engine itself
-        assert {front["service"], route["service"], engine["service"]} == {"infera-server"}
+        assert [s["service"] for s in (front, route, indexer, engine)] == [
+            "infera-frontend", "infera-router", "infera-kv-indexer", "infera-worker-agent"]
+    else:  # infera.server holds frontend, router and kv-indexer and calls the engine itself
+        assert {front["service"], route["service"], indexer["service"], engine["service"]} == {"infera-server"}
 
 
 async def test_a_request_without_a_traceparent_starts_its_own_trace_and_a_bad_one_is_ignored(traced):

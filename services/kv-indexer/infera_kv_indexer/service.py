@@ -33,6 +33,8 @@ from infera_common.fleet import Change
 from infera_common.logs import get_logger
 from infera_common.nats_conn import close_connection, connect, nats_log_fields, unsubscribe_quietly
 from infera_common.subjects import KV_INDEXER_QUEUE, KV_QUERY
+from infera_common.tracing import HEADER as TRACE_HEADER
+from infera_common.tracing import SpanKind, finish, start_span
 
 from infera_common.kv_index.index import KvIndex
 from infera_common.kv_index.ingest import Ingested, ingest, ingest_batch
@@ -240,23 +242,34 @@ class KvIndexerService:
     # --- queries ---------------------------------------------------------------------------
     async def _on_query(self, msg: Msg) -> None:
         t0 = time.perf_counter()
+        parent = msg.headers.get(TRACE_HEADER) if msg.headers else None
+        span = start_span("kv overlap query", parent, SpanKind.SERVER) if parent else None  # in the router's trace
+        outcome = "ok"
         try:
             model, hashes, workers = decode_query(msg.data)
         except ValueError as exc:
             self._query_malformed.inc()
             log.warning("malformed_query", error=str(exc)[:300])
-            reply = EMPTY_REPLY
+            reply, outcome = EMPTY_REPLY, "malformed"
         else:
             try:  # query.answer's work, with a malformed query told apart from a failure
-                reply = encode_reply(*self.index.depths(model, hashes, workers))
+                overlaps, unseen = self.index.depths(model, hashes, workers)
+                reply = encode_reply(overlaps, unseen)
                 self._query_ok.inc()
+                if span is not None:
+                    span.set_attributes({"infera.model": model, "infera.kv.workers_matched": len(overlaps),
+                                         "infera.kv.max_blocks": max((b for _, _, b in overlaps), default=0),
+                                         "infera.kv.workers_unseen": len(unseen)})
             except Exception:  # a bug: answer "nothing known" rather than let the router wait
                 self.metrics.queries.labels("failed").inc()
                 log.exception("query_failed", model=model)
-                reply = EMPTY_REPLY
+                reply, outcome = EMPTY_REPLY, "failed"
         if msg.reply:
             try:
                 await msg.respond(reply)
             except Exception as exc:  # requester or connection gone
                 log.warning("query_reply_failed", error=str(exc))
         self.metrics.query_seconds.observe(time.perf_counter() - t0)
+        if span is not None:
+            span.set_attribute("infera.outcome", outcome)
+            finish(span, error=None if outcome == "ok" else outcome)

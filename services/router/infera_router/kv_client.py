@@ -1,4 +1,5 @@
-"""The kv-indexer query adapter: one NATS request on ``KV_QUERY`` with a short timeout.
+"""The kv-indexer query adapter: one NATS request on ``KV_QUERY`` with a short timeout, carrying the
+caller's trace context (``traceparent`` header) when there is one, so the indexer's span joins the trace.
 
 Never raises: any failure becomes ``KvView.failed(reason)`` (reason ``no_indexer``, ``timeout``,
 ``error`` or ``bad_reply``), counted in ``infera_router_kv_query_failures_total{reason}`` and
@@ -16,6 +17,7 @@ from nats.errors import NoRespondersError
 from infera_common.logs import get_logger
 from infera_common.schemas import OverlapQuery, OverlapReply, decode, encode
 from infera_common.subjects import KV_QUERY
+from infera_common.tracing import engine_headers
 
 from infera_router.kv_view import KvView, kv_view
 from infera_router.metrics import RouterMetrics
@@ -33,10 +35,12 @@ class KvClient:
         self.metrics = metrics
         self._logged: dict[str, float] = {}
 
-    async def query(self, query: OverlapQuery, candidates: list[WorkerState]) -> KvView:
+    async def query(self, query: OverlapQuery, candidates: list[WorkerState],
+                    trace_context: str | None = None) -> KvView:
         t0 = time.perf_counter()
         try:
-            msg = await self.nc.request(KV_QUERY, encode(query), timeout=self.timeout)
+            msg = await self.nc.request(KV_QUERY, encode(query), timeout=self.timeout,
+                                        headers=engine_headers(trace_context) or None)
         except NoRespondersError:
             return self._failed("no_indexer", "no kv-indexer subscribed")
         except TimeoutError:

@@ -94,7 +94,7 @@ class RoutePath:
             assert self._kv is not None
             ask = start_span("kv query", request.traceparent, attributes={"infera.kv.workers": len(candidates)})
             try:
-                kv = await self._kv.query(query, candidates)
+                kv = await self._kv.query(query, candidates, traceparent(ask))
                 ask.set_attribute("infera.kv.ok", kv.ok)
             finally:
                 finish(ask)
