@@ -12,6 +12,11 @@ is against the engine called directly on the same API (``/v1/completions`` for I
 ``/generate`` with ``input_ids`` for sglang-router, as in ``trace_replay.py``).
 
     .venv/bin/python bench/long_prompt.py [--tokens 1024 16384] [--seconds 10] [--planes nats no-broker]
+        [--page-size 1 --index-block-sizes 1 16 64]
+
+With ``--index-block-sizes`` one Infera fleet runs per worker-agent ``--kv-index-block-size``, all
+alternating in the same slices (each against its own engine called directly): at SGLang's default
+page of one token, what folding the pages into larger index blocks saves.
 """
 
 from __future__ import annotations
@@ -68,41 +73,61 @@ def main() -> None:
     ap.add_argument("--speedup", type=float, default=20.0,
                     help="mock engine --speedup (high, so that the paths' own time is not lost in prefill noise)")
     ap.add_argument("--planes", nargs="+", choices=["nats", "no-broker"], default=["nats", "no-broker"])
+    ap.add_argument("--page-size", type=int, default=None,
+                    help="the mock engine's --page-size (default: its own, 64); 1 is SGLang's default")
+    ap.add_argument("--index-block-sizes", type=int, nargs="+", default=[0],
+                    help="one Infera fleet per worker-agent --kv-index-block-size, all measured in the same run "
+                         "(0: the agent picks; e.g. `--page-size 1 --index-block-sizes 1 16 64`)")
     args = ap.parse_args()
     with_sglang = sglang_router_installed()
     if not with_sglang:
         print("sglang-router is not installed (`make bench` installs it): its rows are left out")
     tmp = Path(tempfile.mkdtemp(prefix="infera-bench-"))
     engine_args = ["--speedup", str(args.speedup), "--context-length", "131072"]
+    if args.page_size is not None:
+        engine_args += ["--page-size", str(args.page_size)]
     rows = []
     for plane in args.planes:
-        (tmp / plane).mkdir()
-        procs, frontend, workers = start_fleet(tmp / plane, workers=1, policy=None, engine_args=engine_args,
-                                               plane=plane)
-        engine = workers[0]["url"]
+        procs: list = []
+        paths: dict[str, tuple] = {}
+        base_of: dict[str, str] = {}  # each path's direct baseline: its own fleet's engine
         try:
-            paths = {DIRECT_OPENAI: (one_completion, engine), f"infera ({plane})": (one_completion, frontend)}
-            if with_sglang:
-                proc, router = start_sglang_router(tmp / plane, [engine])
-                procs.append(proc)
-                paths |= {DIRECT_GENERATE: (one_generate, engine), SGLANG: (one_generate, router)}
+            for size in args.index_block_sizes:
+                label = "" if args.index_block_sizes == [0] else f" idx {size}"
+                where = tmp / f"{plane}{label.replace(' ', '-')}"
+                where.mkdir()
+                fleet, frontend, workers = start_fleet(where, workers=1, policy=None, engine_args=engine_args,
+                                                       plane=plane, env={"INFERA_KV_INDEX_BLOCK_SIZE": str(size)})
+                procs += fleet
+                engine = workers[0]["url"]
+                direct, infera = DIRECT_OPENAI + label, f"infera ({plane}){label}"
+                paths |= {direct: (one_completion, engine), infera: (one_completion, frontend)}
+                base_of[infera] = direct
+                if with_sglang and not base_of.get(SGLANG):
+                    proc, router = start_sglang_router(where, [engine])
+                    procs.append(proc)
+                    paths |= {DIRECT_GENERATE: (one_generate, engine), SGLANG: (one_generate, router)}
+                    base_of[SGLANG] = DIRECT_GENERATE
             for n in args.tokens:
                 ttfts = asyncio.run(drive(paths, n, args.seconds, args.slice, seed=n))
                 rows.append((plane, n, ttfts))
         finally:
             stop_fleet(procs)
-    print(f"\nTTFT of fresh token-id prompts, max_tokens 1, concurrency 1; mock engine speedup {args.speedup:g}; "
-          f"{args.seconds:g} s per path and length, in {args.slice:g}-s slices; wall ms; logs {tmp}\n")
-    hdr = f"{'plane':<9} {'tokens':>6} {'path':<24} {'n':>5} {'p50':>8} {'p90':>8} | {'added p50':>9} {'p90':>7}"
+    page = f"page size {args.page_size}" if args.page_size is not None else "its default page size"
+    print(f"\nTTFT of fresh token-id prompts, max_tokens 1, concurrency 1; mock engine speedup {args.speedup:g}, "
+          f"{page}; {args.seconds:g} s per path and length, in {args.slice:g}-s slices; wall ms; logs {tmp}\n")
+    width = max(24, *(len(name) for _, _, ttfts in rows for name in ttfts))
+    hdr = f"{'plane':<9} {'tokens':>6} {'path':<{width}} {'n':>5} {'p50':>8} {'p90':>8} | {'added p50':>9} {'p90':>7}"
     print(hdr)
     print("-" * len(hdr))
     for plane, n, ttfts in rows:
         for name, values in ttfts.items():
-            base = ttfts[DIRECT_GENERATE if name in (SGLANG, DIRECT_GENERATE) else DIRECT_OPENAI]
             p50, p90 = 1000 * statistics.median(values), 1000 * quantile(values, 0.9)
-            added = "" if name in (DIRECT_OPENAI, DIRECT_GENERATE) else (
-                f"{p50 - 1000 * statistics.median(base):>+9.2f} {p90 - 1000 * quantile(base, 0.9):>+7.2f}")
-            print(f"{plane:<9} {n:>6} {name:<24} {len(values):>5} {p50:>8.2f} {p90:>8.2f} | {added}")
+            added = ""
+            if name in base_of:
+                base = ttfts[base_of[name]]
+                added = f"{p50 - 1000 * statistics.median(base):>+9.2f} {p90 - 1000 * quantile(base, 0.9):>+7.2f}"
+            print(f"{plane:<9} {n:>6} {name:<{width}} {len(values):>5} {p50:>8.2f} {p90:>8.2f} | {added}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ the worker-agent keeps the delta of a batch whose relay failed and sends it with
 ``apply_in_slices`` does the same work a slice at a time, for callers that share their process with
 requests (a long prompt's blocks arrive just ahead of its first token).
 
+A translator made with an ``index_size`` indexes pages smaller than it (that divide it) in blocks
+of ``index_size`` tokens (``kv_coarse``): the worker's index block size, at which the router hashes.
+
 Two places translate: the worker-agent, which relays each engine batch as its delta
 (``KvRelay(kind="blocks")``), so the kv-indexer never decodes a token on the NATS plane; and the
 kv-indexer itself for batches it reads raw (``--kv-event-transport zmq``, or ``kind="batch"``
@@ -28,6 +31,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from infera_common.block_hash import ROOT, block_hashes, pack_hashes
+from infera_common.kv_coarse import CoarsePages
 from infera_common.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from infera_common.schemas import KvRelay
 
@@ -48,6 +52,15 @@ class BlockDelta:
     unknown_removed: int = 0  # removed engine hashes never stored (aged out of a replay, or lost)
     orphaned: int = 0  # stored blocks dropped because their parent block is unknown
 
+    def sets(self, size: int) -> tuple[set[int], set[int]]:
+        """The (stored, removed) sets of one block size, made empty if missing."""
+        stored, removed = self.stored.get(size), self.removed.get(size)
+        if stored is None:
+            stored = self.stored[size] = set()
+        if removed is None:
+            removed = self.removed[size] = set()
+        return stored, removed
+
     def blocks(self) -> tuple[int, int]:
         """(stored, removed) index hashes, summed over block sizes."""
         return sum(map(len, self.stored.values())), sum(map(len, self.removed.values()))
@@ -64,14 +77,30 @@ class _Blocks:
 
 
 class BlockTranslator:
-    __slots__ = ("_sizes",)
+    __slots__ = ("_sizes", "_coarse", "index_size")
 
-    def __init__(self) -> None:
+    def __init__(self, index_size: int | None = None) -> None:
         self._sizes: dict[int, _Blocks] = {}
+        self._coarse: dict[int, CoarsePages] = {}  # engine page size -> its pages, indexed at index_size
+        self.index_size = index_size  # None: every page size is indexed as it is
 
     def held(self) -> dict[int, Iterable[int]]:
         """Block size -> the index hashes the target holds."""
-        return {size: b.refs.keys() for size, b in self._sizes.items()}
+        held: dict[int, Iterable[int]] = {size: b.refs.keys() for size, b in self._sizes.items()}
+        for c in self._coarse.values():
+            both = held.get(c.index_size)
+            held[c.index_size] = c.refs.keys() if both is None else set(both) | c.refs.keys()
+        return held
+
+    def _coarse_for(self, page_size: int) -> CoarsePages | None:
+        """The pages of this size when they are folded into larger index blocks."""
+        coarse = self._coarse.get(page_size)
+        if coarse is None:
+            size = self.index_size
+            if size is None or size <= page_size or size % page_size:
+                return None
+            coarse = self._coarse[page_size] = CoarsePages(page_size, size)
+        return coarse
 
     def apply(self, events: Iterable[KvEvent], into: BlockDelta | None = None) -> BlockDelta:
         """Apply events in order, into ``into`` (the delta of the batches before them) or a new delta;
@@ -87,6 +116,7 @@ class BlockTranslator:
                     done = self._remove(event, delta)  # type: ignore[arg-type]
                 elif cls is AllBlocksCleared:
                     self._sizes.clear()
+                    self._coarse.clear()
                     delta.reset, done = True, True
                     delta.stored.clear()
                     delta.removed.clear()
@@ -116,6 +146,10 @@ class BlockTranslator:
 
     def _store(self, ev: BlockStored, delta: BlockDelta) -> bool:
         size = ev.block_size
+        if self.index_size is not None and size < self.index_size:
+            coarse = self._coarse_for(size)
+            if coarse is not None:
+                return self._store_coarse(coarse, ev, delta)
         blocks = self._sizes.get(size)
         if ev.parent_block_hash is None:
             parent: int | None = ROOT
@@ -148,6 +182,15 @@ class BlockTranslator:
                 stored.add(index_hash)
         return True
 
+    @staticmethod
+    def _store_coarse(coarse: CoarsePages, ev: BlockStored, delta: BlockDelta) -> bool:
+        at = coarse.start(ev.parent_block_hash)
+        if at is None:
+            delta.orphaned += len(ev.block_hashes)
+            return False
+        coarse.store(ev.block_hashes, ev.token_ids, at, *delta.sets(coarse.index_size))
+        return True
+
     def _remove(self, ev: BlockRemoved, delta: BlockDelta) -> bool:
         for engine_hash in ev.block_hashes:
             for size, blocks in self._sizes.items():
@@ -156,8 +199,15 @@ class BlockTranslator:
                     self._unref(size, blocks.refs, index_hash, delta)
                     break
             else:
-                delta.unknown_removed += 1
+                if not self._remove_coarse(engine_hash, delta):
+                    delta.unknown_removed += 1
         return True
+
+    def _remove_coarse(self, engine_hash: int, delta: BlockDelta) -> bool:
+        for coarse in self._coarse.values():
+            if engine_hash in coarse.pages:
+                return coarse.remove(engine_hash, *delta.sets(coarse.index_size))
+        return False
 
     @staticmethod
     def _unref(size: int, refs: dict[int, int], index_hash: int, delta: BlockDelta) -> None:

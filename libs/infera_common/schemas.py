@@ -70,7 +70,10 @@ class WorkerRecord(_Msg):
     kv_event_transport: KvEventTransport = "nats"
     dp_size: int = 1
     dp_rank: int | None = None
-    kv_block_size: int | None = None
+    kv_block_size: int | None = None  # the engine's resolved page size
+    #: the size its KV events are indexed at, which the router hashes requests at: a multiple of
+    #: ``kv_block_size`` its pages are folded into (None: ``kv_block_size`` itself); see ``index_block_size``
+    kv_index_block_size: int | None = None
     kv_events_endpoints: list[str] = Field(default_factory=list)  # the engine's ZMQ PUB per DP rank, advertised
     #: the replay ROUTER endpoint of each ``kv_events_endpoints`` entry, same order ('' where there is none)
     kv_replay_endpoints: list[str] = Field(default_factory=list)
@@ -81,6 +84,11 @@ class WorkerRecord(_Msg):
     started_at: float = Field(default_factory=time.time)
     ttl: float = 6.0  # seconds without a heartbeat after which watchers drop this worker
     heartbeat_at: float = Field(default_factory=time.time)  # wall clock of the last heartbeat
+
+    @property
+    def index_block_size(self) -> int | None:
+        """Tokens per block of this worker's KV index entries: what a router hashes a request at."""
+        return self.kv_index_block_size or self.kv_block_size
 
 
 class LoadReport(_Msg):

@@ -232,3 +232,122 @@ def test_one_block_events_applied_in_slices_of_any_size_give_what_apply_gives(sl
             pass
         assert got == expected
     assert dict(sliced.held()) == dict(whole.held())
+
+
+# --- small pages indexed in larger blocks (kv_coarse) ----------------------------------------------
+
+def pages(tokens: list[int], first_hash: int, parent: int | None = None, size: int = 1) -> BlockStored:
+    """SGLang-style: one page per ``size`` tokens, engine hashes counting up from ``first_hash``."""
+    n = len(tokens) // size
+    return BlockStored(block_hashes=list(range(first_hash, first_hash + n)), parent_block_hash=parent,
+                       token_ids=tokens, block_size=size)
+
+
+def test_pages_of_one_token_are_indexed_in_blocks_of_the_index_size_and_a_partial_block_is_not():
+    t = BlockTranslator(index_size=4)
+    d = t.apply([pages(toks(10), 1)])
+    assert d.stored == {4: set(block_hashes(toks(10), 4))}  # two blocks; tokens 8 and 9 wait for more
+    assert dict(t.held()) == {4: set(block_hashes(toks(10), 4))}
+
+
+def test_a_prefix_stored_over_several_events_gets_the_hashes_of_one_stored_at_once():
+    t = BlockTranslator(index_size=4)
+    t.apply([pages(toks(10), 1)])  # pages 1..10
+    more = t.apply([pages(toks(7, 110), 11, parent=10)])  # the conversation's next turn: tokens 10..16
+    whole = toks(17)
+    assert more.stored == {4: set(block_hashes(whole, 4)[2:])} and more.removed == {4: set()}
+    assert set(t.held()[4]) == set(block_hashes(whole, 4))
+
+
+def test_a_branch_from_inside_a_block_chains_from_the_blocks_before_it():
+    t = BlockTranslator(index_size=4)
+    t.apply([pages(toks(8), 1)])
+    branch = t.apply([pages([7, 7, 7, 7, 7], 50, parent=6)])  # shares tokens 0..5, then differs
+    expect = block_hashes(toks(6) + [7, 7, 7, 7, 7], 4)
+    assert branch.stored == {4: {expect[1]}}  # block 0 is shared (held already); block 1 is new
+    assert set(t.held()[4]) == set(block_hashes(toks(8), 4)) | {expect[1]}
+
+
+def test_the_tail_evicted_first_takes_its_block_with_the_page_that_completes_it():
+    t = BlockTranslator(index_size=4)
+    t.apply([pages(toks(8), 1)])
+    first, second = block_hashes(toks(8), 4)
+    gone = t.apply([BlockRemoved(block_hashes=[8, 7])])  # pages 8 and 7: block 1 is no longer whole
+    assert gone.removed == {4: {second}} and gone.stored == {4: set()}
+    assert t.apply([BlockRemoved(block_hashes=[6, 5])]).blocks() == (0, 0)  # inside no held block
+    back = t.apply([pages(toks(4, 104), 15, parent=4)])  # recomputed under new engine hashes
+    assert back.stored == {4: {second}} and set(t.held()[4]) == {first, second}
+
+
+def test_pages_that_do_not_divide_the_index_size_are_indexed_as_they_are():
+    t = BlockTranslator(index_size=4)
+    d = t.apply([stored([1, 2], toks(6), size=3), stored([3], toks(8, 300), size=8)])
+    assert d.stored == {3: set(block_hashes(toks(6), 3)), 8: set(block_hashes(toks(8, 300), 8))}
+
+
+def test_coarse_orphans_unknown_removals_and_bad_tokens_are_counted_and_cleared_resets():
+    t = BlockTranslator(index_size=4)
+    d = t.apply([pages(toks(4), 1, parent=999), BlockRemoved(block_hashes=[12345]),
+                 pages([1, 2, -3, 4], 20)])
+    assert (d.orphaned, d.unknown_removed, d.malformed) == (4, 1, 1) and not any(t.held().values())
+    t.apply([pages(toks(4), 1)])
+    again = t.apply([AllBlocksCleared(), pages(toks(4), 1)])
+    assert again.reset and again.stored == {4: set(block_hashes(toks(4), 4))}
+
+
+@pytest.mark.parametrize(("page", "index_size"), [(1, 4), (2, 8), (4, 16)])
+def test_a_random_engine_history_leaves_held_exactly_the_whole_blocks_of_the_engines_pages(page, index_size):
+    """An engine with a prefix tree of pages (children hashed from parent and tokens, as engines do),
+    storing runs under any page it holds and evicting leaves; after every batch the translator
+    holds exactly the index blocks all of whose pages the engine holds."""
+    rng = random.Random(page * 1000 + index_size)
+    t = BlockTranslator(index_size=index_size)
+    parent_of: dict[int, int | None] = {}  # engine hash -> parent engine hash (the held pages)
+    tokens_of: dict[int, list[int]] = {}
+
+    def path(h: int) -> list[int]:
+        out: list[int] = []
+        while h is not None:
+            out[:0] = tokens_of[h]
+            h = parent_of[h]
+        return out
+
+    def expected() -> set[int]:
+        want = set()
+        for h in parent_of:
+            tokens = path(h)
+            if len(tokens) % index_size == 0:
+                want.add(block_hashes(tokens, index_size)[-1])
+        return want
+
+    for _ in range(150):
+        batch = []
+        for _ in range(rng.randint(1, 3)):
+            if parent_of and rng.random() < 0.35:  # evict a few leaves, tail first
+                gone = []
+                for _ in range(rng.randint(1, 6)):
+                    leaves = [h for h in parent_of if h not in set(parent_of.values())]
+                    if not leaves:
+                        break
+                    leaf = rng.choice(leaves)
+                    gone.append(leaf)
+                    del parent_of[leaf], tokens_of[leaf]
+                batch.append(BlockRemoved(block_hashes=gone))
+                continue
+            under = rng.choice([None, *parent_of]) if parent_of else None
+            run, hashes, prev = [], [], under
+            for _ in range(rng.randint(1, 3 * index_size // page)):
+                chunk = [rng.randrange(4) for _ in range(page)]  # few values: shared prefixes happen
+                h = hash((prev, tuple(chunk))) & (2**63 - 1)
+                if h in parent_of and parent_of[h] != prev:
+                    break
+                parent_of[h], tokens_of[h] = prev, chunk
+                hashes.append(h)
+                run.extend(chunk)
+                prev = h
+            if hashes:
+                batch.append(BlockStored(block_hashes=hashes, parent_block_hash=under, token_ids=run,
+                                         block_size=page))
+        delta = t.apply(batch)
+        assert not (delta.orphaned or delta.unknown_removed or delta.malformed)
+        assert set(t.held().get(index_size, ())) == expected()

@@ -6,7 +6,8 @@ import pytest
 
 from infera_worker_agent.engine_cmd import EngineArgsError, flag_value, plan_engine
 from infera_worker_agent.kv_config import (
-    KvSource, advertised_endpoint, block_size, local_endpoint, plan_kv_events, resolve_sources,
+    KvSource, advertised_endpoint, block_size, index_block_problem, index_block_size, local_endpoint, plan_kv_events,
+    resolve_sources,
 )
 
 
@@ -133,3 +134,25 @@ def test_wildcard_endpoints_are_reached_locally_and_advertised_at_the_advertise_
     assert local_endpoint("tcp://10.1.2.3:5557") == "tcp://10.1.2.3:5557"
     assert advertised_endpoint("tcp://*:5557", "10.0.0.5") == "tcp://10.0.0.5:5557"
     assert advertised_endpoint("tcp://0.0.0.0:5557", "fe80::1") == "tcp://[fe80::1]:5557"
+
+
+@pytest.mark.parametrize("page,wanted,index", [
+    (1, 0, 16), (2, 0, 16), (8, 0, 16), (3, 0, 18), (16, 0, 16), (64, 0, 64),  # 0: pages under 16 fold into 16
+    (1, 64, 64), (16, 64, 64), (64, 64, 64), (1, 1, 1), (None, 0, None), (None, 64, None),
+])
+def test_the_index_block_size_folds_small_pages_and_keeps_what_is_asked(page, wanted, index):
+    assert index_block_size(page, wanted) == (index, None)
+
+
+def test_an_index_block_size_the_engines_page_does_not_divide_is_rounded_up_with_a_note():
+    size, note = index_block_size(32, 48)  # the engine resolved another page than its flags said
+    assert size == 64 and "--kv-index-block-size 48" in note and "multiple of 32" in note
+
+
+def test_before_launch_only_a_page_size_the_flags_fix_is_checked():
+    assert index_block_problem("sglang", 24, ["--page-size", "16"]) is not None
+    assert index_block_problem("mock", 24, ["--page-size", "16"]) is not None
+    assert "default --block-size 16" in index_block_problem("vllm", 24, [])
+    assert index_block_problem("vllm", 24, ["--block-size", "8"]) is None
+    assert index_block_problem("sglang", 24, []) is None  # the page is resolved at start (1 unless told)
+    assert index_block_problem("sglang", 0, ["--page-size", "16"]) is None

@@ -56,30 +56,41 @@ async def stream_exists(js) -> bool:
         return False
 
 
-@pytest.mark.parametrize("flavor,page", [("sglang", 4), ("vllm", PAGE)])
-async def test_engine_kv_events_are_relayed_after_a_cleared(bus, agents, flavor, page):
-    agent = agents(f"kv-{flavor}", [], ["--served-model-name", "smol", "--page-size", str(page),
+@pytest.mark.parametrize("flavor,page,agent_args,index", [
+    ("sglang", 4, [], 16),  # a page under 16 is folded into index blocks of 16 by default
+    ("sglang", 4, ["--kv-index-block-size", "4"], 4),  # ... or indexed as it is when asked, with a warning
+    ("sglang", 1, ["--kv-index-block-size", "8"], 8),
+    ("vllm", PAGE, [], PAGE),
+])
+async def test_engine_kv_events_are_relayed_after_a_cleared(bus, agents, flavor, page, agent_args, index):
+    worker = f"kv-{flavor}-{page}-{index}"
+    agent = agents(worker, agent_args, ["--served-model-name", "smol", "--page-size", str(page),
                                         "--engine-flavor", flavor])
-    record = await bus.active(f"kv-{flavor}")
-    assert record.kv_block_size == page
+    record = await bus.active(worker)
+    assert record.kv_block_size == page and record.index_block_size == index
     assert len(record.kv_events_endpoints) == 1
     assert record.kv_events_endpoints[0].startswith("tcp://127.0.0.1:")
     assert not record.kv_events_endpoints[0].endswith(":0")
-    small = agent.event("kv_block_size_small")  # a page under 16 is named, with the flag to change
-    assert (small is not None) is (page < 16)
+    small = agent.event("kv_block_size_small")  # an index block under 16 is named, with the flag to change
+    assert (small is not None) is (index < 16)
     if small is not None:
-        assert small["block_size"] == page and "--page-size 16" in small["hint"] and "4,096 events" in small["hint"]
+        assert small["index_block_size"] == index and "--kv-index-block-size" in small["hint"]
+        assert f"{16384 // index:,} hashes" in small["hint"]
+    folded = agent.event("kv_pages_folded")
+    assert (folded is not None) is (index > page)
 
-    prompt = list(range(1000, 1000 + 3 * page))  # three full blocks
-    stream = await KvStream().follow(bus.js, f"kv-{flavor}")
+    prompt = list(range(1000, 1000 + 3 * index + page))  # three full index blocks and a page more
+    stream = await KvStream().follow(bus.js, worker)
     await complete(record.url, prompt)
-    want = set(block_hashes(prompt, page))  # the prompt's three blocks, hashed from the engine's token ids
-    assert await eventually(lambda: want <= stream.stored_hashes(), 20), stream.relays
+    # the prompt's full index blocks, hashed from the engine's token ids; nothing at the page size, and
+    # not the partial block at the end (its pages and the two generated tokens' are held by the engine)
+    want = set(block_hashes(prompt, index))
+    assert await eventually(lambda: want == stream.stored_hashes(), 20), (want, stream.relays)
     first = stream.relays[0]
-    assert first.kind == "cleared" and first.dp_rank is None and first.worker_id == f"kv-{flavor}"
+    assert first.kind == "cleared" and first.dp_rank is None and first.worker_id == worker
     batches = [r for r in stream.relays if r.kind == "blocks"]
     assert [r.seq for r in batches] == list(range(len(batches)))  # in order, none lost or repeated
-    assert all(r.dp_rank == 0 and r.block_size == page for r in batches)
+    assert all(r.dp_rank == 0 and r.block_size == index for r in batches)
 
 
 async def test_no_enable_kv_events_passes_no_config_and_relays_nothing(bus, agents):

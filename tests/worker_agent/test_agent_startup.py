@@ -100,6 +100,19 @@ def test_a_plane_mix_that_cannot_work_is_refused_naming_the_flag(nats_server, su
     assert "engine_spawned" not in r.stderr
 
 
+@pytest.mark.parametrize("engine,engine_args,fix", [
+    ("sglang", ["--page-size", "16"], "--kv-index-block-size 32"),
+    ("vllm", [], "--kv-index-block-size 32"),  # vLLM's default --block-size 16
+])
+def test_an_index_block_size_the_page_cannot_fold_into_is_refused_before_launch(nats_server, subprocess_env, engine,
+                                                                                 engine_args, fix):
+    r = _run_agent(["--engine", engine, "--nats-url", nats_server, "--kv-index-block-size", "24", *engine_args],
+                   subprocess_env)
+    assert r.returncode == 2, r.stderr
+    assert "--kv-index-block-size 24 is not a multiple" in r.stderr and fix in r.stderr
+    assert "engine_spawned" not in r.stderr
+
+
 def test_unreachable_etcd_fails_before_the_engine_starts(nats_server, subprocess_env):
     r = _run_agent(["--engine", "mock", "--nats-url", nats_server, "--discovery-backend", "etcd",
                     "--etcd-endpoint", "127.0.0.1:1", "--metrics-port", "0"], subprocess_env)

@@ -82,10 +82,14 @@ class KvIndex:
         self._fleet: dict[str, str] = {}  # discovery: worker -> model
         self._by_model: dict[str, set[str]] = {}  # discovery: model -> workers
         self._models: dict[str, PrefixIndex] = {}
+        self._index_sizes: dict[str, int] = {}  # discovery: worker -> its index block size, when pages fold
 
     # --- discovery ----------------------------------------------------------------------------
-    def worker_joined(self, worker_id: str, model: str) -> None:
-        """A discovery record arrived (join or update)."""
+    def worker_joined(self, worker_id: str, model: str, index_size: int | None = None) -> None:
+        """A discovery record arrived (join or update); ``index_size`` is the record's
+        ``kv_index_block_size``, at which raw engine batches of the worker are translated."""
+        if self._index_sizes.get(worker_id) != index_size:
+            self._set_index_size(worker_id, index_size)
         old = self._fleet.get(worker_id)
         if old == model:
             return
@@ -99,8 +103,18 @@ class KvIndex:
             worker.model = model
             self._attach(worker)
 
+    def _set_index_size(self, worker_id: str, index_size: int | None) -> None:
+        if index_size is None:
+            self._index_sizes.pop(worker_id, None)
+        else:
+            self._index_sizes[worker_id] = index_size
+        worker = self._workers.get(worker_id)
+        if worker is not None and any(t.translator is not None for t in worker.targets.values()):
+            self._drop_targets(worker, list(worker.targets))  # translated at the old size: never matched again
+
     def worker_left(self, worker_id: str) -> None:
         """The worker left discovery: forget it and every block it held."""
+        self._index_sizes.pop(worker_id, None)
         model = self._fleet.pop(worker_id, None)
         if model is not None:
             self._by_model[model].discard(worker_id)
@@ -137,7 +151,7 @@ class KvIndex:
             return RawApply(worker, target, out, None)
         translator = target.translator
         if translator is None:
-            translator = target.translator = BlockTranslator()
+            translator = target.translator = BlockTranslator(self._index_sizes.get(worker_id))
         return RawApply(worker, target, out, translator)
 
     def close_batch(self, raw: RawApply, unreadable: int = 0) -> Outcome:
@@ -171,7 +185,9 @@ class KvIndex:
         """The worker's engine (re)started empty: forget its blocks and sequence numbers
         (every rank when ``dp_rank`` is None)."""
         worker = self._worker(worker_id, now)
-        ranks = list(worker.targets) if dp_rank is None else [dp_rank]
+        self._drop_targets(worker, list(worker.targets) if dp_rank is None else [dp_rank])
+
+    def _drop_targets(self, worker: _Worker, ranks: list[int]) -> None:
         prefix = self._models.get(worker.model) if worker.model is not None else None
         for rank in ranks:
             target = worker.targets.pop(rank, None)

@@ -148,7 +148,7 @@ class KvIndexerService:
             self._mismatch_warned.discard(record.worker_id)
             log.info("worker_left", worker_id=record.worker_id, model=record.model)
             return
-        self.index.worker_joined(record.worker_id, record.model)
+        self.index.worker_joined(record.worker_id, record.model, record.kv_index_block_size)
         self._zmq.on_record(record)
         if (record.kv_event_transport == "nats" and not self.uses_stream
                 and record.worker_id not in self._mismatch_warned):

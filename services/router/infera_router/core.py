@@ -177,7 +177,7 @@ class RouterCore:
         """The indexer's depths, deepened where this router's in-flight prompts are about to be cached."""
         depth = dict(kv.depth)
         for w in candidates:
-            chain = kv.hashes.get(w.record.kv_block_size or 0)
+            chain = kv.hashes.get(w.record.index_block_size or 0)
             if chain and w.base_id not in kv.unseen:
                 pending = self.inflight.depth(w.worker_id, chain)
                 if pending > depth.get(w.worker_id, 0):

@@ -57,7 +57,7 @@ class LocalKvIndex:
         if change.kind == "leave":
             self.index.worker_left(record.worker_id)
         else:
-            self.index.worker_joined(record.worker_id, record.model)
+            self.index.worker_joined(record.worker_id, record.model, record.kv_index_block_size)
 
     def expire(self) -> None:
         """Drop the blocks of workers discovery has not listed within ``UNATTACHED_GRACE``."""

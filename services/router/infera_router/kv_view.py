@@ -1,7 +1,7 @@
 """What the kv-indexer said about one request, and the query that asks it. Pure, no I/O.
 
 ``kv_query`` builds the ``OverlapQuery`` for a request (one hash list per distinct
-``kv_block_size`` among the candidates); ``KvView`` is the answer as the kv-aware policy reads it.
+``index_block_size`` among the candidates); ``KvView`` is the answer as the kv-aware policy reads it.
 The NATS round trip itself lives in ``kv_client.py``; the router's own index (``--kv-index local``)
 in ``kv_local.py``.
 """
@@ -43,7 +43,7 @@ def kv_query(candidates: list[WorkerState], request: RouteRequest) -> OverlapQue
     """The overlap query for ``request`` (None when there is nothing to ask: no tokens or block sizes)."""
     if not request.tokens:
         return None
-    sizes = sorted({w.record.kv_block_size for w in candidates if w.record.kv_block_size})
+    sizes = sorted({w.record.index_block_size for w in candidates if w.record.index_block_size})
     if not sizes:
         return None
     ids = request.token_ids

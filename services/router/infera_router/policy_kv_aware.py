@@ -101,12 +101,12 @@ def worker_load(worker: WorkerState, bs: int, req_blocks: int, decode_weight: fl
 def worker_cost(worker: WorkerState, tokens: int, kv: KvView, weight: float,
                 decode_weight: float = DEFAULT_DECODE_WEIGHT) -> WorkerCost:
     rec = worker.record
-    bs = rec.kv_block_size or DEFAULT_BLOCK_SIZE
+    bs = rec.index_block_size or DEFAULT_BLOCK_SIZE
     req_blocks = -(-tokens // bs)
     load = worker_load(worker, bs, req_blocks, decode_weight)
     if not kv.ok:
         return WorkerCost(worker.worker_id, load, 0, 0, req_blocks, load, bs, kv.failure or "none")
-    if rec.kv_block_size is None:
+    if rec.index_block_size is None:
         info = "unknown_block_size"
     elif worker.base_id in kv.unseen:
         info = "unseen"

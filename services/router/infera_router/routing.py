@@ -174,7 +174,7 @@ class RoutePath:
         if r.costs is not None:  # the same order as r.order
             cost = r.costs[r.tried - 1]
             cached = cost.matched_blocks * cost.block_size
-        hashes = r.hashes.get(worker.record.kv_block_size or 0)
+        hashes = r.hashes.get(worker.record.index_block_size or 0)
         lease = r.lease = self.core.acquire(worker, request, time.monotonic(), cached, hashes, r.plan)
         self._lease_gauge(lease)
         try:

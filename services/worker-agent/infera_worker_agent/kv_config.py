@@ -26,9 +26,9 @@ from infera_worker_agent.engine_cmd import EngineArgsError, flag_value, has_flag
 
 __all__ = [  # advertised_endpoint and local_endpoint: re-exported, the agent's modules read them here
     "DP_FLAGS", "KV_EVENTS_FLAG", "VLLM_DEFAULT_BLOCK_SIZE", "KvEventsPlan", "KvSource", "advertised_endpoint",
-    "block_size", "build_config", "config_publishes", "dp_size", "local_endpoint", "offset_endpoint",
-    "parse_json_flag", "plan_kv_events", "resolve_sources", "sources_from_config", "sources_from_descriptor",
-    "sources_from_event_sources",
+    "block_size", "build_config", "config_publishes", "dp_size", "index_block_problem", "index_block_size",
+    "local_endpoint", "offset_endpoint", "parse_json_flag", "plan_kv_events", "resolve_sources", "sources_from_config",
+    "sources_from_descriptor", "sources_from_event_sources",
 ]
 
 KV_EVENTS_FLAG = "--kv-events-config"
@@ -161,22 +161,58 @@ def block_size(engine: str, server_info: dict[str, Any] | None, args: Sequence[s
     return VLLM_DEFAULT_BLOCK_SIZE if engine == "vllm" else None
 
 
-#: Below this page size KV-aware routing still works, at a cost worth a warning (``small_block_note``).
+#: Below this index block size KV-aware routing still works, at a cost worth a warning (``small_block_note``).
 SMALL_BLOCK_SIZE = 16
+#: What ``--kv-index-block-size 0`` (the default) indexes a page smaller than ``SMALL_BLOCK_SIZE`` at
+#: (the smallest multiple of the page at least this big).
+AUTO_INDEX_BLOCK_SIZE = 16
 
 
-def small_block_note(engine: str, size: int | None) -> str | None:
-    """What to tell the operator when the engine's KV events come at a small page size: each block
-    is one event, one hash per router per request and one index entry per cached block, so a page
-    of 1 costs all of them per token. SGLang resolves ``--page-size`` to 1 unless told otherwise
-    (on ROCm too, bar its vectorized 5D KV layout), which a runbook easily leaves unset."""
-    if size is None or size >= SMALL_BLOCK_SIZE:
+def index_block_size(page: int | None, wanted: int) -> tuple[int | None, str | None]:
+    """The worker's index block size (what the router hashes at and the index keeps) for the engine's
+    page size ``page`` and ``--kv-index-block-size`` ``wanted`` (0: pick), and a note when ``wanted``
+    had to change. Pages smaller than the index block are folded into it (``kv_coarse``)."""
+    if page is None:
+        return None, None
+    if wanted == 0:
+        return (page if page >= SMALL_BLOCK_SIZE else _multiple_at_least(page, AUTO_INDEX_BLOCK_SIZE)), None
+    if wanted % page == 0:
+        return wanted, None
+    size = _multiple_at_least(page, wanted)
+    return size, (f"--kv-index-block-size {wanted} is not a multiple of the engine's page size {page}: indexing at "
+                  f"{size}; pass a multiple of {page} (or 0 to let the agent pick)")
+
+
+def _multiple_at_least(page: int, size: int) -> int:
+    return page * -(-size // page)
+
+
+def index_block_problem(engine: str, wanted: int, args: Sequence[str]) -> str | None:
+    """Before launch: ``--kv-index-block-size`` against a page size the engine's flags fix (vLLM's
+    default 16 included), so that a runbook's mistake costs seconds, not a cold start."""
+    if wanted == 0:
         return None
     flag = "--block-size" if engine == "vllm" else "--page-size"
-    return (f"the engine's KV block (page) size is {size}: KV-aware routing sends, hashes and indexes one block per "
-            f"{size} token(s), e.g. {16384 // size:,} events, hashes and index entries for a 16k-token prompt; "
-            f"pass {flag} 16 (or larger) to the engine unless its attention backend or speculative decoding needs "
-            f"this size")
+    page = block_size(engine, None, args)
+    if page is None or wanted % page == 0:
+        return None
+    given = flag_value(args, flag)
+    source = f"{flag} {given}" if given is not None else f"default {flag} {page}"
+    return (f"--kv-index-block-size {wanted} is not a multiple of the engine's page size ({source}): KV events "
+            f"come in pages of {page} tokens, which fold only into index blocks of a multiple of {page}; pass "
+            f"--kv-index-block-size {_multiple_at_least(page, wanted)} (or 0 to let the agent pick)")
+
+
+def small_block_note(size: int | None) -> str | None:
+    """What to tell the operator when the worker is indexed at a small block size (its engine's page,
+    ``--kv-index-block-size`` set to it): each block is one relayed hash, one router hash per request
+    and one index entry per cached block, so a block of 1 costs all of them per token."""
+    if size is None or size >= SMALL_BLOCK_SIZE:
+        return None
+    return (f"the worker's KV index block size is {size}: KV-aware routing relays, hashes and indexes one block per "
+            f"{size} token(s), e.g. {16384 // size:,} hashes and index entries for a 16k-token prompt; leave "
+            f"--kv-index-block-size at 0 (or give a multiple of the engine's page size of {SMALL_BLOCK_SIZE} or more) "
+            f"to fold the engine's pages into larger index blocks")
 
 
 def sources_from_event_sources(data: Any) -> tuple[KvSource, ...]:

@@ -40,7 +40,8 @@ class KvBlockSizeProbe:
         replay_timeout: float,
         on_block_size: Callable[[int], Awaitable[None]],
     ) -> None:
-        # its own metrics, not served: the agent's kv counters are about relaying to the bus
+        # its own metrics, not served: the agent's kv counters are about relaying to the bus (the
+        # index size is the indexer's business here: it translates, at the size the record names)
         self._relayer = KvRelayer(worker_id, sources, block_size, self._publish, AgentMetrics(),
                                   replay_timeout=replay_timeout, on_block_size=on_block_size)
         self._seen = asyncio.Event()

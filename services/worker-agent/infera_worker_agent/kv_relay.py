@@ -78,10 +78,14 @@ class KvRelayer:
         metrics: AgentMetrics,
         replay_timeout: float = REPLAY_TIMEOUT,
         on_block_size: Callable[[int], Awaitable[None]] | None = None,
+        index_size_for: Callable[[int | None], int | None] = lambda page: page,
     ) -> None:
         self.worker_id = worker_id
         self.sources = list(sources)
-        self.block_size = block_size
+        self.block_size = block_size  # the engine's page size
+        # the size the relayed index hashes are at: the page, or a multiple its pages fold into (kv_coarse)
+        self._index_size_for = index_size_for
+        self.index_size = index_size_for(block_size)
         # the engine's events carry its real block size: the first one stored settles it (vLLM on CPU
         # defaults to 128 where the GPU default is 16, and vLLM has no /server_info to say so)
         self._on_block_size = on_block_size
@@ -98,7 +102,7 @@ class KvRelayer:
         self._translators.clear()
         self._carried.clear()
         if not await self._send(KvRelay(worker_id=self.worker_id, kind="cleared", dp_rank=None,
-                                        block_size=self.block_size)):
+                                        block_size=self.index_size)):
             for source in self.sources:  # every rank's first relay clears what the index held of it
                 self._carried[source.dp_rank] = _Carried(None, 0, BlockDelta(reset=True))
         self._reader = KvZmqReader(
@@ -135,7 +139,7 @@ class KvRelayer:
                 await self._check_block_size(events)
             translator = self._translators.get(rank)
             if translator is None:
-                translator = self._translators[rank] = BlockTranslator()
+                translator = self._translators[rank] = BlockTranslator(self.index_size)
             before = (delta.malformed, delta.orphaned, delta.unknown_removed)
             # in slices: the engine's first token of the request that stored these blocks is
             # usually right behind this batch, waiting for this process to relay it
@@ -143,7 +147,7 @@ class KvRelayer:
                 await asyncio.sleep(0)
             self._count_errors(len(unreadable), before, delta)
         first = seq if carried.first_seq is None else carried.first_seq
-        if await self._send(delta_relay(self.worker_id, rank, seq, delta, self.block_size, first)):
+        if await self._send(delta_relay(self.worker_id, rank, seq, delta, self.index_size, first)):
             self.metrics.kv_batches.labels(str(rank)).inc(carried.batches + 1)
             stored, removed = delta.blocks()
             self.metrics.kv_blocks.labels("stored").inc(stored)
@@ -172,7 +176,8 @@ class KvRelayer:
         if size == self.block_size:
             return
         log.warning("kv_block_size_corrected", registered=self.block_size, engine_events=size)
-        self.block_size = size
+        self.block_size, self.index_size = size, self._index_size_for(size)
+        self._translators.clear()  # (nothing stored was translated yet: this is the first stored block)
         if self._on_block_size is not None:
             await self._on_block_size(size)
 

@@ -42,7 +42,14 @@ from infera_worker_agent.health import (
     Startup, bootstrap_ranks, engine_json, served_model, wait_healthy,
 )
 from infera_worker_agent.engine_drain import wait_engine_idle
-from infera_worker_agent.kv_config import KvSource, advertised_endpoint, block_size, resolve_sources, small_block_note
+from infera_worker_agent.kv_config import (
+    KvSource,
+    advertised_endpoint,
+    block_size,
+    index_block_size,
+    resolve_sources,
+    small_block_note,
+)
 from infera_worker_agent.kv_probe import KvBlockSizeProbe
 from infera_worker_agent.kv_relay import KvRelayer
 from infera_worker_agent.load import EngineLoad, LoadReporter, scrape_engine
@@ -90,7 +97,8 @@ class Agent:
         self._metrics_runner = None
         self._stream: str | None = None
         self._started_at = time.time()
-        self._kv_block_size: int | None = None
+        self._kv_block_size: int | None = None  # the engine's page size
+        self._kv_index_block_size: int | None = None  # what the router hashes at (a multiple of the page)
         self._kv_sources: tuple[KvSource, ...] = ()
         self._kv_relayer: KvRelayer | KvBlockSizeProbe | None = None
         assert plan.pd is not None, "plan_engine reads the role from the engine's flags"
@@ -231,7 +239,7 @@ class Agent:
             discovery_backend=self.s.discovery_backend, request_transport=self.s.request_transport,
             kv_event_transport=self.s.kv_event_transport, status=status, max_pending=self.s.max_pending,
             version=_version(), ttl=self.s.discovery_ttl, started_at=self._started_at,
-            kv_block_size=self._kv_block_size,
+            kv_block_size=self._kv_block_size, kv_index_block_size=self._kv_index_block_size,
             kv_events_endpoints=[advertised_endpoint(s.endpoint, self.plan.advertise_host) for s in self._kv_sources],
             kv_replay_endpoints=[advertised_endpoint(s.replay_endpoint, self.plan.advertise_host)
                                  if s.replay_endpoint else "" for s in self._kv_sources],
@@ -242,7 +250,7 @@ class Agent:
         """The engine's resolved block size and the KV-event publishers it actually bound."""
         assert self._session is not None
         base = self.plan.local_url
-        self._kv_block_size = block_size(self.s.engine, info, self.plan.engine_args)
+        self._set_block_size(block_size(self.s.engine, info, self.plan.engine_args))
         kv = self.plan.kv_events
         if kv is None or not kv.enabled:
             return
@@ -250,14 +258,31 @@ class Agent:
         if self.s.engine in ("vllm", "mock"):
             event_sources = await engine_json(self._session, f"{base}/kv_event_sources")
         self._kv_sources = resolve_sources(kv.sources, event_sources, info)
-        log.info("kv_events_found", block_size=self._kv_block_size,
+        log.info("kv_events_found", block_size=self._kv_block_size, index_block_size=self._kv_index_block_size,
                  sources=[(s.dp_rank, s.endpoint, s.replay_endpoint) for s in self._kv_sources])
         self._note_block_size()
 
+    def _index_size_for(self, page: int | None) -> int | None:
+        return index_block_size(page, self.s.kv_index_block_size)[0]
+
+    def _set_block_size(self, page: int | None) -> None:
+        """The engine's page size and the index block size it gives."""
+        self._kv_block_size = page
+        self._kv_index_block_size = self._index_size_for(page)
+
     def _note_block_size(self) -> None:
-        note = small_block_note(self.s.engine, self._kv_block_size)
+        """What to tell the operator about the page and index block sizes."""
+        page = self._kv_block_size
+        changed = index_block_size(page, self.s.kv_index_block_size)[1]
+        if changed is not None:
+            log.warning("kv_index_block_size_changed", block_size=page, index_block_size=self._kv_index_block_size,
+                        hint=changed)
+        elif page is not None and self._kv_index_block_size != page:
+            log.info("kv_pages_folded", block_size=page, index_block_size=self._kv_index_block_size,
+                     note="the engine's pages are indexed in blocks of index_block_size tokens (--kv-index-block-size)")
+        note = small_block_note(self._kv_index_block_size)
         if note is not None:
-            log.warning("kv_block_size_small", block_size=self._kv_block_size, hint=note)
+            log.warning("kv_block_size_small", block_size=page, index_block_size=self._kv_index_block_size, hint=note)
 
     # --- prefill/decode role --------------------------------------------------------------------
     async def _learn_pd(self, info: dict | None) -> None:
@@ -289,13 +314,14 @@ class Agent:
         self._kv_relayer = KvRelayer(
             self.worker_id, self._kv_sources, self._kv_block_size, self._publish_kv, self.metrics,
             replay_timeout=self.s.kv_replay_timeout, on_block_size=self._on_engine_block_size,
+            index_size_for=self._index_size_for,
         )
         await self._kv_relayer.start()
 
     async def _on_engine_block_size(self, size: int) -> None:
         """The engine's KV events show another block size than the one registered: register theirs
         (the router hashes requests at the registered size; a wrong one would never match)."""
-        self._kv_block_size = size
+        self._set_block_size(size)
         self._note_block_size()
         if self._registrar is not None:
             status = self._registrar.record.status

@@ -83,6 +83,14 @@ class AgentSettings(PlaneSettings, LogSettings):
         "and relay them (--kv-event-transport nats) or advertise them to the kv-indexer (zmq); --no-enable-kv-events turns them off: SWA models such as DeepSeek-V4 need it off. "
         "A --kv-events-config given to the engine is always kept as is.",
     )
+    kv_index_block_size: int = Field(
+        0, ge=0, le=1_048_576,
+        description="Tokens per KV index block: the engine's pages (SGLang --page-size, vLLM --block-size) are "
+        "folded into blocks of this many tokens, which the router hashes and the kv-indexer keeps; a multiple of "
+        "the page size. 0 (default): the page size when it is 16 or more, else 16 (SGLang's default page of 1 "
+        "would otherwise cost one relayed hash, index entry and router hash per token). Routing then matches "
+        "prefixes to within this many tokens.",
+    )
     disaggregation_allow_tcp: bool = Field(
         False,
         description="Let a prefill/decode worker start although its KV transfer would not run over RDMA between "
