@@ -84,8 +84,8 @@ def main() -> None:
         print("sglang-router is not installed (`make bench` installs it): its rows are left out")
     tmp = Path(tempfile.mkdtemp(prefix="infera-bench-"))
     engine_args = ["--speedup", str(args.speedup), "--context-length", "131072"]
-    if args.page_size is not None:
-        engine_args += ["--page-size", str(args.page_size)]
+    if args.page_size is not None:  # the same KV capacity in tokens as the default 16,384 pages of 64
+        engine_args += ["--page-size", str(args.page_size), "--max-total-tokens", str(16384 * 64)]
     rows = []
     for plane in args.planes:
         procs: list = []

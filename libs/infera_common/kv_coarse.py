@@ -8,12 +8,13 @@ tokens ``[i·G, (i+1)·G)`` and is held while the engine holds all ``k`` of its 
 same chained ``block_hash`` hash the router computes over the request's tokens at ``G``, so a prefix
 cached by the engine matches to within ``G`` tokens.
 
-Each engine page is recorded with the index hash of the block before its own (its index parent)
-and either the tokens of its index block so far (a page inside a block not complete at it) or the
-index hash of the block it completes. A later ``BlockStored`` whose parent page sits inside a block
-continues that block with the tokens already seen, so a prefix stored over several events (the usual
-case: each turn of a conversation stores only its new pages) gives the same index hashes as one
-stored at once.
+Pages are recorded by the *run* that stored them (one ``BlockStored``, or several chained ones
+merged): the run keeps its tokens, preceded by those of the pages before it in its first index block,
+and the index hashes of the blocks completed in it; each page is one dict entry, engine hash -> (run,
+offset), set for a whole run in one C-level update. A later ``BlockStored`` whose parent page sits
+inside a block continues that block with the tokens already seen, so a prefix stored over several
+events (the usual case: each turn of a conversation stores only its new pages) gives the same index
+hashes as one stored at once.
 
 A block is held by the page that completes it. Engines evict the tail of a sequence first (SGLang's
 radix cache frees leaves, vLLM frees a request's blocks from its end), so the page that completes a
@@ -28,82 +29,104 @@ from xxhash import xxh3_64_intdigest
 
 from infera_common.block_hash import ROOT, pack_tokens
 
-#: A page: (its index parent, its block's tokens so far packed (None once the page completes the
-#: block), the index hash of the block it completes (None for a page inside a block)).
-Page = tuple[int, bytes | None, int | None]
+_OFFSET_BITS = 32  # a page's key: run id << 32 | its offset in the run
+_OFFSET_MASK = (1 << _OFFSET_BITS) - 1
+
+
+class _Run:
+    """Pages stored together: ``data`` holds the tokens of the ``lead`` pages before them in their
+    first index block, then theirs (packed); ``blocks`` the index hashes of the blocks they complete."""
+
+    __slots__ = ("parent", "data", "lead", "blocks", "live")
+
+    def __init__(self, parent: int, data: bytes, lead: int, blocks: list[int], live: int) -> None:
+        self.parent = parent  # the index hash before the run's first block
+        self.data = data
+        self.lead = lead
+        self.blocks = blocks
+        self.live = live  # its pages still recorded
 
 
 class CoarsePages:
     """One target's pages of one engine page size, indexed at ``index_size`` (a multiple of it)."""
 
-    __slots__ = ("page_size", "index_size", "pages", "refs", "_block_bytes")
+    __slots__ = ("page_size", "index_size", "pages", "refs", "_runs", "_next", "_k", "_page_bytes")
 
     def __init__(self, page_size: int, index_size: int) -> None:
         if page_size <= 0 or index_size <= page_size or index_size % page_size:
             raise ValueError(f"index block size {index_size} is not a multiple (> 1x) of the page size {page_size}")
         self.page_size = page_size
         self.index_size = index_size
-        self.pages: dict[int, Page] = {}  # engine hash -> its Page
+        self.pages: dict[int, int] = {}  # engine hash -> its run's id << 32 | its offset in the run
         self.refs: dict[int, int] = {}  # index hash -> pages completing it (two engine pages, one content)
-        self._block_bytes = index_size * 4
+        self._runs: dict[int, _Run] = {}
+        self._next = 0
+        self._k = index_size // page_size  # pages per index block
+        self._page_bytes = page_size * 4
 
     def start(self, parent_engine_hash: int | None) -> tuple[int, bytes] | None:
         """Where a stored run continues from: (index parent, tokens of its block so far); None when
         the parent page is unknown (the run is an orphan)."""
         if parent_engine_hash is None:
             return ROOT, b""
-        page = self.pages.get(parent_engine_hash)
-        if page is None:
+        key = self.pages.get(parent_engine_hash)
+        if key is None:
             return None
-        parent, partial, completes = page
-        if completes is not None:
-            return completes, b""
-        return parent, partial  # type: ignore[return-value]
+        run = self._runs[key >> _OFFSET_BITS]
+        position = run.lead + (key & _OFFSET_MASK) + 1  # pages of ``data`` up to and including it
+        done, inside = divmod(position, self._k)  # blocks of ``data`` complete at it; its pages past them
+        parent = run.blocks[done - 1] if done else run.parent
+        if not inside:
+            return parent, b""
+        start = done * self._k * self._page_bytes
+        return parent, run.data[start:start + inside * self._page_bytes]
 
     def store(self, engine_hashes: list[int], token_ids: list[int], at: tuple[int, bytes],
               stored: set[int], removed: set[int]) -> None:
         """Record a run of pages continuing from ``at`` (``start``'s answer): the index hashes that
         become held end in ``stored``, those no longer held in ``removed``. Bad token ids raise
         before anything changes."""
-        data = pack_tokens(token_ids)
         parent, partial = at
-        step, full = self.page_size * 4, self._block_bytes
-        pages, refs = self.pages, self.refs
-        start = 0
-        for engine_hash in engine_hashes:
-            end = start + step
-            partial = partial + data[start:end]
-            start = end
-            if len(partial) == full:
-                completes: int | None = xxh3_64_intdigest(partial, parent)
-                page: Page = (parent, None, completes)
-                parent, partial = completes, b""  # type: ignore[assignment]
-            else:
-                completes = None
-                page = (parent, partial, None)
-            old = pages.get(engine_hash)
-            if old == page:
-                continue  # stored again (another medium, a replay)
-            if old is not None and old[2] is not None:  # the engine reused a hash for other content
-                self.unref(old[2], stored, removed)
-            pages[engine_hash] = page
-            if completes is not None:
-                count = refs.get(completes, 0)
-                refs[completes] = count + 1
-                if not count:
-                    removed.discard(completes)
-                    stored.add(completes)
+        data = partial + pack_tokens(token_ids)
+        pages = self.pages
+        again = [h for h in engine_hashes if h in pages]
+        for engine_hash in again:  # stored before (a replay, another medium, a reused hash): as new
+            self.remove(engine_hash, stored, removed)
+        block_bytes = self.index_size * 4
+        blocks: list[int] = []
+        previous = parent
+        for start in range(0, len(data) - block_bytes + 1, block_bytes):
+            previous = xxh3_64_intdigest(data[start:start + block_bytes], previous)
+            blocks.append(previous)
+        run_id = self._next
+        self._next += 1
+        self._runs[run_id] = _Run(parent, data, len(partial) // self._page_bytes, blocks, len(engine_hashes))
+        base = run_id << _OFFSET_BITS
+        pages.update(zip(engine_hashes, range(base, base + len(engine_hashes))))
+        refs = self.refs
+        for index_hash in blocks:
+            count = refs.get(index_hash, 0)
+            refs[index_hash] = count + 1
+            if not count:
+                removed.discard(index_hash)
+                stored.add(index_hash)
 
     def remove(self, engine_hash: int, stored: set[int], removed: set[int]) -> bool:
         """Forget a page; False when it was never stored here."""
-        page = self.pages.pop(engine_hash, None)
-        if page is None:
+        key = self.pages.pop(engine_hash, None)
+        if key is None:
             return False
-        if page[2] is not None:
-            self.unref(page[2], stored, removed)
+        run_id = key >> _OFFSET_BITS
+        run = self._runs[run_id]
+        done, inside = divmod(run.lead + (key & _OFFSET_MASK) + 1, self._k)
+        if not inside:  # the page completes a block
+            self._unref(run.blocks[done - 1], stored, removed)
+        run.live -= 1
+        if not run.live:
+            del self._runs[run_id]
         return True
 
-    def unref(self, index_hash: int, stored: set[int], removed: set[int]) -> None:
+    def _unref(self, index_hash: int, stored: set[int], removed: set[int]) -> None:
         count = self.refs[index_hash] - 1
         if count:
             self.refs[index_hash] = count

@@ -27,7 +27,7 @@ relays).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from infera_common.block_hash import ROOT, block_hashes, pack_hashes
@@ -96,53 +96,85 @@ class BlockTranslator:
         """The pages of this size when they are folded into larger index blocks."""
         coarse = self._coarse.get(page_size)
         if coarse is None:
-            size = self.index_size
-            if size is None or size <= page_size or size % page_size:
+            if not self._folds(page_size):
                 return None
-            coarse = self._coarse[page_size] = CoarsePages(page_size, size)
+            coarse = self._coarse[page_size] = CoarsePages(page_size, self.index_size)  # type: ignore[arg-type]
         return coarse
+
+    def _folds(self, page_size: int) -> bool:
+        size = self.index_size
+        return size is not None and size > page_size and size % page_size == 0
 
     def apply(self, events: Iterable[KvEvent], into: BlockDelta | None = None) -> BlockDelta:
         """Apply events in order, into ``into`` (the delta of the batches before them) or a new delta;
         a bad event is counted and skipped."""
         delta = into if into is not None else BlockDelta()
-        applied = delta.applied
-        for event in events:
-            cls = type(event)
-            try:
-                if cls is BlockStored:
-                    done = self._store(event, delta)  # type: ignore[arg-type]
-                elif cls is BlockRemoved:
-                    done = self._remove(event, delta)  # type: ignore[arg-type]
-                elif cls is AllBlocksCleared:
-                    self._sizes.clear()
-                    self._coarse.clear()
-                    delta.reset, done = True, True
-                    delta.stored.clear()
-                    delta.removed.clear()
-                else:  # pragma: no cover - kv_wire only yields the three
-                    done = False
-            except (ValueError, OverflowError, TypeError):  # token ids that are not 0..2**32-1 integers
-                delta.malformed += 1
-                continue
-            if done:
-                name = cls.__name__
-                applied[name] = applied.get(name, 0) + 1
+        if self.index_size is None:
+            for event in events:
+                self._apply_one(event, delta, 1)
+            return delta
+        for event, parts in _chained(events, self._folds):  # SGLang's one-event-per-page runs, joined
+            if not self._apply_one(event, delta, len(parts)) and len(parts) > 1:
+                for part in parts:  # a bad token id somewhere in the run: each event on its own
+                    self._apply_one(part, delta, 1)
         return delta
+
+    def _apply_one(self, event: KvEvent, delta: BlockDelta, events: int) -> bool:
+        """Apply ``event`` (standing for ``events`` engine events); False if it was malformed."""
+        cls = type(event)
+        try:
+            if cls is BlockStored:
+                done = self._store(event, delta)  # type: ignore[arg-type]
+            elif cls is BlockRemoved:
+                done = self._remove(event, delta)  # type: ignore[arg-type]
+            elif cls is AllBlocksCleared:
+                self._sizes.clear()
+                self._coarse.clear()
+                delta.reset, done = True, True
+                delta.stored.clear()
+                delta.removed.clear()
+            else:  # pragma: no cover - kv_wire only yields the three
+                done = False
+        except (ValueError, OverflowError, TypeError):  # token ids that are not 0..2**32-1 integers
+            if events == 1:
+                delta.malformed += 1
+            return False
+        if done:
+            applied = delta.applied
+            name = cls.__name__
+            applied[name] = applied.get(name, 0) + events
+        return True
 
     def apply_in_slices(self, events: Iterable[KvEvent], into: BlockDelta,
                         blocks: int = SLICE_BLOCKS) -> Iterator[None]:
         """``apply``, a slice at a time: the iterator yields each time about ``blocks`` blocks were
-        applied (whole events: an event is never split), so that an adapter can let other work run
-        in between; ``into`` is complete when it ends. Applying a 16k-token prompt's blocks at once
-        holds a Python process for milliseconds, in which a token waiting to be relayed waits too."""
-        done = 0
+        applied (whole events: an event is never split; pages folded into index blocks count as
+        the index blocks they make), so that an adapter can let other work run in between; ``into``
+        is complete when it ends. Applying a 16k-token prompt's blocks at once holds a Python process
+        for milliseconds, in which a token waiting to be relayed waits too."""
+        done = 0.0
+        chunk: list[KvEvent] = []
+        weights: dict[int, float] = {}  # block size -> what one block of it counts for
+        removed_weight = min((c.page_size / c.index_size for c in self._coarse.values()), default=1.0)
         for event in events:
-            self.apply((event,), into)
-            done += len(event.block_hashes) if type(event) is not AllBlocksCleared else 1  # type: ignore[union-attr]
+            chunk.append(event)
+            cls = type(event)
+            if cls is BlockStored:
+                size = event.block_size  # type: ignore[union-attr]
+                weight = weights.get(size)
+                if weight is None:
+                    weight = weights[size] = size / self.index_size if self._folds(size) else 1.0  # type: ignore[operator]
+                done += len(event.block_hashes) * weight  # type: ignore[union-attr]
+            elif cls is BlockRemoved:
+                done += len(event.block_hashes) * removed_weight  # type: ignore[union-attr]
+            else:
+                done += 1
             if done >= blocks:
-                done = 0
+                self.apply(chunk, into)
+                chunk, done = [], 0.0
                 yield
+        if chunk:
+            self.apply(chunk, into)
 
     def _store(self, ev: BlockStored, delta: BlockDelta) -> bool:
         size = ev.block_size
@@ -192,6 +224,13 @@ class BlockTranslator:
         return True
 
     def _remove(self, ev: BlockRemoved, delta: BlockDelta) -> bool:
+        if not self._sizes and len(self._coarse) == 1:  # only folded pages (SGLang at page 1): no search
+            coarse = next(iter(self._coarse.values()))
+            stored, removed = delta.sets(coarse.index_size)
+            for engine_hash in ev.block_hashes:
+                if not coarse.remove(engine_hash, stored, removed):
+                    delta.unknown_removed += 1
+            return True
         for engine_hash in ev.block_hashes:
             for size, blocks in self._sizes.items():
                 index_hash = blocks.engine.pop(engine_hash, None)
@@ -217,6 +256,49 @@ class BlockTranslator:
             return
         del refs[index_hash]
         _moved(delta.stored, delta.removed, size, index_hash)
+
+
+def _chained(events: Iterable[KvEvent], folds: Callable[[int], bool]) -> Iterator[tuple[KvEvent, list[KvEvent]]]:
+    """The events, with each run of ``BlockStored`` events of a folded page size that continue one
+    another (each one's parent is the last page before it), and each run of ``BlockRemoved`` events,
+    joined into one: (event, the events it stands for). SGLang sends one event per page."""
+    run: list = []
+    folded: dict[int, bool] = {}
+    for event in events:
+        cls = type(event)
+        if run:
+            last = run[-1]
+            if cls is type(last) and (cls is BlockRemoved or (
+                    event.parent_block_hash == last.block_hashes[-1] and event.block_size == last.block_size)):  # type: ignore[union-attr]
+                run.append(event)
+                continue
+            yield _joined(run), run
+            run = []
+        if cls is BlockRemoved:
+            run = [event]
+        elif cls is BlockStored:
+            size = event.block_size  # type: ignore[union-attr]
+            fold = folded.get(size)
+            if fold is None:
+                fold = folded[size] = folds(size)
+            if fold:
+                run = [event]
+            else:
+                yield event, [event]
+        else:
+            yield event, [event]
+    if run:
+        yield _joined(run), run
+
+
+def _joined(run: list) -> KvEvent:
+    if len(run) == 1:
+        return run[0]
+    first = run[0]
+    if type(first) is BlockRemoved:
+        return BlockRemoved([h for e in run for h in e.block_hashes], first.medium)
+    return BlockStored([h for e in run for h in e.block_hashes], first.parent_block_hash,
+                       [t for e in run for t in e.token_ids], first.block_size, first.lora_id, first.medium)
 
 
 def delta_relay(worker_id: str, dp_rank: int, seq: int, delta: BlockDelta, block_size: int | None,

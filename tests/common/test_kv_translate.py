@@ -295,12 +295,14 @@ def test_coarse_orphans_unknown_removals_and_bad_tokens_are_counted_and_cleared_
     assert again.reset and again.stored == {4: set(block_hashes(toks(4), 4))}
 
 
-@pytest.mark.parametrize(("page", "index_size"), [(1, 4), (2, 8), (4, 16)])
-def test_a_random_engine_history_leaves_held_exactly_the_whole_blocks_of_the_engines_pages(page, index_size):
+@pytest.mark.parametrize(("page", "index_size", "per_page"), [(1, 4, True), (1, 4, False), (2, 8, True),
+                                                             (4, 16, False)])
+def test_a_random_engine_history_leaves_held_exactly_the_whole_blocks_of_the_engines_pages(page, index_size, per_page):
     """An engine with a prefix tree of pages (children hashed from parent and tokens, as engines do),
-    storing runs under any page it holds and evicting leaves; after every batch the translator
-    holds exactly the index blocks all of whose pages the engine holds."""
-    rng = random.Random(page * 1000 + index_size)
+    storing runs under any page it holds and evicting leaves, in one event per run or (SGLang) per
+    page; after every batch the translator holds exactly the index blocks all of whose pages the
+    engine holds."""
+    rng = random.Random(page * 1000 + index_size + per_page)
     t = BlockTranslator(index_size=index_size)
     parent_of: dict[int, int | None] = {}  # engine hash -> parent engine hash (the held pages)
     tokens_of: dict[int, list[int]] = {}
@@ -332,7 +334,7 @@ def test_a_random_engine_history_leaves_held_exactly_the_whole_blocks_of_the_eng
                     leaf = rng.choice(leaves)
                     gone.append(leaf)
                     del parent_of[leaf], tokens_of[leaf]
-                batch.append(BlockRemoved(block_hashes=gone))
+                batch += [BlockRemoved(block_hashes=[h]) for h in gone] if per_page else [BlockRemoved(gone)]
                 continue
             under = rng.choice([None, *parent_of]) if parent_of else None
             run, hashes, prev = [], [], under
@@ -345,9 +347,25 @@ def test_a_random_engine_history_leaves_held_exactly_the_whole_blocks_of_the_eng
                 hashes.append(h)
                 run.extend(chunk)
                 prev = h
-            if hashes:
+            if hashes and per_page:
+                parents = [under, *hashes[:-1]]
+                batch += [BlockStored(block_hashes=[h], parent_block_hash=p, token_ids=run[i * page:(i + 1) * page],
+                                      block_size=page) for i, (h, p) in enumerate(zip(hashes, parents))]
+            elif hashes:
                 batch.append(BlockStored(block_hashes=hashes, parent_block_hash=under, token_ids=run,
                                          block_size=page))
-        delta = t.apply(batch)
+        delta = BlockDelta()
+        for _ in t.apply_in_slices(batch, delta, blocks=rng.choice([1, 3, 32])):
+            pass
         assert not (delta.orphaned or delta.unknown_removed or delta.malformed)
+        assert delta.applied == {k: v for k, v in (("BlockStored", sum(type(e) is BlockStored for e in batch)),
+                                                   ("BlockRemoved", sum(type(e) is BlockRemoved for e in batch))) if v}
         assert set(t.held().get(index_size, ())) == expected()
+
+
+def test_a_bad_token_inside_a_run_of_one_page_events_costs_that_event_and_what_hangs_from_it():
+    t = BlockTranslator(index_size=2)
+    events = [BlockStored([i + 1], i or None, [tok], 1) for i, tok in enumerate([5, 6, -7, 8])]
+    d = t.apply(events)
+    assert (d.malformed, d.orphaned) == (1, 1) and d.applied == {"BlockStored": 2}
+    assert d.stored == {2: set(block_hashes([5, 6], 2))}
