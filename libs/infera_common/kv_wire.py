@@ -15,16 +15,21 @@ A malformed event raises ``KvWireError``; a caller counts and drops it. Token id
 being a list of the right length here; each id's type and range (``0..2**32-1``) is checked where
 they are hashed (``block_hashes`` raises), so ingest reads every token once.
 
-This is ingest's hot path: events are plain (non-frozen) slotted objects, built with one type check
-per field, no per-token work.
+This is ingest's hot path, and SGLang at its default page of one token sends one event per token.
+A batch in SGLang's layout (array batch, positional events) is decoded and type-checked in one pass
+by msgspec, straight into the event types, which are msgspec structs in that layout; any other
+layout, or a batch with anything msgspec refuses, is read field by field as before, so that a
+malformed event costs only itself. Either way no per-token work is done here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import msgpack
+import msgspec
 
 #: The sequence number of the replay socket's end-of-replay marker.
 END_SEQ = -1
@@ -34,28 +39,35 @@ class KvWireError(ValueError):
     """Bytes that are not a well-formed KV event (batch)."""
 
 
-@dataclass(slots=True)
-class BlockStored:
+# Positional, tagged by class name (``["BlockStored", ...]``); extra trailing fields (``lora_name``) ignored.
+class BlockStored(msgspec.Struct, array_like=True, tag=True, gc=False):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
-    block_size: int
+    block_size: Annotated[int, msgspec.Meta(gt=0)]
     lora_id: int | None = None
     medium: str | None = None
 
 
-@dataclass(slots=True)
-class BlockRemoved:
+class BlockRemoved(msgspec.Struct, array_like=True, tag=True, gc=False):
     block_hashes: list[int]
     medium: str | None = None
 
 
-@dataclass(slots=True)
-class AllBlocksCleared:
+class AllBlocksCleared(msgspec.Struct, array_like=True, tag=True, gc=False):
     pass
 
 
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[KvEvent]
+    dp_rank: int | None = None
+
+
+_decode_array_batch = msgspec.msgpack.Decoder(_ArrayBatch).decode
 
 
 @dataclass(slots=True)
@@ -97,16 +109,21 @@ def decode_batch(payload: bytes) -> EventBatch:
 
 @dataclass(slots=True)
 class RawBatch:
-    """A batch whose envelope is read and checked, its events not yet decoded: ``decoded`` decodes
-    them one at a time, so that a consumer can let other work run between them."""
+    """A batch whose envelope is read and checked: ``decoded`` gives its events, decoding them one
+    at a time when they were not decoded whole (so that a consumer can let other work run between
+    them)."""
 
     ts: float
     events: list
     dp_rank: int | None
+    ready: bool = False  # ``events`` are decoded and checked already
 
     def decoded(self, malformed: list[str]) -> Iterator[KvEvent]:
         """The events in order, each decoded as it is reached; a malformed one is appended to
         ``malformed`` and skipped."""
+        if self.ready:
+            yield from self.events
+            return
         for event in self.events:
             try:
                 yield decode_event(event)
@@ -114,8 +131,24 @@ class RawBatch:
                 malformed.append(str(exc))
 
 
+def _read_whole(payload: bytes) -> RawBatch | None:
+    """SGLang's layout decoded in one pass; None when the batch is in another layout or anything
+    in it is not well-formed (the caller then reads it event by event)."""
+    try:
+        batch = _decode_array_batch(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    for event in batch.events:
+        if type(event) is BlockStored and len(event.token_ids) != len(event.block_hashes) * event.block_size:
+            return None
+    return RawBatch(batch.ts, batch.events, batch.dp_rank, ready=True)
+
+
 def read_batch(payload: bytes) -> RawBatch:
     """Unpack one msgpack batch and check its envelope; ``KvWireError`` if that is malformed."""
+    whole = _read_whole(payload)
+    if whole is not None:
+        return whole
     raw = unpack(payload, "batch")
     if type(raw) is dict:
         ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")

@@ -4,8 +4,8 @@ import msgpack
 import pytest
 
 from infera_common.kv_wire import (
-    END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, KvWireError, decode_batch, decode_seq, encode_seq,
-    replay_reply,
+    END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, KvWireError, RawBatch, decode_batch, decode_seq, encode_seq,
+    read_batch, replay_reply,
 )
 
 TOKENS = list(range(100, 108))  # two blocks of 4
@@ -105,3 +105,37 @@ def test_replay_replies_are_read_in_both_engines_framings():
     for bad in ([b"", encode_seq(7)], [b"x", encode_seq(7), b"batch"], [b"", b"", b"", encode_seq(7), b""]):
         with pytest.raises(KvWireError):
             replay_reply(bad)
+
+
+def _one_by_one(payload: bytes) -> list:
+    """The events as the field-by-field reader decodes them (the fallback of ``read_batch``)."""
+    raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    malformed: list[str] = []
+    return list(RawBatch(float(raw[0]), raw[1], raw[2] if len(raw) > 2 else None).decoded(malformed))
+
+
+@pytest.mark.parametrize("batch", [
+    [1.5, [["BlockStored", [i + 1], i or None, [100 + i], 1, None, "GPU"] for i in range(50)] + [["BlockRemoved", [50]]], 2],
+    [1.5, [["BlockStored", [-1, -(2**63)], None, TOKENS, 4], ["AllBlocksCleared"]]],  # no rank, short events
+    [7, [["BlockStored", [2**64 - 1], None, [1, 2], 2, 3, "CPU", "lora-name", "more"]], 0],
+])
+def test_sglangs_layout_is_read_in_one_pass_into_the_same_events(batch):
+    payload = msgpack.packb(batch)
+    raw = read_batch(payload)
+    assert raw.ready  # msgspec read it whole
+    assert list(raw.decoded([])) == _one_by_one(payload) and raw.dp_rank == (batch[2] if len(batch) > 2 else None)
+
+
+@pytest.mark.parametrize("event", [
+    ["BlockStored", [True], None, [1, 2], 2],  # a bool is not a hash
+    ["BlockStored", [1], None, [1, 2, 3], 2],  # tokens for 1.5 blocks
+    ["BlockStored", [1], None, [1, 2], 0],
+    ["BlockStored", [1], None, [1, "2"], 2],  # a token id that is not an integer
+    ["BlockStored", [1], None, [1, 2], 2, "lora"],  # a lenient field: read as None by the fallback
+    ["Nonsense"],
+])
+def test_a_batch_msgspec_refuses_is_read_event_by_event(event):
+    payload = msgpack.packb([0.0, [["BlockRemoved", [9]], event]])
+    raw = read_batch(payload)
+    assert not raw.ready
+    assert [type(e) for e in raw.decoded([])][0] is BlockRemoved
