@@ -29,20 +29,24 @@ from benchfleet import start_fleet, stop_fleet
 from long_prompt import fresh_prompt
 from trace_replay import one_completion
 
-ROLES = {  # a process's role, from its command line
-    "nats-server": "nats-server", "etcd": "etcd", "infera.server": "infera.server", "infera_frontend": "frontend",
-    "infera_router": "router", "infera_kv_indexer": "kv-indexer", "infera_mock_engine": "engine",
-    "infera_worker_agent.watchdog": None, "infera_worker_agent": "worker-agent",
+ROLES = {  # a process's role: the module it runs (checked in this order), or the binary
+    "infera_worker_agent.watchdog": None, "infera_worker_agent": "worker-agent", "infera_mock_engine": "engine",
+    "infera.server": "infera.server", "infera_frontend": "frontend", "infera_router": "router",
+    "infera_kv_indexer": "kv-indexer",
 }
+BINARIES = {"nats-server": "nats-server", "etcd": "etcd"}
 _HZ = os.sysconf("SC_CLK_TCK")
 
 
 def _role(pid: int) -> str | None:
     try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return None
-    return next((role for key, role in ROLES.items() if key in cmd), None)
+    binary = BINARIES.get(Path(argv[0]).name)
+    if binary is not None:
+        return binary
+    return next((role for key, role in ROLES.items() if key in argv), None)
 
 
 def _children(pid: int) -> list[int]:

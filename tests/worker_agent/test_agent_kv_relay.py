@@ -9,6 +9,7 @@ from infera_common.kv_translate import SLICE_BLOCKS
 from infera_common.kv_wire import encode_seq
 from infera_worker_agent.kv_config import KvSource
 from infera_worker_agent import kv_relay
+from infera_worker_agent.kv_probe import KvBlockSizeProbe
 from infera_worker_agent.kv_relay import KvRelayer
 from infera_worker_agent.metrics import AgentMetrics
 from tests.kv_indexer.zmq_helpers import FakePublisher as ZmqFakePublisher
@@ -295,4 +296,27 @@ async def test_a_long_prompts_blocks_are_relayed_in_slices_letting_the_agents_ot
     finally:
         ticker.cancel()
         await relayer.close()
+        await pub.close()
+
+
+async def test_on_the_zmq_plane_the_agent_stops_listening_once_a_stored_block_showed_the_block_size():
+    """The kv-indexer reads the engine itself there: the agent only learns the real block size (64
+    here, 16 registered) from the first stored block, re-registers it, and stops decoding events."""
+    pub = FakePublisher()
+    sizes: list[int] = []
+
+    async def on_block_size(size: int) -> None:
+        sizes.append(size)
+
+    probe = KvBlockSizeProbe("w1", [pub.source], 16, replay_timeout=2.0, on_block_size=on_block_size)
+    await probe.start()
+    try:
+        seq = 0
+        while probe.listening and seq < 100:
+            await pub.publish(seq)
+            seq += 1
+            await asyncio.sleep(0.05)
+        assert not probe.listening and probe.block_size == 64 and sizes == [64]
+    finally:
+        await probe.close()
         await pub.close()

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import itertools
 
-import msgpack
 import pytest
 
 from infera_worker_agent.engine_drain import IdleCheck, wait_engine_idle
 from infera_worker_agent.kv_config import KvSource
-from infera_worker_agent.kv_probe import stores_blocks
 from infera_worker_agent.load import EngineLoad
 from infera_worker_agent.main import build_plan, main
 from infera_worker_agent.host_probe import HostFacts
@@ -120,9 +118,3 @@ async def test_drain_waits_for_the_engine_to_go_idle_or_gives_up_at_the_timeout(
     assert not (await wait_engine_idle(broken, 0, interval=0)).idle
 
 
-def test_a_batch_stores_blocks_only_with_a_block_stored_event():
-    stored = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": list(range(4)),
-              "block_size": 4, "lora_id": None}
-    assert stores_blocks(msgpack.packb([0.0, [stored], 0]))
-    assert not stores_blocks(msgpack.packb([0.0, [{"type": "AllBlocksCleared"}], 0]))
-    assert not stores_blocks(b"\xc1 not msgpack")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
-from infera_common.kv_wire import BlockStored, KvWireError, decode_batch
 from infera_common.logs import get_logger
 from infera_common.schemas import KvRelay
 from infera_worker_agent.kv_config import KvSource
@@ -18,14 +17,6 @@ from infera_worker_agent.kv_relay import KvRelayer
 from infera_worker_agent.metrics import AgentMetrics
 
 log = get_logger("worker_agent.kv_probe")
-
-
-def stores_blocks(payload: bytes) -> bool:
-    """Whether an engine batch holds a ``BlockStored`` event (an undecodable one does not)."""
-    try:
-        return any(isinstance(e, BlockStored) for e in decode_batch(payload).events)
-    except KvWireError:
-        return False
 
 
 class KvBlockSizeProbe:
@@ -64,9 +55,14 @@ class KvBlockSizeProbe:
             self._task = None
         await self._relayer.close()
 
+    @property
+    def listening(self) -> bool:
+        return not self._seen.is_set()
+
     async def _publish(self, relay: KvRelay) -> None:
-        # the relayer settles (and re-registers) the block size before it hands the batch on
-        if relay.kind == "batch" and relay.payload and not self._seen.is_set() and stores_blocks(relay.payload):
+        # the relayer settles (and re-registers) the block size before it hands on the batch that
+        # showed it (a translated ``blocks`` relay, sent nowhere): from then on listening is waste
+        if not self._seen.is_set() and self._relayer.block_size_seen:
             self._seen.set()
 
     async def _close_when_settled(self) -> None:

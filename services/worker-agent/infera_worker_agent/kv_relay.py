@@ -97,6 +97,11 @@ class KvRelayer:
         self._translators: dict[int, BlockTranslator] = {}  # per DP rank
         self._carried: dict[int, _Carried] = {}  # per DP rank: what a failed publish did not deliver
 
+    @property
+    def block_size_seen(self) -> bool:
+        """Whether a stored block has shown the engine's real block size."""
+        return self._block_size_seen
+
     async def start(self) -> None:
         """Publish ``cleared`` (before anything else), then relay every rank."""
         self._translators.clear()
