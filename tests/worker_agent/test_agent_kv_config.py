@@ -6,8 +6,8 @@ import pytest
 
 from infera_worker_agent.engine_cmd import EngineArgsError, flag_value, plan_engine
 from infera_worker_agent.kv_config import (
-    KvSource, advertised_endpoint, block_size, index_block_problem, index_block_size, local_endpoint, plan_kv_events,
-    resolve_sources,
+    KvSource, advertised_endpoint, block_size, block_size_notes, index_block_problem, index_block_size, local_endpoint,
+    plan_kv_events, resolve_sources,
 )
 
 
@@ -156,3 +156,11 @@ def test_before_launch_only_a_page_size_the_flags_fix_is_checked():
     assert index_block_problem("vllm", 24, ["--block-size", "8"]) is None
     assert index_block_problem("sglang", 24, []) is None  # the page is resolved at start (1 unless told)
     assert index_block_problem("sglang", 0, ["--page-size", "16"]) is None
+
+
+def test_the_operator_is_told_when_pages_fold_when_the_flag_had_to_change_and_when_blocks_stay_small():
+    assert [event for _, event, _ in block_size_notes(1, 0)] == ["kv_pages_folded"]
+    assert [event for _, event, _ in block_size_notes(64, 0)] == []
+    assert [(level, event) for level, event, _ in block_size_notes(1, 1)] == [("warning", "kv_block_size_small")]
+    [(level, event, fields)] = block_size_notes(32, 48)
+    assert (level, event, fields["index_block_size"]) == ("warning", "kv_index_block_size_changed", 64)

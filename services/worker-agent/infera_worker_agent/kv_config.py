@@ -26,7 +26,7 @@ from infera_worker_agent.engine_cmd import EngineArgsError, flag_value, has_flag
 
 __all__ = [  # advertised_endpoint and local_endpoint: re-exported, the agent's modules read them here
     "DP_FLAGS", "KV_EVENTS_FLAG", "VLLM_DEFAULT_BLOCK_SIZE", "KvEventsPlan", "KvSource", "advertised_endpoint",
-    "block_size", "build_config", "config_publishes", "dp_size", "index_block_problem", "index_block_size",
+    "block_size", "block_size_notes", "build_config", "config_publishes", "dp_size", "index_block_problem", "index_block_size",
     "local_endpoint", "offset_endpoint", "parse_json_flag", "plan_kv_events", "resolve_sources", "sources_from_config",
     "sources_from_descriptor", "sources_from_event_sources",
 ]
@@ -201,6 +201,23 @@ def index_block_problem(engine: str, wanted: int, args: Sequence[str]) -> str | 
     return (f"--kv-index-block-size {wanted} is not a multiple of the engine's page size ({source}): KV events "
             f"come in pages of {page} tokens, which fold only into index blocks of a multiple of {page}; pass "
             f"--kv-index-block-size {_multiple_at_least(page, wanted)} (or 0 to let the agent pick)")
+
+
+def block_size_notes(page: int | None, wanted: int) -> list[tuple[str, str, dict[str, Any]]]:
+    """What to tell the operator about the engine's page size ``page`` and the index block size it
+    gives under ``--kv-index-block-size`` ``wanted``: (log level, event, fields) each."""
+    index, changed = index_block_size(page, wanted)
+    sizes: dict[str, Any] = {"block_size": page, "index_block_size": index}
+    notes: list[tuple[str, str, dict[str, Any]]] = []
+    if changed is not None:
+        notes.append(("warning", "kv_index_block_size_changed", {**sizes, "hint": changed}))
+    elif page is not None and index != page:
+        notes.append(("info", "kv_pages_folded", {**sizes, "note": "the engine's pages are indexed in blocks of "
+                                                  "index_block_size tokens (--kv-index-block-size)"}))
+    small = small_block_note(index)
+    if small is not None:
+        notes.append(("warning", "kv_block_size_small", {**sizes, "hint": small}))
+    return notes
 
 
 def small_block_note(size: int | None) -> str | None:

@@ -46,9 +46,9 @@ from infera_worker_agent.kv_config import (
     KvSource,
     advertised_endpoint,
     block_size,
+    block_size_notes,
     index_block_size,
     resolve_sources,
-    small_block_note,
 )
 from infera_worker_agent.kv_probe import KvBlockSizeProbe
 from infera_worker_agent.kv_relay import KvRelayer
@@ -271,18 +271,8 @@ class Agent:
         self._kv_index_block_size = self._index_size_for(page)
 
     def _note_block_size(self) -> None:
-        """What to tell the operator about the page and index block sizes."""
-        page = self._kv_block_size
-        changed = index_block_size(page, self.s.kv_index_block_size)[1]
-        if changed is not None:
-            log.warning("kv_index_block_size_changed", block_size=page, index_block_size=self._kv_index_block_size,
-                        hint=changed)
-        elif page is not None and self._kv_index_block_size != page:
-            log.info("kv_pages_folded", block_size=page, index_block_size=self._kv_index_block_size,
-                     note="the engine's pages are indexed in blocks of index_block_size tokens (--kv-index-block-size)")
-        note = small_block_note(self._kv_index_block_size)
-        if note is not None:
-            log.warning("kv_block_size_small", block_size=page, index_block_size=self._kv_index_block_size, hint=note)
+        for level, event, fields in block_size_notes(self._kv_block_size, self.s.kv_index_block_size):
+            getattr(log, level)(event, **fields)
 
     # --- prefill/decode role --------------------------------------------------------------------
     async def _learn_pd(self, info: dict | None) -> None:
