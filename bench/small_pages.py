@@ -121,8 +121,8 @@ def main() -> None:
         per_request = {role: 1000 * (after[role] - before.get(role, 0.0)) / len(prompts) for role in after}
         rows.append((size, per_request, 1000 * statistics.median(ttfts)))
     roles = sorted({r for _, cpu, _ in rows for r in cpu if r != "engine"})
-    print(f"\nFresh {args.tokens}-token prompts at page size 1, {args.requests} per fleet, one at a time, max_tokens 1; "
-          f"{args.plane} plane; mock speedup {args.speedup:g}; CPU ms per request; logs {tmp}\n")
+    print(f"\nFresh {args.tokens}-token prompts at page size 1, {args.requests} per fleet, one at a time, "
+          f"max_tokens 1; {args.plane} plane; mock speedup {args.speedup:g}; CPU ms per request; logs {tmp}\n")
     hdr = (f"{'index block':>11} | " + " ".join(f"{r:>12}" for r in roles) + f" | {'Infera':>8} {'vs base':>7}"
            f" | {'engine':>8} | {'TTFT p50':>8}")
     print(hdr)

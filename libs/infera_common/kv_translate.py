@@ -162,8 +162,9 @@ class BlockTranslator:
             if cls is BlockStored:
                 size = event.block_size  # type: ignore[union-attr]
                 weight = weights.get(size)
-                if weight is None:
-                    weight = weights[size] = size / self.index_size if self._folds(size) else 1.0  # type: ignore[operator]
+                if weight is None:  # a folded page counts as the part of an index block it is
+                    folds = self._folds(size)
+                    weight = weights[size] = size / self.index_size if folds else 1.0  # type: ignore[operator]
                 done += len(event.block_hashes) * weight  # type: ignore[union-attr]
             elif cls is BlockRemoved:
                 done += len(event.block_hashes) * removed_weight  # type: ignore[union-attr]
@@ -267,9 +268,7 @@ def _chained(events: Iterable[KvEvent], folds: Callable[[int], bool]) -> Iterato
     for event in events:
         cls = type(event)
         if run:
-            last = run[-1]
-            if cls is type(last) and (cls is BlockRemoved or (
-                    event.parent_block_hash == last.block_hashes[-1] and event.block_size == last.block_size)):  # type: ignore[union-attr]
+            if cls is type(run[-1]) and (cls is BlockRemoved or _continues(event, run[-1])):  # type: ignore[arg-type]
                 run.append(event)
                 continue
             yield _joined(run), run
@@ -289,6 +288,11 @@ def _chained(events: Iterable[KvEvent], folds: Callable[[int], bool]) -> Iterato
             yield event, [event]
     if run:
         yield _joined(run), run
+
+
+def _continues(event: BlockStored, last: BlockStored) -> bool:
+    """Whether ``event`` stores the pages right after ``last``'s, at the same page size."""
+    return event.parent_block_hash == last.block_hashes[-1] and event.block_size == last.block_size
 
 
 def _joined(run: list) -> KvEvent:

@@ -152,6 +152,7 @@ def test_an_index_block_size_the_engines_page_does_not_divide_is_rounded_up_with
 def test_before_launch_only_a_page_size_the_flags_fix_is_checked():
     assert index_block_problem("sglang", 24, ["--page-size", "16"]) is not None
     assert index_block_problem("mock", 24, ["--page-size", "16"]) is not None
+    assert "(--block-size 16)" in index_block_problem("sglang", 24, ["--block-size", "16"])  # the flag given
     assert "default --block-size 16" in index_block_problem("vllm", 24, [])
     assert index_block_problem("vllm", 24, ["--block-size", "8"]) is None
     assert index_block_problem("sglang", 24, []) is None  # the page is resolved at start (1 unless told)

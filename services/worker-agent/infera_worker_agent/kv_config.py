@@ -26,9 +26,9 @@ from infera_worker_agent.engine_cmd import EngineArgsError, flag_value, has_flag
 
 __all__ = [  # advertised_endpoint and local_endpoint: re-exported, the agent's modules read them here
     "DP_FLAGS", "KV_EVENTS_FLAG", "VLLM_DEFAULT_BLOCK_SIZE", "KvEventsPlan", "KvSource", "advertised_endpoint",
-    "block_size", "block_size_notes", "build_config", "config_publishes", "dp_size", "index_block_problem", "index_block_size",
-    "local_endpoint", "offset_endpoint", "parse_json_flag", "plan_kv_events", "resolve_sources", "sources_from_config",
-    "sources_from_descriptor", "sources_from_event_sources",
+    "block_size", "block_size_notes", "build_config", "config_publishes", "dp_size", "index_block_problem",
+    "index_block_size", "local_endpoint", "offset_endpoint", "parse_json_flag", "plan_kv_events", "resolve_sources",
+    "sources_from_config", "sources_from_descriptor", "sources_from_event_sources",
 ]
 
 KV_EVENTS_FLAG = "--kv-events-config"
@@ -192,12 +192,12 @@ def index_block_problem(engine: str, wanted: int, args: Sequence[str]) -> str | 
     default 16 included), so that a runbook's mistake costs seconds, not a cold start."""
     if wanted == 0:
         return None
-    flag = "--block-size" if engine == "vllm" else "--page-size"
     page = block_size(engine, None, args)
     if page is None or wanted % page == 0:
         return None
-    given = flag_value(args, flag)
-    source = f"{flag} {given}" if given is not None else f"default {flag} {page}"
+    flags = ("--block-size",) if engine == "vllm" else ("--page-size", "--block-size")  # as ``block_size`` reads
+    given = next((f"{flag} {flag_value(args, flag)}" for flag in flags if flag_value(args, flag) is not None), None)
+    source = given or f"default {flags[0]} {page}"
     return (f"--kv-index-block-size {wanted} is not a multiple of the engine's page size ({source}): KV events "
             f"come in pages of {page} tokens, which fold only into index blocks of a multiple of {page}; pass "
             f"--kv-index-block-size {_multiple_at_least(page, wanted)} (or 0 to let the agent pick)")
