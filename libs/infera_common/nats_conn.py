@@ -90,11 +90,28 @@ async def ensure_request_stream(js: JetStreamContext, worker_id: str, max_pendin
         num_replicas=1,
     )
     try:
-        await js.stream_info(name)
-        await js.update_stream(config)
+        info = await js.stream_info(name)
     except NotFoundError:
         await js.add_stream(config)
+        return name
+    if info.config.sealed:  # left sealed by an agent of this worker that stopped before deleting it
+        await js.delete_stream(name)
+        await js.add_stream(config)
+    else:
+        await js.update_stream(config)
     return name
+
+
+async def seal_request_stream(js: JetStreamContext, worker_id: str) -> None:
+    """Seal the worker's work-queue stream: the broker refuses every publish from now on (error
+    10109, which routers read as "this worker is gone" and try another), while the envelopes
+    already stored are still delivered to the worker's consumer. Sealing cannot be undone: only
+    an agent on its way out does it, and a restarted agent recreates the stream
+    (``ensure_request_stream`` then finds it sealed and replaces it)."""
+    info = await js.stream_info(request_stream(worker_id))
+    if not info.config.sealed:
+        info.config.sealed = True
+        await js.update_stream(info.config)
 
 
 #: Default retention of the KV event stream: how far back a restarted kv-indexer can replay.

@@ -14,6 +14,9 @@ def test_stored_full_gone_and_other_errors_are_told_apart():
     other = parse_pub_ack(b'{"error":{"code":503,"err_code":10077,"description":"resource limits exceeded"}}', None)
     assert (other.kind, other.err_code, other.description) == ("error", 10077, "resource limits exceeded")
     assert parse_pub_ack(b"", "503").kind == "gone"  # no stream listens on the subject
+    # nats-server's answer once the worker-agent sealed its queue on its way out
+    sealed = b'{"error":{"code":400,"err_code":10109,"description":"invalid operation on sealed stream"}}'
+    assert parse_pub_ack(sealed, None).kind == "gone"
 
 
 def test_unreadable_answers_are_errors_not_successes():

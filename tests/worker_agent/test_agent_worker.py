@@ -8,6 +8,7 @@ import time
 
 import aiohttp
 import pytest
+from nats.js.errors import BadRequestError
 
 from infera_common.nats_conn import connect, ensure_request_stream
 from infera_common.schemas import Cancel, Frame, Prefilled, Release, WorkEnvelope, decode, encode
@@ -263,3 +264,28 @@ async def test_cancel_and_stop_together_give_one_error_and_one_release(h):
     assert [(f.kind, f.status) for f in frames] == [("error", 499)]
     assert [r.outcome for r in await h.released(f"lease-{rid}", timeout=2)] == ["cancelled"]
     assert await h.worker.wait_idle(5) and h.worker.in_flight == 0
+
+
+async def test_a_sealed_queue_refuses_new_work_delivers_what_it_held_and_a_restart_reopens_it(nats_server):
+    """What a worker-agent on its way out relies on: envelopes stored before the seal are still
+    delivered (and refused while draining), envelopes after it are refused by the broker."""
+    nc = await connect(nats_server, "early")
+    await ensure_request_stream(nc.jetstream(), WID, 16, 60.0)
+    early = Harness(nc, None, None, None, None)  # only its submit/frames helpers
+    held = [await early.submit({"mode": "json"}, stream=False, rid=f"held-{i}") for i in range(3)]
+    h = await make_harness(nats_server)  # the consumer starts with three envelopes stored
+    try:
+        h.worker.begin_drain(StopReason("cancelled", 503, "draining", abort_engine=False))
+        await h.worker.seal_queue()
+        with pytest.raises(BadRequestError, match="sealed"):
+            await h.submit({"mode": "json"}, stream=False)
+        assert await h.worker.wait_delivered(5) == 0
+        for rid, sub in held:
+            assert [(f.kind, f.status) for f in await h.frames(sub)] in ([("error", 503)], [("head", 200)])
+        assert await h.worker.wait_idle(5)
+    finally:
+        await close_harness(h)
+    await ensure_request_stream(nc.jetstream(), WID, 16, 60.0)  # the next agent of this worker
+    assert not (await nc.jetstream().stream_info(request_stream(WID))).config.sealed
+    await early.submit({"mode": "json"}, stream=False)  # stored again
+    await nc.close()

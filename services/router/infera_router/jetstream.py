@@ -24,6 +24,9 @@ log = get_logger("router.jetstream")
 
 #: JetStream's error code for a store refused by a stream limit (description names the limit).
 JS_STORE_FAILED = 10077
+#: JetStream's error code for a publish to a sealed stream: a worker-agent seals its queue when it
+#: leaves (drain or engine exit), so the publish is refused and another worker is tried.
+JS_STREAM_SEALED = 10109
 
 ResultKind = Literal["stored", "full", "gone", "error", "timeout"]
 
@@ -31,7 +34,8 @@ ResultKind = Literal["stored", "full", "gone", "error", "timeout"]
 @dataclass(frozen=True, slots=True)
 class PubResult:
     """What became of one publish: ``stored``; refused because the stream is ``full`` (discard-new);
-    ``gone`` (no stream listens on the subject); another broker ``error``; or no answer (``timeout``)."""
+    ``gone`` (no stream listens on the subject, or the worker sealed it on its way out); another broker
+    ``error``; or no answer (``timeout``)."""
 
     kind: ResultKind
     stream: str = ""
@@ -63,7 +67,11 @@ def parse_pub_ack(data: bytes, status: str | None) -> PubResult:
     if isinstance(err, dict):
         code, err_code = int(err.get("code") or 0), int(err.get("err_code") or 0)
         description = str(err.get("description") or "")
-        kind: ResultKind = "full" if stream_full(err_code, description) else "error"
+        kind: ResultKind = "error"
+        if stream_full(err_code, description):
+            kind = "full"
+        elif err_code == JS_STREAM_SEALED:
+            kind = "gone"
         return PubResult(kind, code=code, err_code=err_code, description=description)
     if "stream" in resp and "seq" in resp:
         return PubResult("stored", stream=str(resp["stream"]))

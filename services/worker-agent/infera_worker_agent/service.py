@@ -353,10 +353,11 @@ class Agent:
         self.metrics.engine_exit_code.set(exit_status(code))
         log.error("engine_exited", exit_code=code, output_tail=self._engine.tail())
         await self._deregister()
-        if self._worker is not None:  # NATS request plane: answer what was in flight
+        if self._worker is not None:  # NATS request plane: answer what was in flight or queued
             self._worker.begin_drain(ENGINE_GONE_REFUSAL)
+            await self._worker.seal_queue()
             self._worker.stop_all(ENGINE_GONE)
-            await self._worker.wait_idle(SETTLE_TIMEOUT)
+            await self._settle_queue(self._worker)
         await self._close_worker()
         await self._delete_stream()
         await self._engine.stop(self.s.engine_stop_timeout)  # its children, if any are left
@@ -384,6 +385,7 @@ class Agent:
     async def _drain_requests(self, worker: RequestWorker) -> None:
         """NATS request plane: refuse new envelopes, let the running ones finish, cancel the rest."""
         worker.begin_drain(DRAIN_REFUSAL)
+        await worker.seal_queue()
         idle = worker.wait_idle(self.s.drain_timeout)
         forced = asyncio.create_task(self._force.wait())
         idle_task = asyncio.create_task(idle)
@@ -393,7 +395,15 @@ class Agent:
             idle_task.cancel()
             stopped = worker.stop_all(DRAIN_CANCEL)
             log.warning("drain_incomplete_cancelled", cancelled=stopped)
-            await worker.wait_idle(SETTLE_TIMEOUT)
+        await self._settle_queue(worker)
+
+    @staticmethod
+    async def _settle_queue(worker: RequestWorker) -> None:
+        """Every envelope the sealed queue still holds delivered (and refused), every answer sent."""
+        undelivered = await worker.wait_delivered(SETTLE_TIMEOUT)
+        if undelivered:
+            log.warning("queued_requests_unanswered", count=undelivered, timeout_s=SETTLE_TIMEOUT)
+        await worker.wait_idle(SETTLE_TIMEOUT)
 
     async def _drain_engine(self) -> None:
         """HTTP request plane: the routers stop sending once they see ``draining``; wait for the engine's

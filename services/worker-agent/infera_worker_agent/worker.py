@@ -8,6 +8,11 @@ message) and holds at most ``max_pending`` unacknowledged (``max_ack_pending``);
 when their response is complete, on every path; a malformed envelope is terminated (``term``),
 counted and dropped. The consumer never redelivers (``max_deliver`` 1): a request is never
 executed twice. While draining, envelopes still delivered are answered with the refusal at once.
+
+On its way out (drain or engine exit) the agent seals its queue, so routers' publishes are refused
+and go to another worker, and waits until every envelope stored before was delivered: deleting the
+stream then loses no request (without it, an envelope stored in the moment between the consumer's
+end and the stream's deletion left its client waiting for ``--upstream-timeout``).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from nats.js.client import JetStreamContext
 
 from infera_common.engine_relay import Abort, Relay
 from infera_common.logs import get_logger
-from infera_common.nats_conn import unsubscribe_quietly
+from infera_common.nats_conn import seal_request_stream, unsubscribe_quietly
 from infera_common.request_runner import CLOSING, Engine, RequestRunner, SeriesHooks, StopReason, quietly
 from infera_common.schemas import WorkEnvelope, decode
 from infera_common.subjects import cancel_subject, request_stream, work_consumer, work_subject
@@ -31,6 +36,7 @@ log = get_logger("worker_agent.worker")
 
 ACK_WAIT = 30.0
 SUB_DRAIN_TIMEOUT = 5.0  # for envelopes already delivered to be answered when the agent stops
+DELIVERY_POLL = 0.02  # seconds between looks at the consumer while waiting for the queue to empty
 
 
 def consumer_config(worker_id: str, max_pending: int, deliver_subject: str, ack_wait: float = ACK_WAIT) -> ConsumerConfig:
@@ -107,6 +113,30 @@ class RequestWorker:
     async def wait_idle(self, timeout: float | None) -> bool:
         """Wait until no request is being handled; False on timeout."""
         return await self._runner.wait_idle(timeout)
+
+    async def seal_queue(self) -> None:
+        """Take no more envelopes: the broker refuses every publish to this worker's queue from now on
+        (routers try another worker), and what it already holds is still delivered."""
+        try:
+            await seal_request_stream(self._js, self.worker_id)
+        except Exception as exc:  # broker gone or stream already deleted: nothing more arrives anyway
+            log.warning("queue_not_sealed", error=str(exc) or type(exc).__name__)
+
+    async def wait_delivered(self, timeout: float) -> int:
+        """Wait until the broker has delivered every envelope the queue holds (each then runs or gets
+        the drain refusal, so none is lost with the stream); returns how many were still undelivered
+        at ``timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                info = await self._js.consumer_info(request_stream(self.worker_id), work_consumer(self.worker_id))
+            except Exception as exc:  # broker gone or consumer deleted: nothing more can be delivered
+                log.warning("queue_state_unknown", error=str(exc) or type(exc).__name__)
+                return 0
+            if info.num_pending == 0 or loop.time() >= deadline:
+                return info.num_pending or 0
+            await asyncio.sleep(DELIVERY_POLL)
 
     def stop_all(self, reason: StopReason) -> int:
         """Stop every in-flight request with ``reason``; returns how many were stopped."""
