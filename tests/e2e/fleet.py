@@ -122,13 +122,17 @@ def _not_zombie(pid: int) -> bool:
         return False
 
 
+def parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[1])
+
+
 def process_tree(root: int) -> list[int]:
     """``root`` and every process below it (by /proc parent links), at this moment."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                ppid = int(entry.joinpath("stat").read_text().split(")")[-1].split()[1])
+                ppid = parent_pid(int(entry.name))
             except (OSError, ValueError, IndexError):
                 continue
             children.setdefault(ppid, []).append(int(entry.name))
@@ -147,7 +151,7 @@ def env_with(**values: str) -> dict[str, str]:
     return env
 
 
-__all__ = ["PLANES", "Fleet", "engine_pid", "scrape", "process_tree", "descendants_alive", "env_with", "wait_port"]
+__all__ = ["PLANES", "Fleet", "engine_pid", "scrape", "parent_pid", "process_tree", "descendants_alive", "env_with", "wait_port"]
 
 
 def router_metrics_url(fleet: Fleet) -> str:

@@ -8,9 +8,10 @@ import signal
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 from infera_common.models import BUNDLED_MODEL_NAME
-from tests.e2e.fleet import Fleet, descendants_alive, engine_pid, env_with, process_tree
+from tests.e2e.fleet import Fleet, descendants_alive, engine_pid, env_with, parent_pid, process_tree, scrape
 
 CHAT = json.dumps({"model": BUNDLED_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
                    "max_tokens": 4}).encode()
@@ -47,6 +48,38 @@ def test_killed_engine_leaves_the_fleet_within_ttl_and_requests_keep_succeeding(
         # with one worker left, every request succeeds
         assert all(_chat(fleet.url) == 200 for _ in range(8))
         assert [w["worker_id"] for w in fleet.workers_list()] == [workers[1]["worker_id"]]
+    finally:
+        fleet.stop()
+
+
+def test_a_request_on_a_worker_whose_agent_is_killed_is_answered_by_the_other(tmp_path):
+    """Nothing will ever answer a request whose worker-agent died: once its record ages out of
+    discovery the router says so, and the frontend tries the other worker, long before its
+    60 s --upstream-timeout."""
+    ttl = 2.0
+    fleet = Fleet(tmp_path, workers=2, env=env_with(INFERA_DISCOVERY_TTL=str(ttl))).start()
+    try:
+        workers = fleet.workers_list()
+        body = json.dumps({"model": BUNDLED_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+                           "max_tokens": 300, "ignore_eos": True}).encode()
+        req = urllib.request.Request(fleet.url + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(lambda: urllib.request.urlopen(req, timeout=20))
+            deadline = time.monotonic() + 10
+            running: list[dict] = []
+            while not running and time.monotonic() < deadline:
+                running = [w for w in workers if scrape(w["url"]).get("sglang:num_running_reqs", 0) > 0]
+                time.sleep(0.02)
+            assert len(running) == 1, "the request never started"
+            victim = running[0]
+            agent = parent_pid(engine_pid(victim["url"]))
+            os.kill(agent, signal.SIGKILL)  # its watchdog takes the engine along; no deregistration
+            with answer.result() as resp:  # within urlopen's 20 s, not the frontend's 60 s
+                assert resp.status == 200
+                assert json.loads(resp.read())["choices"][0]["finish_reason"] == "length"
+        assert [w["worker_id"] for w in fleet.workers_list()] == [
+            w["worker_id"] for w in workers if w["worker_id"] != victim["worker_id"]]
     finally:
         fleet.stop()
 

@@ -28,9 +28,9 @@ def leave(wid: str, model: str = "m") -> Change:
 
 def route_request(model: str = "m", request_id: str = "r", prompt_tokens: int = 0,
                   exclude: list[str] | None = None, body: bytes = b'{"x":1}',
-                  token_ids: list[int] | None = None, **kw) -> RouteRequest:
+                  token_ids: list[int] | None = None, reply_subject: str = "_INBOX.test.1", **kw) -> RouteRequest:
     return RouteRequest(request_id=request_id, model=model, endpoint=Endpoint.CHAT, body=body,
-                        reply_subject="_INBOX.test.1", deadline=time.time() + 60,
+                        reply_subject=reply_subject, deadline=time.time() + 60,
                         prompt_tokens=prompt_tokens, exclude=exclude or [],
                         tokens=None if token_ids is None else pack_tokens(token_ids), **kw)
 

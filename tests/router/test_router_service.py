@@ -6,12 +6,13 @@ import asyncio
 import time
 
 import msgpack
+import nats.errors
 import pytest
 
 from infera_common.discovery import Registrar
 from infera_common.nats_conn import connect, ensure_request_stream
 from infera_common.schemas import (
-    LoadReport, Release, RouteReply, WorkEnvelope, WorkerStatus, decode, encode,
+    LoadReport, Release, RouteReply, WorkEnvelope, WorkerStatus, decode, decode_frame, encode,
 )
 from infera_common.subjects import (
     ROUTER_ROUTE, load_subject, request_stream, router_release_subject, work_consumer, work_subject,
@@ -199,14 +200,22 @@ async def test_release_frees_the_lease_and_unknown_release_is_counted(bench):
     assert bench.metric("infera_router_lease_releases_total", outcome="ok") == 1
 
 
-async def test_worker_leaving_discovery_drops_its_leases(bench):
+async def test_worker_leaving_discovery_drops_its_leases_and_tells_their_requesters(bench):
     await bench.worker("a")
     await bench.worker("b")
-    for _ in range(4):
-        assert (await bench.route()).status == 200
+    inboxes = [f"_INBOX.client.{i}" for i in range(4)]
+    heard = await bench.nc.subscribe("_INBOX.client.*")
+    for i, inbox in enumerate(inboxes):
+        assert (await bench.route(request_id=f"q{i}", reply_subject=inbox)).status == 200
     assert bench.leases("a") == 2
-    await bench.registrars.pop("a").stop()
+    await bench.registrars.pop("a").stop()  # its agent is gone: nothing will answer q0 and q2
     await eventually(lambda: bench.router.core.fleet.get("a") is None)
+    told = [await heard.next_msg(timeout=2) for _ in range(2)]
+    assert sorted(m.subject for m in told) == [inboxes[0], inboxes[2]]
+    frames = [decode_frame(m.data) for m in told]
+    assert {(f.kind, f.status) for f in frames} == {("error", 502)} and "worker a left" in frames[0].message
+    with pytest.raises(nats.errors.TimeoutError):  # b's requesters are still answered by b
+        await heard.next_msg(timeout=0.3)
     assert bench.leases("a") == 0 and bench.leases("b") == 2
     assert bench.metric("infera_router_leases_dropped_total", reason="worker_left") == 2
     assert bench.metric("infera_router_live_workers", model="m", status="active") == 1

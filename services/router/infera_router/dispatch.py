@@ -10,7 +10,9 @@ know the difference). The worker's ``max_pending`` bounds the requests this rout
 it ("full" beyond); a worker no longer in discovery is "gone". It listens to every worker's cancel
 subject: a ``Cancel`` closes the engine connection and calls the engine's abort.
 
-Both answer ``send`` exactly once through ``on_result`` (a ``PubResult``).
+Both answer ``send`` exactly once through ``on_result`` (a ``PubResult``). When a worker leaves
+discovery with requests of this router unfinished, ``worker_left`` sees that no requester waits
+for an answer that cannot come (see each class).
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from infera_common.engine_relay import ABORT_PATHS, EngineAborter, Relay
 from infera_common.logs import get_logger
 from infera_common.nats_conn import unsubscribe_quietly
 from infera_common.request_runner import Engine, RequestRunner, SeriesHooks, StopReason
-from infera_common.schemas import WorkEnvelope, WorkerRecord, encode
+from infera_common.schemas import WorkEnvelope, WorkerRecord, encode, encode_frame
 from infera_common.subjects import CANCEL_SUBJECTS, work_subject, worker_of_cancel_subject
 
 from infera_router.jetstream import AckedPublisher, OnResult, PubResult
+from infera_router.leases import Lease
 from infera_router.metrics import RouterMetrics
 
 log = get_logger("router.dispatch")
@@ -41,6 +44,7 @@ STOP_GRACE = 10.0
 class Dispatcher(Protocol):
     async def start(self) -> None: ...
     async def send(self, worker_id: str, env: WorkEnvelope, timeout: float, on_result: OnResult) -> None: ...
+    async def worker_left(self, worker_id: str, dropped: list[Lease]) -> int: ...
     async def wait_idle(self, timeout: float) -> bool: ...
     async def stop(self) -> None: ...
 
@@ -49,6 +53,7 @@ class JetStreamDispatcher:
     """The NATS request plane: the worker-agent takes it from its work queue."""
 
     def __init__(self, nc: Any) -> None:
+        self._nc = nc
         self._publisher = AckedPublisher(nc)
 
     async def start(self) -> None:
@@ -56,6 +61,25 @@ class JetStreamDispatcher:
 
     async def send(self, worker_id: str, env: WorkEnvelope, timeout: float, on_result: OnResult) -> None:
         await self._publisher.publish(work_subject(worker_id), encode(env), timeout, on_result)
+
+    async def worker_left(self, worker_id: str, dropped: list[Lease]) -> int:
+        """The worker left discovery (its agent deregistered, or stopped heartbeating for the TTL) while
+        requests of this router ran there: each requester hears a 502 error frame now, so the frontend
+        tries another worker (nothing sent to the client yet) or ends the stream with the error,
+        instead of waiting ``--upstream-timeout`` for frames from an agent that is gone. An agent
+        that deregistered and still fails its requests itself (engine exit) sends its own error
+        too: the frontend keeps whichever comes first. Returns how many requesters were told."""
+        frame = encode_frame("error", 0, 502, message=f"worker {worker_id} left the fleet before answering")
+        told = 0
+        for lease in dropped:
+            if lease.requester:  # a prefill leg answers this router: its pair is failed instead
+                try:
+                    await self._nc.publish(lease.requester, frame)
+                except Exception as exc:  # connection closing: the frontend's timeout remains
+                    log.warning("worker_left_not_told", request_id=lease.request_id, error=str(exc))
+                    continue
+                told += 1
+        return told
 
     async def wait_idle(self, timeout: float) -> bool:
         """Every envelope sent has had its broker acknowledgement (or its timeout)."""
@@ -105,11 +129,13 @@ class HttpDispatcher:
         self._engines[record.worker_id] = (record.url, engine)
         return engine
 
-    def forget(self, worker_id: str) -> None:
-        """The worker left discovery: its requests run on (the engine may still answer); its engine
-        handle is dropped once they end."""
+    async def worker_left(self, worker_id: str, dropped: list[Lease]) -> int:
+        """The worker left discovery: this router's own calls to its engine run on (the engine may
+        still answer; a dead one fails the call, which answers the requester), so nobody is told
+        here; its engine handle is dropped once they end."""
         if not self._runner.in_flight_of(worker_id):
             self._engines.pop(worker_id, None)
+        return 0
 
     async def _on_cancel(self, msg) -> None:
         worker_id = worker_of_cancel_subject(msg.subject)

@@ -23,6 +23,7 @@ class Lease:
     binding: object | None = None  # the session binding this leg holds (sessions.Binding), if any
     ticket: object | None = None  # the worker's circuit-breaker ticket (breaker.Ticket) until the lease ends
     dp_rank: int | None = None  # the DP rank the request is pinned to (a per-rank target), if any
+    requester: str = ""  # where the worker answers the client (its frame subject); "" for a prefill leg
 
     @property
     def target_id(self) -> str:

@@ -127,6 +127,7 @@ class PdFlow:
             # the decode leg computes no prompt (its KV arrives from the prefill) but holds it
             lease = self._core.acquire(worker, request, time.monotonic(), cached_tokens=request.prompt_tokens,
                                        plan=plan)
+            lease.requester = request.reply_subject
             self._on_lease_change(lease)
             env = WorkEnvelope(
                 request_id=request.request_id, endpoint=request.endpoint, body=body(worker), stream=request.stream,

@@ -176,6 +176,7 @@ class RoutePath:
             cached = cost.matched_blocks * cost.block_size
         hashes = r.hashes.get(worker.record.index_block_size or 0)
         lease = r.lease = self.core.acquire(worker, request, time.monotonic(), cached, hashes, r.plan)
+        lease.requester = request.reply_subject
         self._lease_gauge(lease)
         try:
             env = WorkEnvelope(

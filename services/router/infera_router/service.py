@@ -182,8 +182,8 @@ class RouterService(RoutePath):
         dropped = self.core.apply_change(change)
         if change.kind == "leave":
             self.metrics.forget_worker(record.worker_id)
-            if isinstance(self._dispatcher, HttpDispatcher):
-                self._dispatcher.forget(record.worker_id)
+            if self._dispatcher is not None:
+                self._spawn(self._dispatcher.worker_left(record.worker_id, dropped))
             if dropped:
                 self.metrics.leases_dropped.labels("worker_left").inc(len(dropped))
                 actions = self.pairs.worker_left(record.worker_id, [lease.lease_id for lease in dropped])

@@ -436,6 +436,11 @@ class Agent:
     async def _deregister(self) -> None:
         if self._registrar is not None:
             registrar, self._registrar = self._registrar, None
+            if self._nc is not None:  # every frame and Release sent so far is on the broker before the leave
+                try:
+                    await self._nc.flush(timeout=2)
+                except Exception as exc:  # broker gone: nothing sent now would arrive anyway
+                    log.info("flush_before_leave_failed", error=str(exc) or type(exc).__name__)
             await registrar.stop()
 
     async def _close_worker(self) -> None:
