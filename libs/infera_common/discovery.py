@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.client import JetStreamContext
-from nats.js.errors import BucketNotFoundError
+from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from infera_common.fleet import Change, FleetView
@@ -24,6 +24,11 @@ log = get_logger("discovery")
 
 #: The bucket only cleans storage; liveness comes from each record's own ttl.
 BUCKET_MAX_AGE = 120.0
+
+
+def bucket_stream() -> str:
+    """The JetStream stream behind the discovery bucket (JetStream names a KV bucket's stream so)."""
+    return f"KV_{DISCOVERY_BUCKET}"
 
 
 async def open_bucket(js: JetStreamContext) -> KeyValue:
@@ -51,6 +56,14 @@ class Registrar:
         self._kv = await open_bucket(self._js)
         await self._put()
         self._task = asyncio.create_task(self._heartbeat(), name="discovery-heartbeat")
+
+    async def restore(self) -> None:
+        """After a reconnect: the bucket again (a restarted broker lost it) and the record in it now,
+        not at the next heartbeat. Nothing once stopped."""
+        if self._task is None:
+            return
+        self._kv = await open_bucket(self._js)
+        await self._put()
 
     async def set_status(self, status: WorkerStatus) -> None:
         self.record = self.record.model_copy(update={"status": status})
@@ -80,6 +93,10 @@ class Registrar:
                 await self._put()
             except Exception as exc:  # keep beating through broker hiccups
                 log.warning("heartbeat_failed", worker_id=self.record.worker_id, error=str(exc))
+                try:  # the bucket itself may be gone (a restarted broker): the next beat puts it back
+                    self._kv = await open_bucket(self._js)
+                except Exception:  # still unreachable: try again next beat
+                    pass
 
 
 class Watcher:
@@ -97,25 +114,54 @@ class Watcher:
         self._sweep_interval = sweep_interval
         self._tasks: list[asyncio.Task] = []
         self._kv_watcher = None
+        self._follower: asyncio.Task | None = None
+        self._created = None  # when the watched bucket's stream was created (a new one: watch again)
         self.ready = asyncio.Event()
 
     async def start(self) -> None:
+        await self._watch()
+        self._tasks = [asyncio.create_task(self._sweep(), name="discovery-sweep")]
+
+    async def restore(self) -> None:
+        """After a reconnect: a bucket the broker no longer has, or has anew (it restarted), is
+        created if need be and watched again from its start, since the old watch would resume
+        at the old bucket's sequence numbers. Records not put back age out by their ttl."""
+        if not self._tasks:
+            return
+        try:
+            created = (await self._js.stream_info(bucket_stream())).created
+        except NotFoundError:
+            created = None
+        if created is not None and created == self._created:
+            return  # the same bucket: the watch resumes by itself
+        log.info("discovery_rewatch", bucket=DISCOVERY_BUCKET, reason="bucket recreated" if created else "bucket lost")
+        await self._unwatch()
+        await self._watch()
+
+    async def _watch(self) -> None:
         kv = await open_bucket(self._js)
+        self._created = (await self._js.stream_info(bucket_stream())).created
         self._kv_watcher = await kv.watchall()
-        self._tasks = [
-            asyncio.create_task(self._follow(), name="discovery-watch"),
-            asyncio.create_task(self._sweep(), name="discovery-sweep"),
-        ]
+        self._follower = asyncio.create_task(self._follow(self._kv_watcher), name="discovery-watch")
+
+    async def _unwatch(self) -> None:
+        follower, self._follower = self._follower, None
+        if follower is not None:
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
+        kv_watcher, self._kv_watcher = self._kv_watcher, None
+        if kv_watcher is not None:
+            try:
+                await kv_watcher.stop()
+            except Exception:  # connection already closed
+                pass
 
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._kv_watcher is not None:
-            try:
-                await self._kv_watcher.stop()
-            except Exception:  # connection already closed
-                pass
+        self._tasks = []
+        await self._unwatch()
 
     def _emit(self, change: Change | None) -> None:
         if change is not None and self._on_change is not None:
@@ -124,9 +170,8 @@ class Watcher:
             except Exception:
                 log.exception("discovery_callback_failed", worker_id=change.record.worker_id)
 
-    async def _follow(self) -> None:
-        assert self._kv_watcher is not None
-        async for entry in self._kv_watcher:
+    async def _follow(self, kv_watcher) -> None:
+        async for entry in kv_watcher:
             if entry is None:  # initial values delivered
                 self.ready.set()
                 continue

@@ -117,6 +117,9 @@ class EtcdRegistrar:
             self._dirty = True
             log.warning("etcd_put_deferred", worker_id=self.record.worker_id, status=str(status), error=str(exc))
 
+    async def restore(self) -> None:
+        """Nothing to redo when NATS reconnects: etcd keeps the fleet, and this class follows it itself."""
+
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
@@ -199,6 +202,9 @@ class EtcdWatcher:
             raise
         self.ready.set()
         self._task = asyncio.create_task(self._run(revision), name="discovery-etcd-watch")
+
+    async def restore(self) -> None:
+        """Nothing to redo when NATS reconnects: etcd keeps the fleet, and this class follows it itself."""
 
     async def stop(self) -> None:
         if self._task:

@@ -4,8 +4,9 @@
     watcher = discovery.watcher(on_change=...)       # was: Watcher(js, on_change=...)
     registrar = discovery.registrar(record)          # was: Registrar(js, record)
 
-Both backends' watchers expose ``view`` (a ``FleetView``), ``ready``, ``start()`` and ``stop()``;
-both registrars ``record``, ``start()``, ``set_status()`` and ``stop()``.
+Both backends' watchers expose ``view`` (a ``FleetView``), ``ready``, ``start()``, ``restore()`` and
+``stop()``; both registrars ``record``, ``start()``, ``set_status()``, ``restore()`` and ``stop()``
+(``restore``: what to redo when the NATS connection comes back; nothing for etcd).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class FleetWatcher(Protocol):
 
     async def start(self) -> None: ...
 
+    async def restore(self) -> None: ...
+
     async def stop(self) -> None: ...
 
 
@@ -40,6 +43,8 @@ class FleetRegistrar(Protocol):
     async def start(self) -> None: ...
 
     async def set_status(self, status: WorkerStatus) -> None: ...
+
+    async def restore(self) -> None: ...
 
     async def stop(self) -> None: ...
 

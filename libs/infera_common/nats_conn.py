@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import nats
 from nats.aio.client import Client as NATS
@@ -16,8 +17,66 @@ from infera_common.subjects import KV_EVENT_STREAM, KV_EVENT_SUBJECTS, request_s
 log = get_logger("nats")
 
 
-async def connect(url: str, name: str, connect_timeout: float = 10.0) -> NATS:
-    """Connect within ``connect_timeout`` (else ``ConnectionError`` naming the fix), then reconnect forever.
+#: Seconds between attempts of a restore step that failed (JetStream may still be starting).
+RESTORE_RETRY = 0.5
+#: Attempts of one restore step before it is left to the next reconnect (~30 s).
+RESTORE_ATTEMPTS = 60
+
+Restore = Callable[[], Awaitable[None]]
+
+
+class Reconnects:
+    """What a service redoes each time its connection comes back.
+
+    A restarted nats-server has lost every memory stream (the discovery bucket, the workers'
+    request queues) and, without its store directory, the KV event stream too, with every consumer
+    on them; core subscriptions nats-py renews by itself. Each owner of broker state adds a step
+    that checks its state and recreates what is missing (a no-op after a mere network blip). The
+    steps run in order, in a task of their own, each retried while JetStream is not answering yet.
+    """
+
+    def __init__(self) -> None:
+        self._steps: list[tuple[str, Restore]] = []
+        self._task: asyncio.Task | None = None
+        self._again = False
+
+    def add(self, name: str, step: Restore) -> None:
+        self._steps.append((name, step))
+
+    def reconnected(self) -> None:
+        """Run the steps (once more after the current run, if one is going)."""
+        self._again = True
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._runs(), name="nats-restore")
+
+    async def _runs(self) -> None:
+        while self._again:
+            self._again = False
+            await self.run()
+
+    async def run(self) -> None:
+        for name, step in list(self._steps):
+            for attempt in range(1, RESTORE_ATTEMPTS + 1):
+                try:
+                    await step()
+                    break
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    if attempt == RESTORE_ATTEMPTS:
+                        log.error("restore_failed", step=name, attempts=attempt, error=str(exc) or type(exc).__name__)
+                    else:
+                        await asyncio.sleep(RESTORE_RETRY)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            await cancel_until_done(self._task)
+            self._task = None
+
+
+async def connect(url: str, name: str, connect_timeout: float = 10.0, reconnects: Reconnects | None = None) -> NATS:
+    """Connect within ``connect_timeout`` (else ``ConnectionError`` naming the fix), then reconnect forever;
+    after each reconnect ``reconnects`` (if given) restores the broker state its steps own.
 
     nats-py retries an unreachable server forever inside ``nats.connect`` when reconnecting is
     unlimited, and on Python 3.11 one cancellation can be lost inside its own ``wait_for``; so the
@@ -32,6 +91,8 @@ async def connect(url: str, name: str, connect_timeout: float = 10.0) -> NATS:
 
     async def on_reconnect() -> None:
         log.info("nats_reconnected")
+        if reconnects is not None:
+            reconnects.reconnected()
 
     task = asyncio.create_task(
         nats.connect(

@@ -19,8 +19,9 @@ from typing import Protocol
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.client import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from infera_common.logs import get_logger
 from infera_common.nats_conn import ensure_kv_event_stream, unsubscribe_quietly
@@ -51,8 +52,10 @@ class StreamFollower:
         self._replay_until = 0  # stream sequence of the last message present at start
         self._replay_count = 0  # messages present at start
         self._applied_seq = 0  # stream sequence of the last message applied (read every SEQ_EVERY while replaying)
-        self._last: Msg | None = None  # the last message applied, while replaying
+        self._last: Msg | None = None  # the last message applied
         self._caught_up = asyncio.Event()
+        self._limits: tuple[float | None, float | None] = (None, None)  # as given to prepare()
+        self._created = None  # when the followed stream was created (another one: follow it from its start)
         self.messages = 0
 
     @property
@@ -62,20 +65,57 @@ class StreamFollower:
 
     async def prepare(self, max_age: float | None, max_bytes: int | None) -> None:
         """Create the stream if absent; apply these limits (None: leave the stream's own, as a router does)."""
+        self._limits = (max_age, max_bytes)
         await ensure_kv_event_stream(self._js, max_age, max_bytes)
+
+    async def restore(self) -> None:
+        """After a reconnect, follow the stream again at once (the ordered consumer of a restarted
+        broker is gone; nats-py would notice only after missing its heartbeats): a stream that
+        survived from the message after the last one applied; a stream the broker lost (restarted
+        without its store), created again, from its start. The index built so far stays either way
+        (the engines still hold those blocks)."""
+        if self._sub is None:
+            return
+        try:
+            created = (await self._js.stream_info(KV_EVENT_STREAM)).created
+        except NotFoundError:
+            created = None
+        same = created is not None and created == self._created
+        start = self._next_seq() if same else 1
+        log.info("stream_refollowed", stream=KV_EVENT_STREAM, from_seq=start,
+                 reason="reconnected" if same else "recreated" if created else "lost")
+        if not same:
+            await ensure_kv_event_stream(self._js, *self._limits)
+        await self.stop()
+        self._created = (await self._js.stream_info(KV_EVENT_STREAM)).created
+        self._sub = await self._subscribe(start)
+
+    def _next_seq(self) -> int:
+        """The stream seq after the last message applied (after the history present at start, if none)."""
+        if self._last is not None:
+            try:
+                return self._last.metadata.sequence.stream + 1
+            except Exception:  # not a JetStream message
+                pass
+        return self._replay_until + 1
+
+    async def _subscribe(self, start_seq: int = 1) -> Subscription:
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+        if start_seq > 1:
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq)
+        return await self._js.subscribe(KV_EVENT_SUBJECTS, stream=KV_EVENT_STREAM, cb=self._on_message,
+                                        ordered_consumer=True, config=config)
 
     async def replay(self) -> None:
         t0 = time.monotonic()
-        state = (await self._js.stream_info(KV_EVENT_STREAM)).state
+        info = await self._js.stream_info(KV_EVENT_STREAM)
+        state, self._created = info.state, info.created
         self._replay_until = state.last_seq if state.messages else 0
         self._replay_count = state.messages
         self._replaying.set(1)
         if not self._replay_until:
             self._caught_up.set()
-        self._sub = await self._js.subscribe(
-            KV_EVENT_SUBJECTS, stream=KV_EVENT_STREAM, cb=self._on_message,
-            ordered_consumer=True, deliver_policy=DeliverPolicy.ALL,
-        )
+        self._sub = await self._subscribe()
         log.info("replay_started", stream=KV_EVENT_STREAM, messages=state.messages, last_seq=state.last_seq)
         while not self._caught_up.is_set():
             try:
@@ -102,8 +142,8 @@ class StreamFollower:
     async def _on_message(self, msg: Msg) -> None:
         self._handle(msg.subject, msg.data)
         self.messages += 1
+        self._last = msg
         if not self._caught_up.is_set():
-            self._last = msg
             # a message's stream seq is parsed from its reply subject: not for every message of a long
             # replay, but from the count present at start on (the end, unless some aged out: then the TICK)
             if self.messages >= self._replay_count or not self.messages % SEQ_EVERY:
@@ -117,6 +157,5 @@ class StreamFollower:
             return False
         if self._applied_seq >= self._replay_until:
             self._caught_up.set()
-            self._last = None
             return True
         return False

@@ -12,7 +12,7 @@ from nats.aio.client import Client as NATS
 
 from infera_common.discovery_select import FleetWatcher, discovery_for
 from infera_common.logs import get_logger
-from infera_common.nats_conn import close_connection, connect, nats_log_fields, unsubscribe_quietly
+from infera_common.nats_conn import Reconnects, close_connection, connect, nats_log_fields, unsubscribe_quietly
 from infera_common.schemas import LoadReport, decode
 from infera_common.subjects import LOAD_SUBJECTS
 from infera_common.tokenizer import ChatTokenizer
@@ -47,6 +47,7 @@ class Frontend:
         self.models = ModelTable(self.discovery.describe())
         self.nc: NATS | None = nc
         self.watcher: FleetWatcher | None = None
+        self._reconnects = Reconnects()  # what to restore when the broker comes back (it may have restarted)
         self._load_sub = None
         self.inbox: Inbox | None = None
         self.relay: Relay | None = None
@@ -68,7 +69,8 @@ class Frontend:
         if not tokenizer.has_chat_template:
             log.warning("no_chat_template", model_path=s.model_path)
         if self.nc is None:
-            self.nc = await connect(s.nats_url, f"infera-frontend-{self.frontend_id}", NATS_CONNECT_TIMEOUT)
+            self.nc = await connect(s.nats_url, f"infera-frontend-{self.frontend_id}", NATS_CONNECT_TIMEOUT,
+                                    self._reconnects)
         js = self.nc.jetstream() if s.discovery_backend == "nats" else None  # etcd needs no JetStream
         self.discovery = discovery_for(s, js)
         log.info("discovery", frontend_id=self.frontend_id, **nats_log_fields(s.nats_url, self._own_nc),
@@ -78,6 +80,7 @@ class Frontend:
             await self.watcher.start()
         except Exception as exc:
             raise RuntimeError(self.discovery.start_failed(exc, s.nats_url)) from exc
+        self._reconnects.add("discovery", self.watcher.restore)
         # running workers this discovery does not list report load too: a plane mix to name, not to wait out
         self._load_sub = await self.nc.subscribe(LOAD_SUBJECTS, cb=self._on_load)
         self.inbox = Inbox(self.nc, self.frontend_id)
@@ -138,6 +141,7 @@ class Frontend:
             await self.watcher.stop()
         if self.inbox is not None:
             await self.inbox.stop()
+        await self._reconnects.close()
         if self.nc is not None and self._own_nc:
             await close_connection(self.nc)
         log.info("frontend_stopped", frontend_id=self.frontend_id)

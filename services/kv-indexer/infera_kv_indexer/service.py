@@ -31,7 +31,7 @@ from nats.aio.msg import Msg
 from infera_common.discovery_select import FleetWatcher, discovery_for
 from infera_common.fleet import Change
 from infera_common.logs import get_logger
-from infera_common.nats_conn import close_connection, connect, nats_log_fields, unsubscribe_quietly
+from infera_common.nats_conn import Reconnects, close_connection, connect, nats_log_fields, unsubscribe_quietly
 from infera_common.subjects import KV_INDEXER_QUEUE, KV_QUERY
 from infera_common.tracing import HEADER as TRACE_HEADER
 from infera_common.tracing import SpanKind, finish, start_span
@@ -64,6 +64,7 @@ class KvIndexerService:
         self._owns_nc = nc is None
         self._watcher: FleetWatcher | None = None
         self._stream: StreamFollower | None = None
+        self._reconnects = Reconnects()  # what to restore when the broker comes back (it may have restarted)
         self._zmq = ZmqFollower(self._apply_zmq, self._clear, self.metrics, settings.kv_replay_timeout)
         self._query_sub: Any | None = None
         self._housekeeper: asyncio.Task | None = None
@@ -85,7 +86,7 @@ class KvIndexerService:
     async def start(self) -> None:
         s = self.settings
         if self.nc is None:
-            self.nc = await connect(s.nats_url, "infera-kv-indexer", NATS_CONNECT_TIMEOUT)
+            self.nc = await connect(s.nats_url, "infera-kv-indexer", NATS_CONNECT_TIMEOUT, self._reconnects)
         js = self.nc.jetstream() if self.uses_stream or s.discovery_backend == "nats" else None
         if self.uses_stream:
             self._stream = StreamFollower(js, self._on_stream_message, self.metrics.replaying)
@@ -98,6 +99,7 @@ class KvIndexerService:
             await self._watcher.start()
         except ConnectionError as exc:  # etcd unreachable
             raise ConnectionError(discovery.start_failed(exc, s.nats_url)) from exc
+        self._reconnects.add("discovery", self._watcher.restore)
         try:
             await asyncio.wait_for(self._watcher.ready.wait(), DISCOVERY_READY_TIMEOUT)
         except TimeoutError:
@@ -105,6 +107,7 @@ class KvIndexerService:
         self._housekeeper = asyncio.create_task(self._housekeeping(), name="kv-indexer-housekeeping")
         if self._stream is not None:
             await self._stream.replay()
+            self._reconnects.add("kv_event_stream", self._stream.restore)
         t0 = time.monotonic()
         late = await self._zmq.wait_ready(s.kv_replay_timeout + TICK)
         if self._zmq.followed:
@@ -133,6 +136,7 @@ class KvIndexerService:
             await self._watcher.stop()
             self._watcher = None
         await self._zmq.close()
+        await self._reconnects.close()
         if self.nc is not None and self._owns_nc:
             await close_connection(self.nc)
             self.nc = None

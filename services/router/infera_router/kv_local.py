@@ -47,6 +47,11 @@ class LocalKvIndex:
         await self._stream.prepare(None, None)  # the stream's limits are the kv-indexer's to set
         await self._stream.replay()
 
+    async def restore(self) -> None:
+        """After a reconnect: follow the stream again if the broker lost or recreated it."""
+        if self._stream is not None:
+            await self._stream.restore()
+
     async def stop(self) -> None:
         if self._stream is not None:
             await self._stream.stop()

@@ -21,7 +21,7 @@ from nats.aio.subscription import Subscription
 from infera_common.discovery_select import FleetWatcher, discovery_for
 from infera_common.fleet import Change
 from infera_common.logs import get_logger
-from infera_common.nats_conn import close_connection, connect, nats_log_fields, unsubscribe_quietly
+from infera_common.nats_conn import Reconnects, close_connection, connect, nats_log_fields, unsubscribe_quietly
 from infera_common.schemas import LoadReport, Prefilled, Release, WorkerRecord, decode
 from infera_common.subjects import (
     LOAD_SUBJECTS,
@@ -81,6 +81,7 @@ class RouterService(RoutePath):
         self.nc: NATS | None = nc
         self._own_nc = nc is None
         self._watcher: FleetWatcher | None = None
+        self._reconnects = Reconnects()  # what to restore when the broker comes back (it may have restarted)
         self._listed_or_told: set[str] = set()  # workers discovery listed once, or already warned about
         self._subs: list[Subscription] = []
         self._route_sub: Subscription | None = None
@@ -90,7 +91,8 @@ class RouterService(RoutePath):
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         if self.nc is None:
-            self.nc = await connect(self.settings.nats_url, f"infera-router-{self.router_id}", NATS_CONNECT_TIMEOUT)
+            self.nc = await connect(self.settings.nats_url, f"infera-router-{self.router_id}", NATS_CONNECT_TIMEOUT,
+                                    self._reconnects)
         js = self.nc.jetstream() if self.settings.discovery_backend == "nats" else None  # etcd needs no JetStream
         self.discovery = discovery_for(self.settings, js)
         log.info("discovery", router_id=self.router_id, **nats_log_fields(self.settings.nats_url, self._own_nc),
@@ -100,6 +102,7 @@ class RouterService(RoutePath):
             await self._watcher.start()
         except ConnectionError as exc:  # etcd unreachable
             raise ConnectionError(self.discovery.start_failed(exc, self.settings.nats_url)) from exc
+        self._reconnects.add("discovery", self._watcher.restore)
         try:
             await asyncio.wait_for(self._watcher.ready.wait(), DISCOVERY_READY_TIMEOUT)
         except TimeoutError:
@@ -108,6 +111,7 @@ class RouterService(RoutePath):
         await self._dispatcher.start()
         if self._local_kv is not None:  # its history applied before the first request is routed
             await self._local_kv.start(self.nc.jetstream())
+            self._reconnects.add("kv_event_stream", self._local_kv.restore)
             self._kv = self._local_kv
         else:
             self._kv = KvClient(self.nc, self.settings.kv_query_timeout, self.metrics)
@@ -154,6 +158,7 @@ class RouterService(RoutePath):
         for sub in self._subs:
             await unsubscribe_quietly(sub)
         self._subs.clear()
+        await self._reconnects.close()
         if self.nc is not None and self._own_nc:
             await close_connection(self.nc)
             self.nc = None

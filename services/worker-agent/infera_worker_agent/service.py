@@ -31,7 +31,7 @@ from infera_common.engine_relay import EngineAborter, Relay
 from infera_common.logs import get_logger
 from infera_common.metrics import start_metrics_server
 from infera_common.nats_conn import (
-    connect, delete_stream_quietly, ensure_kv_event_stream, ensure_request_stream, nats_log_fields,
+    Reconnects, connect, delete_stream_quietly, ensure_kv_event_stream, ensure_request_stream, nats_log_fields,
 )
 from infera_common.runtime import freeze_startup_heap
 from infera_common.schemas import KvRelay, LoadReport, WorkerRecord, WorkerStatus, encode, encode_sparse
@@ -69,7 +69,6 @@ DRAIN_REFUSAL = StopReason("cancelled", 503, "worker is draining; retry on anoth
 DRAIN_CANCEL = StopReason("cancelled", 503, "worker stopped: drain timeout reached")
 ENGINE_GONE_REFUSAL = StopReason("error", 503, "worker's engine exited; retry on another worker", abort_engine=False)
 ENGINE_GONE = StopReason("error", 502, "engine exited while answering", abort_engine=False)
-SETTLE_TIMEOUT = 5.0  # for stopped requests to send their last frame and release
 
 
 def _version() -> str:
@@ -86,6 +85,7 @@ class Agent:
         self.worker_id: str = settings.worker_id  # type: ignore[assignment]
         self.metrics = AgentMetrics()
         self._stop = asyncio.Event()
+        self._reconnects = Reconnects()  # what to restore when the broker comes back (it may have restarted)
         self._force = asyncio.Event()
         self._nc: NATS | None = None
         self._registrar: FleetRegistrar | None = None
@@ -203,7 +203,8 @@ class Agent:
         nats_url = self.s.nats_url if uses else ""
         if uses:
             try:
-                self._nc = await connect(self.s.nats_url, name=f"worker-agent-{self.worker_id}")
+                self._nc = await connect(self.s.nats_url, name=f"worker-agent-{self.worker_id}",
+                                         reconnects=self._reconnects)
             except ConnectionError as exc:
                 log.error("nats_unreachable", error=str(exc), needed_by=list(uses))
                 return False
@@ -217,6 +218,7 @@ class Agent:
             self._registrar = None
             log.error("discovery_unreachable", error=discovery.start_failed(exc, nats_url))
             return False
+        self._reconnects.add("broker_state", self._restore_broker_state)
         return True
 
     async def _start_request_worker(self, js) -> None:
@@ -230,6 +232,21 @@ class Agent:
             metrics=self.metrics,
         )
         await self._worker.start()
+
+    async def _restore_broker_state(self) -> None:
+        """After a reconnect, what a restarted broker lost, the queue before the record that sends
+        routers to it: the work-queue stream and its consumer (unless sealed: on the way out), the
+        KV event stream the relay publishes to, the discovery record (and bucket)."""
+        assert self._nc is not None
+        js = self._nc.jetstream()
+        worker = self._worker
+        if worker is not None and self._stream is not None and not worker.sealed:
+            await ensure_request_stream(js, self.worker_id, self.s.max_pending, self.s.request_max_age)
+            await worker.restore()
+        if isinstance(self._kv_relayer, KvRelayer):
+            await ensure_kv_event_stream(js)
+        if self._registrar is not None:
+            await self._registrar.restore()
 
     def _record(self, model: str, status: WorkerStatus) -> WorkerRecord:
         return WorkerRecord(
@@ -354,10 +371,7 @@ class Agent:
         log.error("engine_exited", exit_code=code, output_tail=self._engine.tail())
         await self._deregister()
         if self._worker is not None:  # NATS request plane: answer what was in flight or queued
-            self._worker.begin_drain(ENGINE_GONE_REFUSAL)
-            await self._worker.seal_queue()
-            self._worker.stop_all(ENGINE_GONE)
-            await self._settle_queue(self._worker)
+            await self._worker.abandon(ENGINE_GONE_REFUSAL, ENGINE_GONE)
         await self._close_worker()
         await self._delete_stream()
         await self._engine.stop(self.s.engine_stop_timeout)  # its children, if any are left
@@ -371,8 +385,8 @@ class Agent:
             await self._registrar.set_status(WorkerStatus.DRAINING)
         except Exception as exc:
             log.warning("draining_status_not_published", error=str(exc))
-        if self._worker is not None:
-            await self._drain_requests(self._worker)
+        if self._worker is not None:  # NATS request plane
+            await self._worker.drain(DRAIN_REFUSAL, DRAIN_CANCEL, self.s.drain_timeout, self._force)
         else:
             await self._drain_engine()
         await self._deregister()
@@ -381,29 +395,6 @@ class Agent:
         await self._stop_engine()
         log.info("stopped", worker_id=self.worker_id)
         return 0
-
-    async def _drain_requests(self, worker: RequestWorker) -> None:
-        """NATS request plane: refuse new envelopes, let the running ones finish, cancel the rest."""
-        worker.begin_drain(DRAIN_REFUSAL)
-        await worker.seal_queue()
-        idle = worker.wait_idle(self.s.drain_timeout)
-        forced = asyncio.create_task(self._force.wait())
-        idle_task = asyncio.create_task(idle)
-        await asyncio.wait({idle_task, forced}, return_when=asyncio.FIRST_COMPLETED)
-        forced.cancel()
-        if not (idle_task.done() and idle_task.result()):
-            idle_task.cancel()
-            stopped = worker.stop_all(DRAIN_CANCEL)
-            log.warning("drain_incomplete_cancelled", cancelled=stopped)
-        await self._settle_queue(worker)
-
-    @staticmethod
-    async def _settle_queue(worker: RequestWorker) -> None:
-        """Every envelope the sealed queue still holds delivered (and refused), every answer sent."""
-        undelivered = await worker.wait_delivered(SETTLE_TIMEOUT)
-        if undelivered:
-            log.warning("queued_requests_unanswered", count=undelivered, timeout_s=SETTLE_TIMEOUT)
-        await worker.wait_idle(SETTLE_TIMEOUT)
 
     async def _drain_engine(self) -> None:
         """HTTP request plane: the routers stop sending once they see ``draining``; wait for the engine's
@@ -461,6 +452,7 @@ class Agent:
     async def _cleanup(self) -> None:
         """Whatever the path out: nothing left running, the engine stopped, the entry gone."""
         steps = [
+            ("restore", self._reconnects.close),
             ("load_reporter", self._reporter.stop if self._reporter else None),
             ("worker", self._close_worker),
             ("kv_relay", self._close_kv_relay),

@@ -23,6 +23,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.client import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from infera_common.engine_relay import Abort, Relay
 from infera_common.logs import get_logger
@@ -36,6 +37,7 @@ log = get_logger("worker_agent.worker")
 
 ACK_WAIT = 30.0
 SUB_DRAIN_TIMEOUT = 5.0  # for envelopes already delivered to be answered when the agent stops
+SETTLE_TIMEOUT = 5.0  # for stopped or refused requests to send their last frame and release
 DELIVERY_POLL = 0.02  # seconds between looks at the consumer while waiting for the queue to empty
 
 
@@ -80,6 +82,7 @@ class RequestWorker:
         self._cancel_sub = None
         self._tasks: dict[str, asyncio.Task] = {}
         self._unacked: dict[int, Msg] = {}  # delivered envelopes whose answer is not complete (by id())
+        self._sealed = False  # the queue takes no more work (the agent is on its way out)
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -114,9 +117,30 @@ class RequestWorker:
         """Wait until no request is being handled; False on timeout."""
         return await self._runner.wait_idle(timeout)
 
+    @property
+    def sealed(self) -> bool:
+        return self._sealed
+
+    async def restore(self) -> None:
+        """After a reconnect: the durable consumer again, pushing to the same subscription, if the
+        broker lost it (a restarted broker loses the memory stream and its consumer; the caller
+        recreates the stream first). Nothing once sealed or closed."""
+        if self._work_sub is None or self._sealed:
+            return
+        stream, name = request_stream(self.worker_id), work_consumer(self.worker_id)
+        try:
+            await self._js.consumer_info(stream, name)
+            return
+        except NotFoundError:
+            pass
+        config = consumer_config(self.worker_id, self._max_pending, self._work_sub.subject, self._ack_wait)
+        await self._js.add_consumer(stream, config=config)
+        log.info("consumer_restored", stream=stream)
+
     async def seal_queue(self) -> None:
         """Take no more envelopes: the broker refuses every publish to this worker's queue from now on
         (routers try another worker), and what it already holds is still delivered."""
+        self._sealed = True
         try:
             await seal_request_stream(self._js, self.worker_id)
         except Exception as exc:  # broker gone or stream already deleted: nothing more arrives anyway
@@ -137,6 +161,34 @@ class RequestWorker:
             if info.num_pending == 0 or loop.time() >= deadline:
                 return info.num_pending or 0
             await asyncio.sleep(DELIVERY_POLL)
+
+    async def drain(self, refusal: StopReason, cancel: StopReason, timeout: float, force: asyncio.Event) -> None:
+        """The agent stops: refuse new envelopes and seal the queue, let the running requests finish
+        within ``timeout`` (or until ``force`` is set), stop the rest with ``cancel``, then settle."""
+        self.begin_drain(refusal)
+        await self.seal_queue()
+        idle = asyncio.create_task(self.wait_idle(timeout))
+        forced = asyncio.create_task(force.wait())
+        await asyncio.wait({idle, forced}, return_when=asyncio.FIRST_COMPLETED)
+        forced.cancel()
+        if not (idle.done() and idle.result()):
+            idle.cancel()
+            log.warning("drain_incomplete_cancelled", cancelled=self.stop_all(cancel))
+        await self.settle()
+
+    async def abandon(self, refusal: StopReason, reason: StopReason) -> None:
+        """The engine is gone: refuse and seal, stop every running request with ``reason``, settle."""
+        self.begin_drain(refusal)
+        await self.seal_queue()
+        self.stop_all(reason)
+        await self.settle()
+
+    async def settle(self) -> None:
+        """Every envelope the sealed queue still holds delivered (and refused), every answer sent."""
+        undelivered = await self.wait_delivered(SETTLE_TIMEOUT)
+        if undelivered:
+            log.warning("queued_requests_unanswered", count=undelivered, timeout_s=SETTLE_TIMEOUT)
+        await self.wait_idle(SETTLE_TIMEOUT)
 
     def stop_all(self, reason: StopReason) -> int:
         """Stop every in-flight request with ``reason``; returns how many were stopped."""

@@ -1,0 +1,111 @@
+"""A fleet outliving its nats-server: killed and started again on the same port, with its store
+directory (a process restart) or without (a new broker: every stream and bucket gone)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from infera.fleet_plan import plan_fleet
+from infera.procs import free_port, start_nats, stop_process, wait_port
+from infera_common.models import BUNDLED_MODEL_NAME
+from tests.e2e.fleet import env_with
+
+
+def _chat(url: str, content: str = "hi") -> tuple[int, dict]:
+    body = json.dumps({"model": BUNDLED_MODEL_NAME, "messages": [{"role": "user", "content": content}],
+                       "max_tokens": 2}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as err:
+        return err.code, json.load(err)
+
+
+def _active_workers(url: str) -> list[str]:
+    with urllib.request.urlopen(url + "/v1/workers", timeout=5) as resp:
+        return sorted(w["worker_id"] for w in json.load(resp)["data"] if w["status"] == "active")
+
+
+def _until(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"{what} not within {timeout:g}s")
+
+
+class ManualFleet:
+    """The services `infera up` would start, but with the nats-server in the test's hands."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.nats_port, self.port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.nats: subprocess.Popen | None = None
+        self.procs: list[subprocess.Popen] = []
+        (tmp / "logs").mkdir()
+
+    def start_nats(self, store: str) -> None:
+        with open(self.tmp / "logs" / f"nats-{store}.log", "ab") as log:
+            self.nats = start_nats(self.nats_port, self.tmp / store, log_file=log)
+
+    def start(self) -> "ManualFleet":
+        self.start_nats("store")
+        specs = plan_fleet(nats_url=f"nats://127.0.0.1:{self.nats_port}", host="127.0.0.1", port=self.port,
+                           workers=2, router_policy="kv-aware", engine_args=["--served-model-name", BUNDLED_MODEL_NAME],
+                           metrics_ports=[free_port() for _ in range(4)])
+        env = env_with(INFERA_DISCOVERY_TTL="3")
+        for spec in specs:
+            with open(self.tmp / "logs" / f"{spec.name}.log", "ab") as log:
+                self.procs.append(subprocess.Popen(spec.argv(sys.executable), stdout=log, stderr=subprocess.STDOUT,
+                                                   env={**env, **spec.env}, start_new_session=True))
+            if spec.role == "frontend":
+                wait_port("127.0.0.1", self.port, 30.0, self.procs[-1])
+        _until(lambda: len(_active_workers(self.url)) == 2, 60, "two active workers")
+        return self
+
+    def logs(self) -> str:
+        return "".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted((self.tmp / "logs").glob("*.log")))
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            stop_process(proc, timeout=20.0)
+        if self.nats is not None:
+            stop_process(self.nats)
+
+
+@pytest.mark.parametrize("store", ["store", "fresh-store"], ids=["same-store", "new-broker"])
+def test_the_fleet_serves_and_routes_by_cache_again_after_nats_server_restarts(tmp_path, store):
+    fleet = ManualFleet(tmp_path).start()
+    try:
+        assert _chat(fleet.url)[0] == 200
+        workers = _active_workers(fleet.url)
+        os.kill(fleet.nats.pid, signal.SIGKILL)
+        fleet.nats.wait()
+        fleet.start_nats(store)
+        # every service restores what the broker lost: queues, consumers, the discovery bucket,
+        # the KV event stream and the watches on them
+        _until(lambda: _chat(fleet.url)[0] == 200, 20, "a request answered after the restart")
+        _until(lambda: _active_workers(fleet.url) == workers, 10, "both workers listed again")
+        # KV-aware routing follows the engines' events again: a repeated long prompt lands where it is cached
+        for i in range(3):
+            prompt = " ".join(f"w{i}x{j}" for j in range(300))
+            first, again = _chat(fleet.url, prompt)[1], _chat(fleet.url, prompt)[1]
+            assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 1024, fleet.logs()
+        assert all(p.poll() is None for p in fleet.procs), fleet.logs()  # nobody died of it
+    finally:
+        fleet.stop()
