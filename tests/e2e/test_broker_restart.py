@@ -8,8 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -19,32 +17,17 @@ from infera.fleet_plan import plan_fleet
 from infera.procs import free_port, start_nats, stop_process, wait_port
 from infera_common.models import BUNDLED_MODEL_NAME
 from tests.e2e.fleet import env_with
+from tests.e2e.runbook import http_json, wait_for
 
 
 def _chat(url: str, content: str = "hi") -> tuple[int, dict]:
-    body = json.dumps({"model": BUNDLED_MODEL_NAME, "messages": [{"role": "user", "content": content}],
-                       "max_tokens": 2}).encode()
-    req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, json.load(resp)
-    except urllib.error.HTTPError as err:
-        return err.code, json.load(err)
+    return http_json(url + "/v1/chat/completions", {"model": BUNDLED_MODEL_NAME, "max_tokens": 2,
+                                                    "messages": [{"role": "user", "content": content}]}, timeout=10)
 
 
 def _active_workers(url: str) -> list[str]:
     with urllib.request.urlopen(url + "/v1/workers", timeout=5) as resp:
         return sorted(w["worker_id"] for w in json.load(resp)["data"] if w["status"] == "active")
-
-
-def _until(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"{what} not within {timeout:g}s")
 
 
 class ManualFleet:
@@ -74,7 +57,7 @@ class ManualFleet:
                                                    env={**env, **spec.env}, start_new_session=True))
             if spec.role == "frontend":
                 wait_port("127.0.0.1", self.port, 30.0, self.procs[-1])
-        _until(lambda: len(_active_workers(self.url)) == 2, 60, "two active workers")
+        wait_for(lambda: len(_active_workers(self.url)) == 2, 60, "two active workers")
         return self
 
     def logs(self) -> str:
@@ -98,8 +81,8 @@ def test_the_fleet_serves_and_routes_by_cache_again_after_nats_server_restarts(t
         fleet.start_nats(store)
         # every service restores what the broker lost: queues, consumers, the discovery bucket,
         # the KV event stream and the watches on them
-        _until(lambda: _chat(fleet.url)[0] == 200, 20, "a request answered after the restart")
-        _until(lambda: _active_workers(fleet.url) == workers, 10, "both workers listed again")
+        wait_for(lambda: _chat(fleet.url)[0] == 200, 20, "a request answered after the restart")
+        wait_for(lambda: _active_workers(fleet.url) == workers, 10, "both workers listed again")
         # KV-aware routing follows the engines' events again: a repeated long prompt lands where it is cached
         for i in range(3):
             prompt = " ".join(f"w{i}x{j}" for j in range(300))
