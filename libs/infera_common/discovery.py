@@ -132,7 +132,8 @@ class Watcher:
             created = (await self._js.stream_info(bucket_stream())).created
         except NotFoundError:
             created = None
-        if created is not None and created == self._created:
+        following = self._follower is not None and not self._follower.done()
+        if created is not None and created == self._created and following:
             return  # the same bucket: the watch resumes by itself
         log.info("discovery_rewatch", bucket=DISCOVERY_BUCKET, reason="bucket recreated" if created else "bucket lost")
         await self._unwatch()

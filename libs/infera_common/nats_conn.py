@@ -122,6 +122,19 @@ async def connect(url: str, name: str, connect_timeout: float = 10.0, reconnects
     return task.result()
 
 
+async def flush_all(nc, timeout: float = 10.0) -> None:
+    """Return once the server has processed everything this client sent before the call.
+
+    nats-py's ``flush()`` writes its PING to the socket at once, ahead of the commands still queued
+    for its flusher task (2.16: a SUB just made can reach the server after the PONG came back, so a
+    request right after met "no responders" about once in 400 tries). The first flush sets the
+    flusher going, so the queue is on the socket before its PONG is read; the second PING follows
+    the queue, and its PONG says the server has it all.
+    """
+    await nc.flush(timeout)
+    await nc.flush(timeout)
+
+
 async def cancel_until_done(task: asyncio.Task, attempts: int = 100) -> None:
     """Cancel ``task`` and wait until it has stopped, re-cancelling if a cancellation was swallowed."""
     for _ in range(attempts):

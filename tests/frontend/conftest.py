@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from infera_common.discovery import Registrar
-from infera_common.nats_conn import connect
+from infera_common.nats_conn import connect, flush_all
 from infera_common.subjects import ROUTER_QUEUE, ROUTER_ROUTE, cancel_subject
 from infera_frontend.service import Frontend
 from infera_frontend.settings import FrontendSettings
@@ -21,7 +21,7 @@ async def fleet(nats_server):
     await nc.subscribe(cancel_subject(WORKER), cb=fake.on_cancel)
     registrar = Registrar(nc.jetstream(), worker_record())
     await registrar.start()
-    await nc.flush()
+    await flush_all(nc)
     yield fake
     for t in list(fake.tasks):
         t.cancel()

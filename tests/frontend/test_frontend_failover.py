@@ -7,7 +7,7 @@ import pytest
 
 from infera.client import InferaClient, InferaError
 from infera_common.discovery import Registrar
-from infera_common.nats_conn import connect
+from infera_common.nats_conn import connect, flush_all
 from infera_common.settings import parse_cli
 from infera_common.schemas import Frame
 from infera_common.subjects import ROUTER_QUEUE, ROUTER_ROUTE, cancel_subject
@@ -39,7 +39,7 @@ async def multi(nats_server):
         await nc.subscribe(cancel_subject(w), cb=fleet.cancel_handler(w))
         registrars.append(Registrar(nc.jetstream(), worker_record(w)))
         await registrars[-1].start()
-    await nc.flush()
+    await flush_all(nc)
     yield fleet
     for t in list(fleet.tasks):
         t.cancel()

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from infera_common.nats_conn import flush_all
 from infera_common.schemas import Cancel, Frame, PdParams, Release, Role, decode, encode
 from infera_common.subjects import cancel_subject, router_release_subject
 
@@ -30,7 +31,7 @@ async def cancels(bench, wid: str) -> list:
         bench.cancel_statuses = [*getattr(bench, "cancel_statuses", []), (cancel.status, cancel.message)]
 
     await bench.nc.subscribe(cancel_subject(wid), cb=on)
-    await bench.nc.flush()
+    await flush_all(bench.nc)
     return got
 
 

@@ -56,6 +56,7 @@ class StreamFollower:
         self._caught_up = asyncio.Event()
         self._limits: tuple[float | None, float | None] = (None, None)  # as given to prepare()
         self._created = None  # when the followed stream was created (another one: follow it from its start)
+        self._following = False  # between replay() and stop(): what restore() puts back
         self.messages = 0
 
     @property
@@ -74,7 +75,7 @@ class StreamFollower:
         survived from the message after the last one applied; a stream the broker lost (restarted
         without its store), created again, from its start. The index built so far stays either way
         (the engines still hold those blocks)."""
-        if self._sub is None:
+        if not self._following:
             return
         try:
             created = (await self._js.stream_info(KV_EVENT_STREAM)).created
@@ -86,9 +87,10 @@ class StreamFollower:
                  reason="reconnected" if same else "recreated" if created else "lost")
         if not same:
             await ensure_kv_event_stream(self._js, *self._limits)
-        await self.stop()
-        self._created = (await self._js.stream_info(KV_EVENT_STREAM)).created
+        await self._unsubscribe()
+        created = (await self._js.stream_info(KV_EVENT_STREAM)).created
         self._sub = await self._subscribe(start)
+        self._created = created  # (only now: an attempt that failed is redone from the same decision)
 
     def _next_seq(self) -> int:
         """The stream seq after the last message applied (after the history present at start, if none)."""
@@ -116,6 +118,7 @@ class StreamFollower:
         if not self._replay_until:
             self._caught_up.set()
         self._sub = await self._subscribe()
+        self._following = True
         log.info("replay_started", stream=KV_EVENT_STREAM, messages=state.messages, last_seq=state.last_seq)
         while not self._caught_up.is_set():
             try:
@@ -136,6 +139,10 @@ class StreamFollower:
             log.info("replaying", applied_seq=self._applied_seq, until=self._replay_until)
 
     async def stop(self) -> None:
+        self._following = False
+        await self._unsubscribe()
+
+    async def _unsubscribe(self) -> None:
         sub, self._sub = self._sub, None
         await unsubscribe_quietly(sub)
 

@@ -30,7 +30,7 @@ from infera_common.nats_api import (
     KIND_END,
     KIND_ERROR,
 )
-from infera_common.nats_conn import unsubscribe_quietly
+from infera_common.nats_conn import flush_all, unsubscribe_quietly
 from infera_common.openai_errors import error_body
 from infera_common.schemas import Endpoint
 from infera_common.tracing import HEADER as TRACE_HEADER
@@ -73,7 +73,7 @@ class NatsApi:
         ]
         for subject, cb in routes:
             self._subs.append(await self._nc.subscribe(subject, queue=FRONTEND_QUEUE, cb=cb))
-        await self._nc.flush()  # the broker knows the subscriptions before we say we serve
+        await flush_all(self._nc)  # the broker knows the subscriptions before we say we serve
 
     async def stop(self) -> None:
         """Stop taking requests, then end the ones in flight (their workers get a Cancel)."""

@@ -31,7 +31,9 @@ from nats.aio.msg import Msg
 from infera_common.discovery_select import FleetWatcher, discovery_for
 from infera_common.fleet import Change
 from infera_common.logs import get_logger
-from infera_common.nats_conn import Reconnects, close_connection, connect, nats_log_fields, unsubscribe_quietly
+from infera_common.nats_conn import (
+    Reconnects, close_connection, connect, flush_all, nats_log_fields, unsubscribe_quietly,
+)
 from infera_common.subjects import KV_INDEXER_QUEUE, KV_QUERY
 from infera_common.tracing import HEADER as TRACE_HEADER
 from infera_common.tracing import SpanKind, finish, start_span
@@ -114,9 +116,8 @@ class KvIndexerService:
             log.info("zmq_replay_done", workers=len(self._zmq.followed), still_replaying=late,
                      seconds=round(time.monotonic() - t0, 3))
         self._query_sub = await self.nc.subscribe(KV_QUERY, queue=KV_INDEXER_QUEUE, cb=self._on_query)
-        flush = getattr(self.nc, "flush", None)
-        if flush is not None:
-            await flush()  # the broker knows the subscription before we say we serve
+        if hasattr(self.nc, "flush"):
+            await flush_all(self.nc)  # the broker knows the subscription before we say we serve
         seen, unseen, unattached = self.index.counts()
         log.info("kv_indexer_serving", subject=KV_QUERY, kv_event_transport=s.kv_event_transport,
                  workers_seen=seen, workers_unseen=unseen, workers_unattached=unattached,

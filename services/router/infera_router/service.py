@@ -21,7 +21,9 @@ from nats.aio.subscription import Subscription
 from infera_common.discovery_select import FleetWatcher, discovery_for
 from infera_common.fleet import Change
 from infera_common.logs import get_logger
-from infera_common.nats_conn import Reconnects, close_connection, connect, nats_log_fields, unsubscribe_quietly
+from infera_common.nats_conn import (
+    Reconnects, close_connection, connect, flush_all, nats_log_fields, unsubscribe_quietly,
+)
 from infera_common.schemas import LoadReport, Prefilled, Release, WorkerRecord, decode
 from infera_common.subjects import (
     LOAD_SUBJECTS,
@@ -122,7 +124,7 @@ class RouterService(RoutePath):
         self._subs.append(await self.nc.subscribe(router_prefilled_subject(self.router_id), cb=self._on_prefilled))
         self._subs.append(await self.nc.subscribe(LOAD_SUBJECTS, cb=self._on_load))
         self._route_sub = await self.nc.subscribe(ROUTER_ROUTE, queue=ROUTER_QUEUE, cb=self._on_route)
-        await self.nc.flush()  # the broker knows the subscriptions before we say we serve
+        await flush_all(self.nc)  # the broker knows the subscriptions before we say we serve
         self._sweeper = asyncio.create_task(self._sweep(), name="lease-sweeper")
         log.info(
             "router_serving", router_id=self.router_id, policy=self.settings.router_policy,

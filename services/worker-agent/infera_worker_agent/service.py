@@ -31,7 +31,8 @@ from infera_common.engine_relay import EngineAborter, Relay
 from infera_common.logs import get_logger
 from infera_common.metrics import start_metrics_server
 from infera_common.nats_conn import (
-    Reconnects, connect, delete_stream_quietly, ensure_kv_event_stream, ensure_request_stream, nats_log_fields,
+    Reconnects, connect, delete_stream_quietly, ensure_kv_event_stream, ensure_request_stream, flush_all,
+    nats_log_fields,
 )
 from infera_common.runtime import freeze_startup_heap
 from infera_common.schemas import KvRelay, LoadReport, WorkerRecord, WorkerStatus, encode, encode_sparse
@@ -429,7 +430,7 @@ class Agent:
             registrar, self._registrar = self._registrar, None
             if self._nc is not None:  # every frame and Release sent so far is on the broker before the leave
                 try:
-                    await self._nc.flush(timeout=2)
+                    await flush_all(self._nc, timeout=2)
                 except Exception as exc:  # broker gone: nothing sent now would arrive anyway
                     log.info("flush_before_leave_failed", error=str(exc) or type(exc).__name__)
             await registrar.stop()

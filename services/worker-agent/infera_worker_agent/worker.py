@@ -27,7 +27,7 @@ from nats.js.errors import NotFoundError
 
 from infera_common.engine_relay import Abort, Relay
 from infera_common.logs import get_logger
-from infera_common.nats_conn import seal_request_stream, unsubscribe_quietly
+from infera_common.nats_conn import flush_all, seal_request_stream, unsubscribe_quietly
 from infera_common.request_runner import CLOSING, Engine, RequestRunner, SeriesHooks, StopReason, quietly
 from infera_common.schemas import WorkEnvelope, decode
 from infera_common.subjects import cancel_subject, request_stream, work_consumer, work_subject
@@ -98,7 +98,7 @@ class RequestWorker:
             await self._js.delete_consumer(stream, config.durable_name)
             await self._js.add_consumer(stream, config=config)
         self._cancel_sub = await self._nc.subscribe(cancel_subject(self.worker_id), cb=self._on_cancel)
-        await self._nc.flush()  # cancel subscription known to the broker before we register
+        await flush_all(self._nc)  # cancel subscription known to the broker before we register
         self._tasks["keepalive"] = asyncio.create_task(self._keepalive(), name="keepalive")
 
     @property
