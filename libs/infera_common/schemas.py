@@ -31,9 +31,12 @@ class Role(StrEnum):
 
 
 class WorkerStatus(StrEnum):
+    """Only ``active`` workers are sent requests."""
+
     STARTING = "starting"
     ACTIVE = "active"
     DRAINING = "draining"
+    UNHEALTHY = "unhealthy"  # the engine's process runs but it fails its health probes
 
 
 class Endpoint(StrEnum):

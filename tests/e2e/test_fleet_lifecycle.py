@@ -84,6 +84,34 @@ def test_a_request_on_a_worker_whose_agent_is_killed_is_answered_by_the_other(tm
         fleet.stop()
 
 
+def test_a_hung_engine_stops_getting_requests_until_it_answers_again(tmp_path):
+    env = env_with(INFERA_HEALTH_CHECK_INTERVAL="0.3", INFERA_HEALTH_CHECK_TIMEOUT="0.5",
+                   INFERA_HEALTH_CHECK_FAILURES="2")
+    fleet = Fleet(tmp_path, workers=2, env=env).start()
+    try:
+        victim = fleet.workers_list()[0]
+        pid = engine_pid(victim["url"])
+
+        def status() -> str:
+            return next(w["status"] for w in fleet.workers_list() if w["worker_id"] == victim["worker_id"])
+
+        os.kill(pid, signal.SIGSTOP)  # the process lives and answers nothing
+        try:
+            deadline = time.monotonic() + 15
+            while status() != "unhealthy" and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert status() == "unhealthy"
+            assert [_chat(fleet.url) for _ in range(6)] == [200] * 6  # all on the other worker, none hangs
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 15
+        while status() != "active" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert status() == "active"
+    finally:
+        fleet.stop()
+
+
 def test_infera_up_sigterm_stops_every_process_it_started(tmp_path):
     fleet = Fleet(tmp_path, workers=2, env=env_with()).start()
     tree = process_tree(fleet.proc.pid)

@@ -22,8 +22,10 @@ def test_unknown_model_is_404_and_no_active_worker_is_503():
     assert c.plan(route_request("m")).status == 404
     c.apply_change(join("a", status=WorkerStatus.STARTING))
     c.apply_change(join("b", status=WorkerStatus.DRAINING))
+    c.apply_change(join("c", status=WorkerStatus.UNHEALTHY))
+    c.apply_change(join("d", status=WorkerStatus.UNHEALTHY))
     plan = c.plan(route_request("m"))
-    assert plan.status == 503 and "1 starting, 1 draining" in plan.message
+    assert plan.status == 503 and "(1 starting, 1 draining, 2 unhealthy)" in plan.message
     assert c.plan(route_request("other")).status == 404
 
 

@@ -289,6 +289,27 @@ async def test_every_envelope_stored_for_a_worker_whose_engine_dies_gets_an_answ
     assert statuses <= {("head", 200), ("error", 502), ("error", 503)}, statuses
 
 
+async def test_a_hung_engine_is_registered_unhealthy_gets_no_work_and_comes_back_when_it_answers(bus, agents):
+    agent = agents("w-hang", ["--health-check-interval", "0.2", "--health-check-timeout", "0.5",
+                              "--health-check-failures", "2"])
+    model = (await bus.active("w-hang")).model
+    engine_pid = agent.engine_pid()
+    os.kill(engine_pid, signal.SIGSTOP)  # alive, sockets open, answering nothing: what a wedged engine looks like
+    try:
+        assert await eventually(lambda: (r := bus.watcher.view.get("w-hang")) is not None
+                                and r.status == WorkerStatus.UNHEALTHY, 10)
+        assert agent.event("engine_unhealthy") is not None
+        assert bus.watcher.view.active(model) == []  # routers send it nothing new
+    finally:
+        os.kill(engine_pid, signal.SIGCONT)
+    await bus.active("w-hang", timeout=10)  # the next probe passes: routable again
+    assert agent.event("engine_healthy_again") is not None
+    rid, sub = await bus.submit("w-hang", chat(3, stream=False))
+    assert (await bus.frames(sub))[0].status == 200
+    os.kill(agent.pid, signal.SIGTERM)
+    assert await asyncio.to_thread(agent.wait, 20) == 0
+
+
 async def test_sigkilled_agent_takes_its_engine_along_and_ages_out(bus, agents):
     agent = agents("w-kill")
     await bus.active("w-kill")

@@ -80,11 +80,8 @@ class RouterCore:
                 where = f" in this router's discovery ({self.discovery})" if self.discovery else ""
                 return Plan(404, f"model {model!r} is not served by any worker{where}")
             counts = self.fleet.status_counts(model)
-            return Plan(
-                503,
-                f"no active worker for model {model!r} "
-                f"({counts['starting']} starting, {counts['draining']} draining)",
-            )
+            states = ", ".join(f"{n} {status}" for status, n in counts.items() if n and status != "active")
+            return Plan(503, f"no active worker for model {model!r} ({states})")
         if self.request_transport is not None:
             reachable = [w for w in active if w.record.request_transport == self.request_transport]
             if not reachable:

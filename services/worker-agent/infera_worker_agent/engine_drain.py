@@ -6,7 +6,7 @@ tell when the work the routers sent before they saw ``draining`` is done.
 nothing waiting on ``quiet_polls`` polls in a row (a request a router sent just before it saw
 ``draining`` may still be on its way to the engine at the first idle poll). A poll that could
 not read the counts is not idle: an engine whose load is unknown is waited for until the drain
-timeout.
+timeout. ``drain_engine`` is the wait itself, also ended by a second signal or the engine's exit.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from infera_common.logs import get_logger
+from infera_worker_agent.engine_proc import EngineProcess
 from infera_worker_agent.load import EngineLoad
 
 log = get_logger("worker_agent.drain")
@@ -80,3 +81,31 @@ async def wait_engine_idle(
         if remaining <= 0:
             return DrainResult(False, last)
         await asyncio.sleep(min(interval, remaining))
+
+
+async def drain_engine(scrape: Callable[[], Awaitable[EngineLoad | None]], timeout: float, force: asyncio.Event,
+                       engine: EngineProcess) -> None:
+    """The agent stops on the HTTP request plane: the routers stop sending once they see ``draining``;
+    wait for the engine's own counts to reach zero (or ``timeout``, or ``force``: a second signal, or
+    the engine's exit). What is left is cut off when the engine stops."""
+    drained = asyncio.create_task(wait_engine_idle(scrape, timeout))
+    forced = asyncio.create_task(force.wait())
+    engine_exit = asyncio.create_task(engine.wait())
+    await asyncio.wait({drained, forced, engine_exit}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (forced, engine_exit):
+        task.cancel()
+    if not drained.done():
+        drained.cancel()
+        await asyncio.gather(drained, return_exceptions=True)
+        if force.is_set():
+            log.warning("drain_skipped_by_second_signal")
+        else:
+            log.warning("engine_exited_while_draining", exit_code=engine.returncode)
+        return
+    result = drained.result()
+    if result.idle:
+        log.info("engine_idle")
+    else:
+        last = result.last
+        log.warning("drain_timeout_engine_busy", drain_timeout_s=timeout,
+                    engine_running=last.running if last else None, engine_waiting=last.waiting if last else None)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from enum import StrEnum
 
 import aiohttp
 
 from infera_common.logs import get_logger
 from infera_worker_agent.engine_proc import EngineProcess
+from infera_worker_agent.liveness import Liveness
 
 log = get_logger("worker_agent.health")
 
@@ -24,12 +26,46 @@ class Startup(StrEnum):
     STOPPED = "stopped"  # the agent was asked to stop
 
 
-async def is_healthy(session: aiohttp.ClientSession, base_url: str) -> bool:
+async def is_healthy(session: aiohttp.ClientSession, base_url: str, timeout: float = 5.0) -> bool:
     try:
-        async with session.get(f"{base_url}/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+        async with session.get(f"{base_url}/health", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             return resp.status == 200
     except (aiohttp.ClientError, OSError, TimeoutError):
         return False
+
+
+class HealthWatch:
+    """While the worker serves: probe the engine's /health every ``interval`` seconds (each probe
+    given ``timeout``), and call ``on_change(healthy)`` when ``Liveness`` changes its verdict."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, *, interval: float, timeout: float,
+                 failures: int, on_change: Callable[[bool], Awaitable[None]]) -> None:
+        self._session, self._url = session, base_url
+        self._interval, self._timeout = interval, timeout
+        self.liveness = Liveness(failures)
+        self._on_change = on_change
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="engine-health")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        told = True  # the verdict the worker's record carries (it went active healthy)
+        while True:
+            await asyncio.sleep(self._interval)
+            self.liveness.observe(await is_healthy(self._session, self._url, self._timeout))
+            if self.liveness.healthy != told:
+                try:
+                    await self._on_change(self.liveness.healthy)
+                    told = self.liveness.healthy
+                except Exception as exc:  # broker hiccup: told again after the next probe
+                    log.warning("health_change_not_published", healthy=self.liveness.healthy, error=str(exc))
 
 
 async def wait_healthy(

@@ -28,6 +28,10 @@ class AgentMetrics:
         )
         self.engine_exit_code.set(-1)
         self.engine_up = Gauge("infera_agent_engine_up", "1 while the engine is healthy and serving.", registry=r)
+        self.health_changes = Counter(
+            "infera_agent_engine_health_changes", "The worker registered unhealthy (its engine failed "
+            "--health-check-failures probes in a row) or healthy again.", ["to"], registry=r,
+        )
         self.kv_batches = Counter(
             "infera_agent_kv_batches_relayed", "Engine KV event batches relayed to JetStream, by DP rank.",
             ["dp_rank"], registry=r,

@@ -40,9 +40,9 @@ from infera_common.subjects import kv_event_subject, load_subject
 from infera_worker_agent.engine_cmd import EnginePlan
 from infera_worker_agent.engine_proc import EngineProcess, exit_status
 from infera_worker_agent.health import (
-    Startup, bootstrap_ranks, engine_json, served_model, wait_healthy,
+    HealthWatch, Startup, bootstrap_ranks, engine_json, served_model, wait_healthy,
 )
-from infera_worker_agent.engine_drain import wait_engine_idle
+from infera_worker_agent.engine_drain import drain_engine
 from infera_worker_agent.kv_config import (
     KvSource,
     advertised_endpoint,
@@ -87,6 +87,7 @@ class Agent:
         self.metrics = AgentMetrics()
         self._stop = asyncio.Event()
         self._reconnects = Reconnects()  # what to restore when the broker comes back (it may have restarted)
+        self._health: HealthWatch | None = None
         self._force = asyncio.Event()
         self._nc: NATS | None = None
         self._registrar: FleetRegistrar | None = None
@@ -183,6 +184,11 @@ class Agent:
             publish=self._publish_load, on_load=self._on_load,
         )
         self._reporter.start()
+        if self.s.health_check_interval > 0:
+            self._health = HealthWatch(self._session, self.plan.local_url, interval=self.s.health_check_interval,
+                                       timeout=self.s.health_check_timeout, failures=self.s.health_check_failures,
+                                       on_change=self._on_health)
+            self._health.start()
         log.info("worker_active", worker_id=self.worker_id, model=model, url=self.plan.url, frozen_objects=frozen)
 
         engine_exit = asyncio.create_task(self._engine.wait())
@@ -233,6 +239,19 @@ class Agent:
             metrics=self.metrics,
         )
         await self._worker.start()
+
+    async def _on_health(self, healthy: bool) -> None:
+        """The engine failed its probes (or passes again): routers stop (or resume) sending it work."""
+        assert self._registrar is not None
+        if healthy:
+            log.info("engine_healthy_again", worker_id=self.worker_id)
+        else:
+            log.error("engine_unhealthy", worker_id=self.worker_id, failed_probes=self.s.health_check_failures,
+                      url=f"{self.plan.local_url}/health", hint="the engine process runs but does not answer; "
+                      "it gets no new requests until a probe passes (restart it if it stays so)")
+        await self._registrar.set_status(WorkerStatus.ACTIVE if healthy else WorkerStatus.UNHEALTHY)
+        self.metrics.engine_up.set(1 if healthy else 0)
+        self.metrics.health_changes.labels("healthy" if healthy else "unhealthy").inc()
 
     async def _restore_broker_state(self) -> None:
         """After a reconnect, what a restarted broker lost, the queue before the record that sends
@@ -366,6 +385,7 @@ class Agent:
 
     async def _engine_died(self) -> int:
         assert self._engine is not None and self._registrar is not None
+        await self._stop_health()
         code = self._engine.returncode
         self.metrics.engine_up.set(0)
         self.metrics.engine_exit_code.set(exit_status(code))
@@ -380,6 +400,7 @@ class Agent:
 
     async def _drain_and_stop(self) -> int:
         assert self._registrar is not None
+        await self._stop_health()  # (its verdicts would overwrite 'draining')
         log.info("draining", worker_id=self.worker_id, in_flight=self._worker.in_flight if self._worker else None,
                  drain_timeout_s=self.s.drain_timeout)
         try:
@@ -389,7 +410,9 @@ class Agent:
         if self._worker is not None:  # NATS request plane
             await self._worker.drain(DRAIN_REFUSAL, DRAIN_CANCEL, self.s.drain_timeout, self._force)
         else:
-            await self._drain_engine()
+            assert self._session is not None and self._engine is not None
+            await drain_engine(lambda: scrape_engine(self._session, f"{self.plan.local_url}/metrics", 2.0),
+                               self.s.drain_timeout, self._force, self._engine)
         await self._deregister()
         await self._close_worker()
         await self._delete_stream()
@@ -397,33 +420,10 @@ class Agent:
         log.info("stopped", worker_id=self.worker_id)
         return 0
 
-    async def _drain_engine(self) -> None:
-        """HTTP request plane: the routers stop sending once they see ``draining``; wait for the engine's
-        own counts to reach zero (or the drain timeout, or a second signal). What is left is cut off
-        when the engine stops."""
-        assert self._session is not None and self._engine is not None
-        session, url = self._session, f"{self.plan.local_url}/metrics"
-        drained = asyncio.create_task(wait_engine_idle(lambda: scrape_engine(session, url, 2.0), self.s.drain_timeout))
-        forced = asyncio.create_task(self._force.wait())
-        engine_exit = asyncio.create_task(self._engine.wait())
-        await asyncio.wait({drained, forced, engine_exit}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (forced, engine_exit):
-            task.cancel()
-        if not drained.done():
-            drained.cancel()
-            await asyncio.gather(drained, return_exceptions=True)
-            if self._force.is_set():
-                log.warning("drain_skipped_by_second_signal")
-            else:
-                log.warning("engine_exited_while_draining", exit_code=self._engine.returncode)
-            return
-        result = drained.result()
-        if result.idle:
-            log.info("engine_idle")
-        else:
-            last = result.last
-            log.warning("drain_timeout_engine_busy", drain_timeout_s=self.s.drain_timeout,
-                        engine_running=last.running if last else None, engine_waiting=last.waiting if last else None)
+    async def _stop_health(self) -> None:
+        if self._health is not None:
+            health, self._health = self._health, None
+            await health.stop()
 
     async def _deregister(self) -> None:
         if self._registrar is not None:
@@ -454,6 +454,7 @@ class Agent:
         """Whatever the path out: nothing left running, the engine stopped, the entry gone."""
         steps = [
             ("restore", self._reconnects.close),
+            ("health", self._stop_health),
             ("load_reporter", self._reporter.stop if self._reporter else None),
             ("worker", self._close_worker),
             ("kv_relay", self._close_kv_relay),

@@ -66,6 +66,20 @@ class AgentSettings(PlaneSettings, LogSettings):
     health_timeout: float = Field(
         1800.0, gt=0, description="Seconds to wait for the engine to become healthy before giving up."
     )
+    health_check_interval: float = Field(
+        10.0, ge=0,
+        description="While serving, seconds between probes of the engine's /health (0: no probes). After "
+        "--health-check-failures failed probes in a row the worker is registered 'unhealthy' (routers send it "
+        "nothing new; running requests go on) until a probe passes again.",
+    )
+    health_check_timeout: float = Field(
+        30.0, gt=0,
+        description="Seconds one serving-time health probe may take before it counts as failed (SGLang's /health "
+        "runs a one-token generation and answers 503 itself after SGLANG_HEALTH_CHECK_TIMEOUT, 20 s by default).",
+    )
+    health_check_failures: int = Field(
+        3, ge=1, description="Failed health probes in a row that make the worker 'unhealthy'."
+    )
     drain_timeout: float = Field(
         30.0, ge=0,
         description="On SIGTERM, seconds in-flight requests may take to finish (with --request-transport http: "
