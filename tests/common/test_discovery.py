@@ -5,6 +5,7 @@ from infera_common.discovery import Registrar, Watcher
 from infera_common.fleet import FleetView
 from infera_common.nats_conn import connect
 from infera_common.schemas import WorkerRecord, WorkerStatus
+from infera_common.subjects import DISCOVERY_BUCKET
 
 
 def _record(wid: str, ttl: float = 1.5, **kw) -> WorkerRecord:
@@ -66,5 +67,32 @@ async def test_register_watch_deregister_and_age_out(nats_server):
     assert watcher.view.get("b") is None
     assert time.monotonic() - t0 <= 1.5 + 0.5
     assert [c.kind for c in changes if c.record.worker_id == "b"][-1] == "leave"
+    await watcher.stop()
+    await nc.close()
+
+
+async def test_a_lost_bucket_is_recreated_rewatched_and_refilled_by_restore(nats_server):
+    """What a restarted broker does to discovery (the bucket is in memory), without the restart."""
+    nc = await connect(nats_server, "t")
+    js = nc.jetstream()
+    watcher = Watcher(js, sweep_interval=0.05)
+    await watcher.start()
+    reg = Registrar(js, _record("a", ttl=30.0, status=WorkerStatus.ACTIVE))
+    await reg.start()
+    for _ in range(100):
+        if watcher.view.get("a") is not None:
+            break
+        await asyncio.sleep(0.02)
+    await watcher.restore()  # the same bucket: nothing to do, the watch goes on
+    await js.delete_key_value(DISCOVERY_BUCKET)  # gone with every record, as after a broker restart
+    await watcher.restore()  # a new (empty) bucket, watched from its start
+    await reg.restore()  # the record put back at once
+    await reg.set_status(WorkerStatus.DRAINING)  # and what follows is seen by the new watch
+    for _ in range(100):
+        if (r := watcher.view.get("a")) is not None and r.status == WorkerStatus.DRAINING:
+            break
+        await asyncio.sleep(0.02)
+    assert watcher.view.get("a").status == WorkerStatus.DRAINING
+    await reg.stop()
     await watcher.stop()
     await nc.close()

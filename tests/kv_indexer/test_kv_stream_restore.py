@@ -1,0 +1,54 @@
+"""The KV event stream followed again after a reconnect (``StreamFollower.restore``), against a real
+nats-server: a stream that survived resumes after the last message applied, a lost one is
+created again and followed from its start."""
+
+from __future__ import annotations
+
+import asyncio
+
+from infera_common.kv_index.stream import StreamFollower
+from infera_common.nats_conn import connect
+from infera_common.subjects import KV_EVENT_STREAM, kv_event_subject
+
+
+class Flag:
+    def set(self, value: float) -> None:
+        self.value = value
+
+
+async def _until(cond, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if cond():
+            return
+        await asyncio.sleep(0.02)
+    assert cond()
+
+
+async def test_restore_resumes_a_surviving_stream_without_repeats_and_follows_a_new_one_from_its_start(nats_server):
+    nc = await connect(nats_server, "t")
+    js = nc.jetstream()
+    seen: list[bytes] = []
+    follower = StreamFollower(js, lambda subject, data: seen.append(data), Flag())
+    await follower.prepare(None, None)
+    subject = kv_event_subject("w1")
+    for i in range(3):
+        await js.publish(subject, b"old-%d" % i)
+    await follower.replay()
+    assert seen == [b"old-0", b"old-1", b"old-2"]
+    await follower.restore()  # a reconnect to the same broker: resumed after old-2
+    await js.publish(subject, b"old-3")
+    await _until(lambda: len(seen) == 4)
+    await asyncio.sleep(0.2)
+    assert seen[3:] == [b"old-3"]  # nothing applied twice
+    await js.delete_stream(KV_EVENT_STREAM)  # a broker that came back without its store
+    await follower.restore()
+    for i in range(2):
+        await js.publish(subject, b"new-%d" % i)  # seqs 1, 2 again: followed from the new start
+    await _until(lambda: len(seen) == 6)
+    assert seen[4:] == [b"new-0", b"new-1"]
+    await follower.stop()
+    await follower.restore()  # stopped: nothing comes back
+    await js.publish(subject, b"after-stop")
+    await asyncio.sleep(0.2)
+    assert len(seen) == 6
+    await nc.close()
