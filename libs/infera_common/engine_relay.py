@@ -52,6 +52,7 @@ class FrameSink:
         self._on_first_data = on_first_data  # called once, after the first streamed data frame
         self.seq = 0
         self.closed = False  # an end, error or final head frame was sent
+        self.data_sent = False  # a data frame was sent: the client may have bytes of the answer
 
     async def send(
         self, kind: FrameKind, *, status: int = 200, body: bytes = b"", message: str = "", final: bool = False,
@@ -60,6 +61,8 @@ class FrameSink:
         self.seq += 1
         if final or kind == "end" or kind == "error":
             self.closed = True
+        elif kind == "data":
+            self.data_sent = True
         await self._publish(self._subject, data)
         if kind == "data" and self._on_first_data is not None:
             first, self._on_first_data = self._on_first_data, None

@@ -49,6 +49,9 @@ class StopReason:
 
 CLIENT_CANCELLED = StopReason("cancelled", 499, "cancelled by the requester")
 CLOSING = StopReason("error", 503, "worker-agent stopping")
+#: What a request waiting on an engine its agent found unresponsive gets (``stop_unanswered``).
+ENGINE_UNHEALTHY = StopReason("error", 503, "the worker's engine stopped answering its health checks; "
+                              "retry on another worker")
 
 
 class RunnerHooks(Protocol):
@@ -142,6 +145,13 @@ class RequestRunner:
     def stop_all(self, reason: StopReason) -> int:
         """Stop every in-flight request with ``reason``; how many were stopped."""
         return sum(self._stop(entry, reason) for entry in list(self._inflight.values()))
+
+    def stop_unanswered(self, reason: StopReason, worker_id: str | None = None) -> int:
+        """Stop the in-flight requests (of ``worker_id``, or all) whose requester has had nothing of the
+        answer yet: no data frame, no final one (a frontend then still tries another worker)."""
+        return sum(self._stop(entry, reason) for entry in list(self._inflight.values())
+                   if (worker_id is None or entry.worker_id == worker_id)
+                   and not entry.sink.closed and not entry.sink.data_sent)
 
     def refuse_new(self, reason: StopReason) -> None:
         """Answer submitted envelopes with ``reason`` at once, unless a drain refusal is already set."""

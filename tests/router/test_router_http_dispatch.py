@@ -132,3 +132,13 @@ async def test_unreachable_engine_is_a_502_error_frame_and_a_failed_release(rig)
     assert frames[-1].kind == "error" and frames[-1].status == 502
     await eventually(lambda: rig.metric("infera_router_lease_releases_total", outcome="error") == 1)
     assert rig.router.core.leases.count("dead") == 0
+
+
+async def test_a_worker_turning_unhealthy_hands_back_its_unanswered_calls(rig):
+    await rig.worker("a")
+    _, waiting = await rig.send("q1", {"mode": "hang", "events": 0})  # the engine sent headers only
+    _, started = await rig.send("q2", {"mode": "hang", "events": 1})  # a token went out
+    assert (await rig.frames(started, until_end=False))[-1].kind == "data"
+    await rig.registrars[0].set_status(WorkerStatus.UNHEALTHY)  # what its agent registers
+    assert [(f.kind, f.status) for f in (await rig.frames(waiting))[-1:]] == [("error", 503)]
+    await eventually(lambda: rig.metric("infera_router_http_in_flight") == 1)  # q2 goes on

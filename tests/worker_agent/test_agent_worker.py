@@ -7,6 +7,7 @@ import json
 import time
 
 import aiohttp
+import nats.errors
 import pytest
 from nats.js.errors import BadRequestError
 
@@ -289,3 +290,23 @@ async def test_a_sealed_queue_refuses_new_work_delivers_what_it_held_and_a_resta
     assert not (await nc.jetstream().stream_info(request_stream(WID))).config.sealed
     await early.submit({"mode": "json"}, stream=False)  # stored again
     await nc.close()
+
+
+async def test_requests_with_nothing_answered_yet_are_handed_back_and_started_ones_are_left(h):
+    waiting_rid, waiting = await h.submit({"stream": True, "mode": "hang", "events": 0})  # head only
+    started_rid, started = await h.submit({"stream": True, "mode": "hang", "events": 1})  # a token out
+    unary_rid, unary = await h.submit({"stream": False, "mode": "hang", "events": 0}, stream=False)
+    assert (await waiting.next_msg(timeout=5)) and (await started.next_msg(timeout=5))  # heads
+    assert decode(Frame, (await started.next_msg(timeout=5)).data).kind == "data"
+    for _ in range(250):  # until the unary request is running too
+        if h.worker.in_flight == 3:
+            break
+        await asyncio.sleep(0.02)
+    reason = StopReason("error", 503, "engine stopped answering")
+    assert h.worker.stop_unanswered(reason) == 2
+    assert [(f.kind, f.status) for f in await h.frames(waiting)] == [("error", 503)]
+    assert [(f.kind, f.status) for f in await h.frames(unary)] == [("error", 503)]
+    with pytest.raises(nats.errors.TimeoutError):
+        await started.next_msg(timeout=0.3)  # the client has part of this answer: it goes on
+    assert h.worker.in_flight == 1
+    h.worker.stop_all(reason)

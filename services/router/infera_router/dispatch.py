@@ -25,7 +25,7 @@ import aiohttp
 from infera_common.engine_relay import ABORT_PATHS, EngineAborter, Relay
 from infera_common.logs import get_logger
 from infera_common.nats_conn import unsubscribe_quietly
-from infera_common.request_runner import Engine, RequestRunner, SeriesHooks, StopReason
+from infera_common.request_runner import ENGINE_UNHEALTHY, Engine, RequestRunner, SeriesHooks, StopReason
 from infera_common.schemas import WorkEnvelope, WorkerRecord, encode, encode_frame
 from infera_common.subjects import CANCEL_SUBJECTS, work_subject, worker_of_cancel_subject
 
@@ -45,6 +45,7 @@ class Dispatcher(Protocol):
     async def start(self) -> None: ...
     async def send(self, worker_id: str, env: WorkEnvelope, timeout: float, on_result: OnResult) -> None: ...
     async def worker_left(self, worker_id: str, dropped: list[Lease]) -> int: ...
+    def worker_unhealthy(self, worker_id: str) -> int: ...
     async def wait_idle(self, timeout: float) -> bool: ...
     async def stop(self) -> None: ...
 
@@ -80,6 +81,10 @@ class JetStreamDispatcher:
                     continue
                 told += 1
         return told
+
+    def worker_unhealthy(self, worker_id: str) -> int:
+        """Nothing here: the worker-agent hands back what its engine has not answered yet."""
+        return 0
 
     async def wait_idle(self, timeout: float) -> bool:
         """Every envelope sent has had its broker acknowledgement (or its timeout)."""
@@ -136,6 +141,11 @@ class HttpDispatcher:
         if not self._runner.in_flight_of(worker_id):
             self._engines.pop(worker_id, None)
         return 0
+
+    def worker_unhealthy(self, worker_id: str) -> int:
+        """The worker's agent says its engine stopped answering: this router's calls to it that have
+        not answered anything yet are stopped (503), so their frontends try another worker."""
+        return self._runner.stop_unanswered(ENGINE_UNHEALTHY, worker_id)
 
     async def _on_cancel(self, msg) -> None:
         worker_id = worker_of_cancel_subject(msg.subject)

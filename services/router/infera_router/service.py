@@ -24,7 +24,7 @@ from infera_common.logs import get_logger
 from infera_common.nats_conn import (
     Reconnects, close_connection, connect, flush_all, nats_log_fields, unsubscribe_quietly,
 )
-from infera_common.schemas import LoadReport, Prefilled, Release, WorkerRecord, decode
+from infera_common.schemas import LoadReport, Prefilled, Release, WorkerRecord, WorkerStatus, decode
 from infera_common.subjects import (
     LOAD_SUBJECTS,
     ROUTER_QUEUE,
@@ -202,6 +202,8 @@ class RouterService(RoutePath):
         else:
             log.info("worker_" + change.kind, worker_id=record.worker_id, model=record.model,
                      status=record.status.value, engine=record.engine, role=record.role.value)
+            if record.status == WorkerStatus.UNHEALTHY and self._dispatcher is not None:
+                self._dispatcher.worker_unhealthy(record.worker_id)
             if before is None:
                 self._check_planes(record)
         for model in {record.model, before[0] if before else None} - {None}:

@@ -34,6 +34,7 @@ from infera_common.nats_conn import (
     Reconnects, connect, delete_stream_quietly, ensure_kv_event_stream, ensure_request_stream, flush_all,
     nats_log_fields,
 )
+from infera_common.request_runner import ENGINE_UNHEALTHY
 from infera_common.runtime import freeze_startup_heap
 from infera_common.schemas import KvRelay, LoadReport, WorkerRecord, WorkerStatus, encode, encode_sparse
 from infera_common.subjects import kv_event_subject, load_subject
@@ -243,13 +244,15 @@ class Agent:
     async def _on_health(self, healthy: bool) -> None:
         """The engine failed its probes (or passes again): routers stop (or resume) sending it work."""
         assert self._registrar is not None
+        await self._registrar.set_status(WorkerStatus.ACTIVE if healthy else WorkerStatus.UNHEALTHY)
         if healthy:
             log.info("engine_healthy_again", worker_id=self.worker_id)
-        else:
+        else:  # what waits for a first token there is not coming: let the frontends try elsewhere
+            stopped = self._worker.stop_unanswered(ENGINE_UNHEALTHY) if self._worker is not None else 0
             log.error("engine_unhealthy", worker_id=self.worker_id, failed_probes=self.s.health_check_failures,
-                      url=f"{self.plan.local_url}/health", hint="the engine process runs but does not answer; "
-                      "it gets no new requests until a probe passes (restart it if it stays so)")
-        await self._registrar.set_status(WorkerStatus.ACTIVE if healthy else WorkerStatus.UNHEALTHY)
+                      url=f"{self.plan.local_url}/health", requests_handed_back=stopped,
+                      hint="the engine process runs but does not answer; it gets no new requests until a probe "
+                      "passes (restart it if it stays so)")
         self.metrics.engine_up.set(1 if healthy else 0)
         self.metrics.health_changes.labels("healthy" if healthy else "unhealthy").inc()
 

@@ -190,6 +190,10 @@ class RequestWorker:
             log.warning("queued_requests_unanswered", count=undelivered, timeout_s=SETTLE_TIMEOUT)
         await self.wait_idle(SETTLE_TIMEOUT)
 
+    def stop_unanswered(self, reason: StopReason) -> int:
+        """Stop the requests whose requester has had nothing of the answer yet (see ``RequestRunner``)."""
+        return self._runner.stop_unanswered(reason)
+
     def stop_all(self, reason: StopReason) -> int:
         """Stop every in-flight request with ``reason``; returns how many were stopped."""
         return self._runner.stop_all(reason)
