@@ -142,3 +142,5 @@ async def test_a_worker_turning_unhealthy_hands_back_its_unanswered_calls(rig):
     await rig.registrars[0].set_status(WorkerStatus.UNHEALTHY)  # what its agent registers
     assert [(f.kind, f.status) for f in (await rig.frames(waiting))[-1:]] == [("error", 503)]
     await eventually(lambda: rig.metric("infera_router_http_in_flight") == 1)  # q2 goes on
+    await rig.nc.publish(cancel_subject("a"), encode(Cancel(request_id="q2")))  # (not left to the teardown)
+    await eventually(lambda: rig.metric("infera_router_http_in_flight") == 0)
