@@ -60,8 +60,6 @@ class Reconnects:
                 try:
                     await step()
                     break
-                except asyncio.CancelledError:
-                    raise
                 except Exception as exc:
                     if attempt == RESTORE_ATTEMPTS:
                         log.error("restore_failed", step=name, attempts=attempt, error=str(exc) or type(exc).__name__)
