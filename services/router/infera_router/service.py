@@ -203,7 +203,10 @@ class RouterService(RoutePath):
             log.info("worker_" + change.kind, worker_id=record.worker_id, model=record.model,
                      status=record.status.value, engine=record.engine, role=record.role.value)
             if record.status == WorkerStatus.UNHEALTHY and self._dispatcher is not None:
-                self._dispatcher.worker_unhealthy(record.worker_id)
+                handed = self._dispatcher.worker_unhealthy(record.worker_id)
+                if handed:  # this router's own engine calls (--request-transport http)
+                    log.warning("unhealthy_worker_calls_stopped", worker_id=record.worker_id,
+                                requests_handed_back=handed)
             if before is None:
                 self._check_planes(record)
         for model in {record.model, before[0] if before else None} - {None}:
