@@ -6,7 +6,9 @@ http and zmq together (the runbooks' no-broker plane) no nats-server is started 
 kv-indexer, router and frontend run as one ``python -m infera.server``.
 
 Ctrl-C or SIGTERM stops everything it started (each child runs in its own process group and is
-stopped TERM-then-KILL), leaving no process behind.
+stopped TERM-then-KILL), leaving no process behind. A nats-server that exits is started again
+(at most ``BROKER_RESTARTS`` times) and the services restore their state in it; any other control
+process that exits stops the fleet; a worker that exits leaves it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ from infera_common.models import BUNDLED_MODEL_NAME
 from infera_common.schemas import KvEventTransport, RequestTransport
 from infera_common.settings import TracingSettings, parse_cli
 from infera_router.settings import PolicyName
+
+
+#: How many times a nats-server that exited is started again before the fleet is stopped.
+BROKER_RESTARTS = 5
 
 
 class UpSettings(TracingSettings):  # --otlp-traces-endpoint: passed to every service
@@ -148,10 +154,17 @@ def main(argv: list[str]) -> int:
         where += [f"etcd {etcd_endpoint}"] if etcd_endpoint else []
         _print_banner(url, ", ".join(where), logs)
         reported: set[str] = set()
+        broker_restarts = 0
         while not stopping:
-            for name, proc in running:
+            for i, (name, proc) in enumerate(list(running)):
                 if proc.poll() is None or name in reported:
                     continue
+                if name == "nats-server" and broker_restarts < BROKER_RESTARTS:
+                    broker_restarts += 1
+                    restarted = _restart_nats(nats_port, state, logs, proc.returncode)
+                    if restarted is not None:
+                        running[i] = (name, restarted)
+                        continue
                 reported.add(name)
                 print(f"infera up: {name} exited with {proc.returncode}; see {logs / (name + '.log')}",
                       file=sys.stderr)
@@ -168,6 +181,18 @@ def main(argv: list[str]) -> int:
         for name, proc in reversed(running):
             stop_process(proc, timeout=40.0 if name in worker_names else 10.0)
         print("infera up: stopped", file=sys.stderr)
+
+
+def _restart_nats(port: int, state: Path, logs: Path, code: int | None) -> subprocess.Popen | None:
+    """nats-server exited under the fleet: start it again on the same port and store (the services
+    reconnect and restore their queues, records and watches); None when it does not come up."""
+    print(f"infera up: nats-server exited with {code}; starting it again on port {port}", file=sys.stderr)
+    try:
+        with open(logs / "nats-server.log", "ab") as f:
+            return start_nats(port, state / "jetstream", log_file=f)
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        print(f"infera up: nats-server did not come back: {exc}; see {logs / 'nats-server.log'}", file=sys.stderr)
+        return None
 
 
 def _spawn(spec: ProcSpec, logs: Path) -> subprocess.Popen:

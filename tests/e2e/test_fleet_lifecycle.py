@@ -9,6 +9,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -119,6 +120,21 @@ def test_a_hung_engine_stops_getting_requests_until_it_answers_again(tmp_path, p
         assert status() == "active"
     finally:
         fleet.stop()
+
+
+def test_infera_up_starts_its_nats_server_again_and_the_fleet_serves_on(tmp_path):
+    fleet = Fleet(tmp_path, workers=2, env=env_with()).start()
+    try:
+        assert _chat(fleet.url) == 200
+        [broker] = [p for p in process_tree(fleet.proc.pid) if b"nats-server" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        os.kill(broker, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while _chat(fleet.url) != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _chat(fleet.url) == 200 and fleet.proc.poll() is None
+        assert len([w for w in fleet.workers_list() if w["status"] == "active"]) == 2
+    finally:
+        assert fleet.stop() == 0
 
 
 def test_infera_up_sigterm_stops_every_process_it_started(tmp_path):
