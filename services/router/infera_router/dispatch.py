@@ -12,7 +12,8 @@ subject: a ``Cancel`` closes the engine connection and calls the engine's abort.
 
 Both answer ``send`` exactly once through ``on_result`` (a ``PubResult``). When a worker leaves
 discovery with requests of this router unfinished, ``worker_left`` sees that no requester waits
-for an answer that cannot come (see each class).
+for an answer that cannot come; when its agent registers it ``unhealthy``, ``worker_unhealthy``
+hands back what its engine has not answered yet (see each class).
 """
 
 from __future__ import annotations
