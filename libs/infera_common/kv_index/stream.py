@@ -85,10 +85,10 @@ class StreamFollower:
         start = self._next_seq() if same else 1
         log.info("stream_refollowed", stream=KV_EVENT_STREAM, from_seq=start,
                  reason="reconnected" if same else "recreated" if created else "lost")
-        if not same:
+        if not same:  # (created anew by this call or by an agent's restore: read when)
             await ensure_kv_event_stream(self._js, *self._limits)
+            created = (await self._js.stream_info(KV_EVENT_STREAM)).created
         await self._unsubscribe()
-        created = (await self._js.stream_info(KV_EVENT_STREAM)).created
         self._sub = await self._subscribe(start)
         self._created = created  # (only now: an attempt that failed is redone from the same decision)
 
