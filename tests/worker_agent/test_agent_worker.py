@@ -88,9 +88,10 @@ async def make_harness(nats_url: str, *, max_pending: int = 16, ack_wait: float 
     worker = RequestWorker(nc=nc, js=nc.jetstream(), worker_id=WID, max_pending=max_pending,
                            relay=Relay(session, engine.url), abort=EngineAborter(session, engine.url, "/abort_request"),
                            metrics=metrics, ack_wait=ack_wait)
-    await worker.start()
     h = Harness(nc, engine, worker, metrics, session)
-    await h.start()
+    await h.start()  # listen for releases before the worker takes work already queued
+    await nc.flush()
+    await worker.start()
     return h
 
 
