@@ -282,9 +282,12 @@ async def test_every_envelope_stored_for_a_worker_whose_engine_dies_gets_an_answ
     await eventually(lambda: all(rid in answers for rid in stored), 5)
     unanswered = [rid for rid in stored if rid not in answers]
     assert unanswered == [], f"{len(unanswered)} of {len(stored)} stored envelopes never answered"
-    # the rest was refused at publish time: the queue sealed (10109), gone, or full (10077)
-    assert refused and all(any(why in r for why in ("10109", "no response from stream", "10077"))
-                           for r in refused), refused[:3]
+    # the rest was refused at publish time: the queue sealed (10109), gone, or full (10077); or the
+    # broker, busy deleting the queue, did not answer within the publish timeout (the router then
+    # answers 503 at once: it cannot know whether the envelope was stored)
+    other = [r for r in refused
+             if not any(why in r for why in ("10109", "no response from stream", "10077", "nats: timeout"))]
+    assert refused and other == [], other[:3]
     statuses = {(f.kind, f.status) for f in answers.values()}
     assert statuses <= {("head", 200), ("error", 502), ("error", 503)}, statuses
 
