@@ -13,7 +13,8 @@ one ``Release`` to the lease's router:
 
 A streamed request's first data frame also sends ``Prefilled`` to its router (its prefill is done).
 Requests are keyed by (worker id, request id): a retry of a request on another worker is another
-request.
+request. ``frames_sent`` says how many frames a request running or recently finished has sent, so
+that a requester that lost its connection to the broker can tell whether frames were lost.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ log = get_logger("request_runner")
 
 #: Seconds a cancelled request id is remembered, so that its envelope arriving late is not run.
 CANCELLED_MEMORY = 60.0
+#: Seconds (and how many) finished requests are remembered with the number of frames they sent.
+FINISHED_MEMORY = 120.0
+FINISHED_REMEMBERED = 50_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +118,7 @@ class RequestRunner:
         self._per_worker: Counter[str] = Counter()
         self._handlers: set[asyncio.Task] = set()
         self._cancelled = RecentIds(ttl=CANCELLED_MEMORY)
+        self._finished = RecentIds(ttl=FINISHED_MEMORY, max_size=FINISHED_REMEMBERED)  # key -> its FrameSink
         self._refusal: StopReason | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -129,6 +134,15 @@ class RequestRunner:
     def in_flight_by_router(self) -> dict[str, int]:
         """The requests being handled, counted per router that leased them."""
         return dict(Counter(entry.envelope.router_id for entry in self._inflight.values()))
+
+    def frames_sent(self, worker_id: str, request_id: str) -> int | None:
+        """How many frames the request has sent to its requester so far (all of them once finished);
+        None when this runner does not know it (never received, or finished too long ago)."""
+        entry = self._inflight.get((worker_id, request_id))
+        if entry is not None:
+            return entry.sink.seq
+        sink = self._finished.get(_key(worker_id, request_id), time.monotonic())
+        return sink.seq if isinstance(sink, FrameSink) else None
 
     def begin_drain(self, refusal: StopReason) -> None:
         """Run no new work: from now on submitted envelopes are answered with ``refusal`` at once."""
@@ -173,6 +187,7 @@ class RequestRunner:
             return
         status, message, outcome = refused
         sink = FrameSink(self._publish, env.reply_subject)
+        self._finished.add(_key(worker_id, env.request_id), time.monotonic(), sink)
         await quietly(sink.error(status, message), "error_frame", env.request_id)
         await self._finish(worker_id, env, on_done, outcome)
 
@@ -246,7 +261,9 @@ class RequestRunner:
         return outcome
 
     def _untrack(self, entry: InFlight) -> None:
-        if self._inflight.pop((entry.worker_id, entry.envelope.request_id), None) is not None:
+        key = (entry.worker_id, entry.envelope.request_id)
+        if self._inflight.pop(key, None) is not None:
+            self._finished.add(_key(*key), time.monotonic(), entry.sink)  # it may still send its error frame
             self._per_worker[entry.worker_id] -= 1
             if self._per_worker[entry.worker_id] <= 0:
                 del self._per_worker[entry.worker_id]

@@ -241,6 +241,20 @@ class Cancel(_Msg):
     message: str = ""
 
 
+class FramesQuery(_Msg):
+    """Frontend -> worker-agent (``frames_query_subject``), after the frontend reconnected to the
+    broker: how many frames has each of these requests sent so far?"""
+
+    request_ids: list[str]
+
+
+class FramesSent(_Msg):
+    """Worker-agent -> frontend: frames sent per request it runs or finished lately; a request it
+    does not know (never received: lost from its queue with a restarted broker) is left out."""
+
+    sent: dict[str, int]
+
+
 class KvRelay(_Msg):
     """Worker-agent -> KV event stream (``kv_event_subject``): one engine event batch.
 

@@ -45,6 +45,12 @@ def worker_of_cancel_subject(subject: str) -> str | None:
     return worker_id if head == f"{PREFIX}.cancel" and TOKEN_RE.match(worker_id) else None
 
 
+def frames_query_subject(worker_id: str) -> str:
+    """Request/reply: how many response frames each of some requests has sent (``FramesQuery``),
+    asked by a frontend that lost its connection to the broker; the worker-agent answers."""
+    return f"{PREFIX}.frames.{_token(worker_id)}"
+
+
 # --- load reports -------------------------------------------------------------
 LOAD_SUBJECTS = f"{PREFIX}.load.*"
 

@@ -1,4 +1,4 @@
-"""The memory of recently cancelled request ids."""
+"""The memory of recently cancelled (or finished) request ids."""
 
 from infera_common.recent import RecentIds
 
@@ -26,3 +26,11 @@ def test_re_adding_refreshes_the_time():
     r.add("b", now=5.0)
     r.add("a", now=8.0)
     assert r.contains("a", now=17.0) and not r.contains("b", now=17.0)
+
+
+def test_a_value_is_kept_with_its_id_and_forgotten_with_it():
+    r = RecentIds(ttl=10.0)
+    r.add("a", now=0.0, value=7)
+    r.add("b", now=1.0)
+    assert r.get("a", now=9.0) == 7 and r.get("b", now=9.0) is None and r.get("c", now=9.0) is None
+    assert r.get("a", now=10.0) is None

@@ -3,6 +3,7 @@ directory (a process restart) or without (a new broker: every stream and bucket 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from infera.fleet_plan import plan_fleet
@@ -38,6 +40,7 @@ class ManualFleet:
         self.nats_port, self.port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.nats: subprocess.Popen | None = None
+        self.frontend: subprocess.Popen | None = None
         self.procs: list[subprocess.Popen] = []
         (tmp / "logs").mkdir()
 
@@ -45,17 +48,18 @@ class ManualFleet:
         with open(self.tmp / "logs" / f"nats-{store}.log", "ab") as log:
             self.nats = start_nats(self.nats_port, self.tmp / store, log_file=log)
 
-    def start(self) -> "ManualFleet":
+    def start(self, **env_values: str) -> "ManualFleet":
         self.start_nats("store")
         specs = plan_fleet(nats_url=f"nats://127.0.0.1:{self.nats_port}", host="127.0.0.1", port=self.port,
                            workers=2, router_policy="kv-aware", engine_args=["--served-model-name", BUNDLED_MODEL_NAME],
                            metrics_ports=[free_port() for _ in range(4)])
-        env = env_with(INFERA_DISCOVERY_TTL="3")
+        env = env_with(**{"INFERA_DISCOVERY_TTL": "3", **env_values})
         for spec in specs:
             with open(self.tmp / "logs" / f"{spec.name}.log", "ab") as log:
                 self.procs.append(subprocess.Popen(spec.argv(sys.executable), stdout=log, stderr=subprocess.STDOUT,
                                                    env={**env, **spec.env}, start_new_session=True))
             if spec.role == "frontend":
+                self.frontend = self.procs[-1]
                 wait_port("127.0.0.1", self.port, 30.0, self.procs[-1])
         wait_for(lambda: len(_active_workers(self.url)) == 2, 60, "two active workers")
         return self
@@ -64,6 +68,8 @@ class ManualFleet:
         return "".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted((self.tmp / "logs").glob("*.log")))
 
     def stop(self) -> None:
+        if self.frontend is not None and self.frontend.poll() is None:
+            self.frontend.send_signal(signal.SIGCONT)  # a test that failed while it was stopped
         for proc in reversed(self.procs):
             stop_process(proc, timeout=20.0)
         if self.nats is not None:
@@ -90,5 +96,73 @@ def test_the_fleet_serves_and_routes_by_cache_again_after_nats_server_restarts(t
             assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
             assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 1024, fleet.logs()
         assert all(p.poll() is None for p in fleet.procs), fleet.logs()  # nobody died of it
+    finally:
+        fleet.stop()
+
+
+async def _answer(session: aiohttp.ClientSession, url: str, i: int, stream: bool) -> dict:
+    """One request of 300 tokens: what its client got (text chunks, usage, the error event if any)."""
+    body = {"model": BUNDLED_MODEL_NAME, "max_tokens": 300, "ignore_eos": True, "stream": stream,
+            "messages": [{"role": "user", "content": f"tell me story {i}"}]}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        if not stream:
+            return {"status": resp.status, "body": await resp.json()}
+        got: dict = {"status": resp.status, "chunks": 0, "usage": None, "error": None, "done": False}
+        async for line in resp.content:
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[6:].strip()
+            if payload == b"[DONE]":
+                got["done"] = True
+                continue
+            event = json.loads(payload)
+            if "error" in event:
+                got["error"] = event["error"]["message"]
+            elif event.get("usage"):
+                got["usage"] = event["usage"]["completion_tokens"]
+            if event.get("choices") and "role" not in event["choices"][0]["delta"]:  # one per token
+                got["chunks"] += 1
+        return got
+
+
+def test_answers_in_flight_across_a_broker_restart_are_complete_or_end_with_the_loss(tmp_path):
+    """Frames published while the broker is down never arrive, and a restarted broker has lost the
+    queues: no client gets a shorter answer that looks complete, and none waits for the upstream
+    timeout (120 s here; the client gives up at 40 s)."""
+    # records outlive the outage (with a TTL shorter than it, routers drop the workers and tell
+    # their requesters so, another answer to the same loss)
+    fleet = ManualFleet(tmp_path).start(INFERA_UPSTREAM_TIMEOUT="120", INFERA_DISCOVERY_TTL="10")
+
+    async def run() -> list[dict]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=40)) as session:
+            answers = [asyncio.create_task(_answer(session, fleet.url, i, stream=i % 3 != 0)) for i in range(9)]
+            await asyncio.sleep(0.5)
+            # the frontend comes back last, so the frames the agents held while the broker was down
+            # reach a broker where nobody listens for them yet: lost, every time
+            os.kill(fleet.frontend.pid, signal.SIGSTOP)
+            os.kill(fleet.nats.pid, signal.SIGKILL)  # the answers (about 2 s each) end while it is down
+            await asyncio.to_thread(fleet.nats.wait)
+            await asyncio.sleep(2.5)
+            fleet.start_nats("store")
+            await asyncio.sleep(1.0)
+            os.kill(fleet.frontend.pid, signal.SIGCONT)
+            return await asyncio.gather(*answers)
+
+    try:
+        answers = asyncio.run(run())
+        for got in answers:
+            if "body" in got:  # not streamed: the whole answer, or an error in the OpenAI shape
+                assert (got["status"] == 200 and got["body"]["usage"]["completion_tokens"] == 300
+                        or got["status"] >= 500 and got["body"]["error"]["message"]), got
+                continue
+            assert got["status"] == 200 and got["done"], got
+            if got["error"] is None:
+                assert got["chunks"] == got["usage"] == 300, got  # every token arrived
+            else:
+                assert "lost" in got["error"] and got["chunks"] < 300, got
+        assert any(got.get("error") for got in answers), answers  # the outage did cost frames
+        assert all(p.poll() is None for p in fleet.procs), fleet.logs()
     finally:
         fleet.stop()

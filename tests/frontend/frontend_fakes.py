@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from infera_common.schemas import (
     Cancel,
     Frame,
+    FramesQuery,
+    FramesSent,
     RouteReply,
     RouteRequest,
     WorkerRecord,
@@ -150,10 +152,18 @@ class MultiFleet:
     routed: list[RouteRequest] = field(default_factory=list)
     placed: list[str] = field(default_factory=list)  # the worker of each placed attempt, in order
     cancels: list[tuple[str, str]] = field(default_factory=list)  # (worker id, request id)
+    sent: dict[str, int] = field(default_factory=dict)  # request id -> frames a worker says it sent
     tasks: set = field(default_factory=set)
 
     async def frame(self, req: RouteRequest, frame: Frame) -> None:
         await self.nc.publish(req.reply_subject, encode(frame))
+
+    def frames_handler(self, worker_id: str):
+        """Answer ``FramesQuery`` as a worker-agent does, from ``sent`` (unknown requests left out)."""
+        async def on_query(msg) -> None:
+            ids = decode(FramesQuery, msg.data).request_ids
+            await msg.respond(encode(FramesSent(sent={r: self.sent[r] for r in ids if r in self.sent})))
+        return on_query
 
     async def on_route(self, msg) -> None:
         req = decode(RouteRequest, msg.data)

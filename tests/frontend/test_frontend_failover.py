@@ -1,5 +1,6 @@
 """Failover: a request that fails before its first byte is tried again on another worker (issue 4)."""
 
+import asyncio
 import json
 
 import aiohttp
@@ -10,7 +11,7 @@ from infera_common.discovery import Registrar
 from infera_common.nats_conn import connect, flush_all
 from infera_common.settings import parse_cli
 from infera_common.schemas import Frame
-from infera_common.subjects import ROUTER_QUEUE, ROUTER_ROUTE, cancel_subject
+from infera_common.subjects import ROUTER_QUEUE, ROUTER_ROUTE, cancel_subject, frames_query_subject
 from infera_frontend.failover import Attempts, engine_status_reason, worker_error_reason
 from infera_frontend.settings import FrontendSettings
 from tests.frontend.frontend_fakes import (
@@ -37,6 +38,7 @@ async def multi(nats_server):
     registrars = []
     for w in fleet.workers:
         await nc.subscribe(cancel_subject(w), cb=fleet.cancel_handler(w))
+        await nc.subscribe(frames_query_subject(w), cb=fleet.frames_handler(w))
         registrars.append(Registrar(nc.jetstream(), worker_record(w)))
         await registrars[-1].start()
     await flush_all(nc)
@@ -189,6 +191,112 @@ async def test_error_after_a_token_is_never_retried(start_frontend, multi):
     assert json.loads(payloads[1])["error"]["message"] == "engine connection lost"
     assert payloads[2] == b"[DONE]"
     assert multi.placed == [W1]
+
+
+async def token_then_a_lost_frame(f, req):
+    """Frame 2 never arrives (a broker restarted between the worker and the frontend)."""
+    await f.frame(req, Frame(kind="head", status=200))
+    await f.frame(req, Frame(kind="data", seq=1, body=chunk_json(0, "Two")))
+    await f.frame(req, Frame(kind="data", seq=3, body=chunk_json(2, " of course")))
+    await f.frame(req, Frame(kind="end", seq=4))
+
+
+async def a_lost_head(f, req):
+    await f.frame(req, Frame(kind="data", seq=1, body=chunk_json(0, "Two")))
+    await f.frame(req, Frame(kind="end", seq=2))
+
+
+async def test_a_frame_lost_mid_stream_ends_the_stream_with_an_error_not_a_shorter_answer(start_frontend, multi):
+    fe = await start_frontend(request_max_retries=2)
+    multi.scripts[W1] = token_then_a_lost_frame
+    status, headers, raw = await post(fe, chat_body(stream=True))
+    assert status == 200
+    payloads = sse_payloads(raw)
+    assert json.loads(payloads[0])["choices"][0]["delta"]["content"] == "Two"  # what came before the gap
+    err = json.loads(payloads[1])["error"]
+    assert "1 response frames from worker w1 were lost in transit" in err["message"]
+    assert payloads[2] == b"[DONE]" and len(payloads) == 3  # nothing after the gap reaches the client
+    assert multi.placed == [W1]  # the client has part of the answer: not retried
+    await wait_until(lambda: (W1, headers["X-Request-Id"]) in multi.cancels)  # the worker stops
+    assert "infera_frontend_frames_lost_total 1.0" in await metrics_text(fe)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_lost_first_frame_is_retried_on_another_worker(start_frontend, multi, stream):
+    fe = await start_frontend()
+    multi.scripts[W1] = a_lost_head
+    status, headers, raw = await post(fe, chat_body(stream=stream))
+    assert status == 200
+    assert stream_texts(raw) == STREAM_TEXTS if stream else raw == completion_json()
+    assert multi.placed == [W1, W2]
+    await wait_until(lambda: (W1, headers["X-Request-Id"]) in multi.cancels)
+    assert 'infera_frontend_retries_total{reason="frames_lost"} 1.0' in await metrics_text(fe)
+
+
+# After a reconnect the frontend asks each worker of its open requests how many frames it sent
+# (``Relay.resync``, what ``Reconnects`` runs): frames published while it was away never arrive.
+
+async def resync_when(multi, fe, request_id_seen) -> None:
+    """Run the frontend's reconnect check once the worker has done its part."""
+    await wait_until(lambda: request_id_seen(multi))
+    await fe.relay.resync()
+
+
+async def test_frames_sent_while_the_frontend_was_away_end_the_stream_at_the_reconnect(start_frontend, multi):
+    fe = await start_frontend(upstream_timeout=120)
+
+    async def two_frames_lost(f, req):
+        await f.frame(req, Frame(kind="head", status=200))
+        await f.frame(req, Frame(kind="data", seq=1, body=chunk_json(0, "Two")))
+        f.sent[req.request_id] = 4  # data 2 and 3 went out while nobody listened; nothing more comes
+
+    multi.scripts[W1] = two_frames_lost
+    answer = asyncio.create_task(post(fe, chat_body(stream=True)))
+    await resync_when(multi, fe, lambda m: m.sent)
+    status, headers, raw = await asyncio.wait_for(answer, 30)  # not the 120 s upstream timeout
+    payloads = sse_payloads(raw)
+    assert status == 200 and json.loads(payloads[0])["choices"][0]["delta"]["content"] == "Two"
+    assert json.loads(payloads[1])["error"]["message"].startswith(
+        "2 response frames from worker w1 were lost while the connection to the message broker was down")
+    assert payloads[2:] == [b"[DONE]"] and multi.placed == [W1]
+    await wait_until(lambda: (W1, headers["X-Request-Id"]) in multi.cancels)
+    assert "infera_frontend_frames_lost_total 1.0" in await metrics_text(fe)
+
+
+async def test_a_request_its_worker_never_received_is_retried_at_the_reconnect(start_frontend, multi):
+    """Its envelope was in the queue of a broker that restarted: the worker does not know it."""
+    fe = await start_frontend(upstream_timeout=120)
+    multi.scripts[W1] = lambda f, req: asyncio.sleep(0)  # nothing arrives, nothing was sent
+    answer = asyncio.create_task(post(fe, chat_body()))
+    await resync_when(multi, fe, lambda m: m.placed == [W1])
+    status, headers, raw = await asyncio.wait_for(answer, 30)
+    assert status == 200 and raw == completion_json()
+    assert multi.placed == [W1, W2]
+    await wait_until(lambda: (W1, headers["X-Request-Id"]) in multi.cancels)  # dropped if it ever comes
+    assert 'infera_frontend_retries_total{reason="frames_lost"} 1.0' in await metrics_text(fe)
+
+
+async def test_a_request_with_every_frame_arrived_goes_on_after_the_reconnect(start_frontend, multi):
+    fe = await start_frontend(upstream_timeout=120)
+    go_on = asyncio.Event()
+
+    async def pause_at_the_reconnect(f, req):
+        await f.frame(req, Frame(kind="head", status=200))
+        await f.frame(req, Frame(kind="data", seq=1, body=chunk_json(0, STREAM_TEXTS[0])))
+        f.sent[req.request_id] = 2
+        await go_on.wait()
+        for i, text in enumerate(STREAM_TEXTS[1:], start=2):
+            await f.frame(req, Frame(kind="data", seq=i, body=chunk_json(i - 1, text)))
+        await f.frame(req, Frame(kind="end", seq=len(STREAM_TEXTS) + 1))
+
+    multi.scripts[W1] = pause_at_the_reconnect
+    answer = asyncio.create_task(post(fe, chat_body(stream=True)))
+    await resync_when(multi, fe, lambda m: m.sent)
+    await asyncio.sleep(1.0)  # past the grace given to frames on their way
+    go_on.set()
+    status, _, raw = await asyncio.wait_for(answer, 30)
+    assert status == 200 and stream_texts(raw) == STREAM_TEXTS
+    assert multi.cancels == [] and "infera_frontend_frames_lost_total 0.0" in await metrics_text(fe)
 
 
 @pytest.mark.parametrize("script", [

@@ -12,9 +12,9 @@ import pytest
 from nats.js.errors import BadRequestError
 
 from infera_common.nats_conn import connect, ensure_request_stream
-from infera_common.schemas import Cancel, Frame, Prefilled, Release, WorkEnvelope, decode, encode
+from infera_common.schemas import Cancel, Frame, FramesQuery, FramesSent, Prefilled, Release, WorkEnvelope, decode, encode
 from infera_common.subjects import (
-    cancel_subject, request_stream, router_prefilled_subject, router_release_subject, work_consumer, work_subject,
+    cancel_subject, frames_query_subject, request_stream, router_prefilled_subject, router_release_subject, work_consumer, work_subject,
 )
 from infera_common.engine_relay import EngineAborter
 from infera_worker_agent.metrics import AgentMetrics
@@ -232,6 +232,23 @@ async def test_long_request_is_kept_alive_past_ack_wait(nats_server):
         assert await h.stream_msgs() == 0  # the late ack still removed it from the queue
     finally:
         await close_harness(h)
+
+
+async def test_the_worker_tells_a_reconnected_frontend_how_many_frames_each_request_sent(h):
+    async def ask(*request_ids: str) -> dict[str, int]:
+        msg = await h.nc.request(frames_query_subject(WID), encode(FramesQuery(request_ids=list(request_ids))), timeout=5)
+        return decode(FramesSent, msg.data).sent
+
+    rid, sub = await h.submit({"stream": True, "mode": "hang", "events": 2})
+    running = [await sub.next_msg(timeout=5) for _ in range(3)]  # head and two data frames, still running
+    assert await ask(rid, "never-received") == {rid: len(running)}
+    await h.nc.publish(cancel_subject(WID), encode(Cancel(request_id=rid)))
+    frames = running + [(await sub.next_msg(timeout=5))]  # its error frame
+    await h.released(f"lease-{rid}")
+    assert await ask(rid) == {rid: len(frames)}  # remembered once finished
+    rid2, sub2 = await h.submit({"mode": "json"}, stream=False, deadline_in=-1)  # refused at once: one frame
+    await h.frames(sub2)
+    assert await ask(rid2, rid) == {rid2: 1, rid: 4}
 
 
 async def test_work_queued_before_the_agent_started_is_answered(nats_server):

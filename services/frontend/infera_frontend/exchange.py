@@ -5,6 +5,16 @@ also waits for the first payloads, so that nothing reaches the client before the
 failure until then may still be retried on another worker: ``failover.py``). ``read()`` returns
 the next payloads of a stream. Timeouts and error frames surface as ``ApiError`` (``RetryableError``
 when another worker may do better); ``cancel()`` publishes ``Cancel`` to the worker.
+
+Frames are numbered by their sender from 0, and core NATS delivers one sender's messages in order
+but at most once: when a nats-server restarts, frames in flight, and those a worker-agent flushes
+before this frontend has subscribed again, are gone. A frame whose number is not the next one is
+such a loss. The request is then cancelled on its worker and ends with an error (502, retried on
+another worker while the client has nothing of it), never as a shorter answer that looks complete.
+An ``error`` frame is taken whatever its number: a router that tells the requester its worker left
+numbers it 0. A loss that no later frame reveals (the last frames of an answer, or an envelope lost
+from a restarted broker's queue) is found by ``Relay.resync`` after a reconnect: the worker says how
+many frames it sent (``has_all``), and ``lost`` wakes the reader with the loss.
 """
 
 from __future__ import annotations
@@ -15,7 +25,7 @@ from infera_common.logs import get_logger
 from infera_common.openai_errors import normalize_error
 from infera_common.schemas import Endpoint, Frame, decode_frame
 
-from infera_frontend.failover import UPSTREAM_TIMEOUT, RetryableError, worker_error_reason
+from infera_frontend.failover import FRAMES_LOST, UPSTREAM_TIMEOUT, RetryableError, worker_error_reason
 from infera_frontend.inbox import Mailbox
 from infera_frontend.validation import ApiError
 
@@ -25,6 +35,8 @@ if TYPE_CHECKING:
 log = get_logger("frontend.relay")
 
 DONE_PAYLOAD = b"[DONE]"
+#: Put in a mailbox by ``Exchange.lost``: the reader raises the loss instead of waiting on.
+LOST = object()
 
 
 def frame_error(frame: Frame) -> ApiError:
@@ -41,7 +53,8 @@ class Exchange:
     """One placed request: its frames, in order, until ``end``, ``error`` or a final ``head``."""
 
     __slots__ = ("_relay", "request_id", "worker_id", "_subject", "_box", "stream", "endpoint", "done",
-                 "_closed", "_cancelled", "_error", "_expected_tokens", "status", "body", "_first")
+                 "_closed", "_cancelled", "_error", "_expected_tokens", "status", "body", "_first", "_seq",
+                 "_lost")
 
     def __init__(
         self, relay: Relay, request_id: str, worker_id: str, subject: str, box: Mailbox, stream: bool,
@@ -62,12 +75,36 @@ class Exchange:
         self.status = 0  # the engine's status, once started
         self.body: bytes | None = None  # the whole answer once started, None for a stream
         self._first: list[bytes] = []  # a stream's first payloads, read by start()
+        self._seq = 0  # the number the next frame must carry
+        self._lost = ""  # why frames are lost, once Relay.resync found it
 
     def close(self) -> None:
         """Stop receiving frames (always call, e.g. in ``finally``)."""
         if not self._closed:
             self._closed = True
             self._relay.inbox.release(self._subject)
+            self._relay.forget(self)
+
+    @property
+    def ended(self) -> bool:
+        return self.done or self._closed
+
+    def has_all(self, sent: int | None) -> bool:
+        """Whether every frame the worker says it sent (``None``: it does not know the request) has
+        arrived here; an exchange already ended has all it needs."""
+        if self.ended:
+            return True
+        return sent is not None and self._seq + len(self._box) >= sent
+
+    def lost(self, sent: int | None) -> None:
+        """Frames the worker sent will never arrive (``has_all`` stayed false): end with the loss."""
+        if sent is None:
+            self._lost = (f"worker {self.worker_id} never received this request (its queue was lost when the "
+                          "message broker restarted)")
+        else:
+            self._lost = (f"{sent - self._seq - len(self._box)} response frames from worker {self.worker_id} were "
+                          "lost while the connection to the message broker was down")
+        self._box.put(LOST)
 
     def cancel(self, reason: str) -> None:
         """Tell the worker to abort this request (at most once; nothing once the response ended)."""
@@ -89,13 +126,31 @@ class Exchange:
                 ) from None
         else:
             msg = box.get_nowait()
+        if msg is LOST:
+            raise self._frames_lost(self._lost)
         try:
-            return decode_frame(msg.data)
+            frame = decode_frame(msg.data)
         except ValueError as exc:
             self._relay.metrics.bad_frames.inc()
             self.cancel("bad_frame")
             log.error("bad_frame", request_id=self.request_id, worker_id=self.worker_id, error=str(exc))
             raise ApiError(502, "the worker sent an unreadable response frame") from None
+        if frame.seq != self._seq and frame.kind != "error":
+            lost = frame.seq - self._seq
+            raise self._frames_lost(f"{lost} response frames from worker {self.worker_id} were lost in transit "
+                                    "(was the message broker restarted?)" if lost > 0 else
+                                    f"response frames from worker {self.worker_id} came out of order")
+        self._seq = frame.seq + 1
+        return frame
+
+    def _frames_lost(self, why: str) -> RetryableError:
+        self._relay.metrics.frames_lost.inc()
+        self.cancel("frames_lost")
+        self.done = True
+        log.warning("response_frames_lost", request_id=self.request_id, worker_id=self.worker_id,
+                    frames_received=self._seq, why=why)
+        return RetryableError(502, f"{why}; the request was cancelled rather than answered incompletely",
+                              reason=FRAMES_LOST)
 
     def _check(self, payload: bytes) -> None:
         expected = self._expected_tokens
@@ -169,7 +224,13 @@ class Exchange:
         out: list[bytes] = []
         box = self._box
         while not self.done:
-            frame = await self._next()
+            try:
+                frame = await self._next()
+            except ApiError as err:
+                if not out:
+                    raise
+                self._error = err  # raised by the next call, after the payloads that came before it
+                break
             kind = frame.kind
             if kind == "data":
                 if frame.body != DONE_PAYLOAD:

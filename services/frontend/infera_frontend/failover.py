@@ -11,7 +11,9 @@ no NATS reply), and only for failures another worker may not have:
 - no frame within ``--upstream-timeout`` before the first token: reason ``upstream_timeout`` (the
   worker has been sent a ``Cancel``);
 - NATS "no responders" for the route request (no router subscribed): reason ``no_router``; nobody
-  received the request, so it cannot run twice.
+  received the request, so it cannot run twice;
+- a response frame lost between the worker and the frontend (a gap in the frames' numbers, e.g.
+  across a broker restart): reason ``frames_lost`` (the worker has been sent a ``Cancel``).
 
 Never retried: any other 4xx (the client's request is at fault; 499 is the requester's own cancel,
 409 a duplicate request id), 500 (agent or engine bug), unreadable frames, a router refusal (the
@@ -29,6 +31,7 @@ RETRYABLE_ENGINE_STATUSES = frozenset({429, 502, 503, 504})
 
 UPSTREAM_TIMEOUT = "upstream_timeout"
 NO_ROUTER = "no_router"
+FRAMES_LOST = "frames_lost"
 
 
 class RetryableError(ApiError):

@@ -45,6 +45,9 @@ class Mailbox:
     def empty(self) -> bool:
         return not self._items
 
+    def __len__(self) -> int:
+        return len(self._items)
+
     def get_nowait(self) -> Msg:
         return self._items.popleft()
 

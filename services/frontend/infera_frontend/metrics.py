@@ -75,6 +75,11 @@ class FrontendMetrics:
         self.bad_frames = Counter(
             "infera_frontend_bad_frames", "Response frames that could not be decoded or came out of order.", registry=r,
         )
+        self.frames_lost = Counter(
+            "infera_frontend_frames_lost",
+            "Requests ended because a response frame from the worker never arrived (a gap in the frame numbers).",
+            registry=r,
+        )
 
     # --- per-request recording with pre-resolved label children (labels() costs a lock + checks) ---
 

@@ -5,22 +5,34 @@ subject (``inbox.py``) both as the NATS reply subject (for the router's ``RouteR
 ``reply_subject`` (for the worker's ``Frame``s). Frames that overtake the router's reply are kept.
 It returns an ``Exchange`` (``exchange.py``) that reads the worker's frames. Router refusals and
 an unreachable router surface as ``ApiError``; ``publish_cancel`` sends ``Cancel`` to a worker.
+
+``resync`` runs after every reconnect to the broker: frames a worker published while this frontend
+was away (or that a restarting broker held) are lost, and so is an envelope still in the queue of
+a broker that restarted. Core NATS does not say so; the worker does: each worker of an open
+request is asked (``FramesQuery``) how many frames it sent, and a request that is short of them,
+after a grace for frames still on their way, or that its worker does not know, ends with the loss
+(``Exchange.lost``: retried on another worker while its client has nothing of it) instead of
+waiting ``--upstream-timeout`` for frames that will not come.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 
 import msgpack
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from infera_common.block_hash import pack_tokens
 from infera_common.logs import get_logger
-from infera_common.schemas import Cancel, DiscoveryBackend, Endpoint, RouteReply, RouteRequest, encode
-from infera_common.subjects import ROUTER_ROUTE, cancel_subject
+from infera_common.schemas import (
+    Cancel, DiscoveryBackend, Endpoint, FramesQuery, FramesSent, RouteReply, RouteRequest, decode, encode,
+)
+from infera_common.subjects import ROUTER_ROUTE, cancel_subject, frames_query_subject
 
 from infera_frontend.exchange import Exchange
 from infera_frontend.failover import NO_ROUTER, RetryableError
@@ -30,6 +42,14 @@ from infera_frontend.token_check import TokenChecker, reported_prompt_tokens
 from infera_frontend.validation import ApiError
 
 log = get_logger("frontend.relay")
+
+#: After a reconnect, a worker's answer to ``FramesQuery`` is awaited this long per try, and tried
+#: again every ``RESYNC_RETRY`` seconds while nobody answers (its agent may reconnect after us).
+FRAMES_QUERY_TIMEOUT = 2.0
+RESYNC_RETRY = 0.5
+RESYNC_ATTEMPTS = 20
+#: Frames a worker says it sent may still be on their way here: how long they get before they count as lost.
+IN_TRANSIT_GRACE = 0.5
 
 _ROUTER_ERROR_TYPES = {
     400: ("invalid_request_error", None),
@@ -77,6 +97,7 @@ class Relay:
         self.upstream_timeout = upstream_timeout
         self.request_timeout = request_timeout
         self._background: set[asyncio.Task] = set()
+        self._open: set[Exchange] = set()  # placed requests whose exchange is not closed yet
         self.token_checker = TokenChecker()
 
     def spawn(self, coro) -> None:
@@ -188,7 +209,47 @@ class Relay:
         if early:
             box.push_front(early)
         expected = prompt_tokens if token_ids is not None else None  # None: no count to check against
-        return Exchange(self, request_id, reply.worker_id, subject, box, stream, endpoint, expected)
+        exchange = Exchange(self, request_id, reply.worker_id, subject, box, stream, endpoint, expected)
+        self._open.add(exchange)
+        return exchange
+
+    def forget(self, exchange: Exchange) -> None:
+        """``exchange`` is closed."""
+        self._open.discard(exchange)
+
+    async def resync(self) -> None:
+        """After a reconnect: check every open request's frames with its worker (see the module doc)."""
+        by_worker: dict[str, list[Exchange]] = defaultdict(list)
+        for exchange in self._open:
+            if not exchange.ended:
+                by_worker[exchange.worker_id].append(exchange)
+        for worker_id, exchanges in by_worker.items():
+            self.spawn(self._resync_worker(worker_id, exchanges))
+
+    async def _resync_worker(self, worker_id: str, exchanges: list[Exchange]) -> None:
+        query = encode(FramesQuery(request_ids=[e.request_id for e in exchanges]))
+        for _ in range(RESYNC_ATTEMPTS):
+            if all(e.ended for e in exchanges):
+                return  # answered meanwhile (or the frontend is stopping)
+            try:
+                msg = await self._nc.request(frames_query_subject(worker_id), query, timeout=FRAMES_QUERY_TIMEOUT)
+                sent = decode(FramesSent, msg.data).sent
+                break
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                await asyncio.sleep(RESYNC_RETRY)  # its agent is not back yet (or this plane has none)
+            except Exception as exc:  # an unreadable answer, or the connection closing
+                log.warning("frames_query_failed", worker_id=worker_id, error=str(exc) or type(exc).__name__)
+                return
+        else:
+            log.info("frames_query_unanswered", worker_id=worker_id, requests=len(exchanges))
+            return
+        short = [e for e in exchanges if not e.has_all(sent.get(e.request_id))]
+        if short:
+            await asyncio.sleep(IN_TRANSIT_GRACE)
+        short = [e for e in short if not e.has_all(sent.get(e.request_id))]
+        for exchange in short:
+            exchange.lost(sent.get(exchange.request_id))
+        log.info("frames_resynced", worker_id=worker_id, requests=len(exchanges), lost=len(short))
 
     def deadline_in(self, stream: bool) -> float:
         """Seconds until nobody waits for the answer: a non-streaming answer is the head the frontend

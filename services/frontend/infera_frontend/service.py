@@ -80,7 +80,6 @@ class Frontend:
             await self.watcher.start()
         except Exception as exc:
             raise RuntimeError(self.discovery.start_failed(exc, s.nats_url)) from exc
-        self._reconnects.add("discovery", self.watcher.restore)
         # running workers this discovery does not list report load too: a plane mix to name, not to wait out
         self._load_sub = await self.nc.subscribe(LOAD_SUBJECTS, cb=self._on_load)
         self.inbox = Inbox(self.nc, self.frontend_id)
@@ -88,6 +87,8 @@ class Frontend:
         self.relay = Relay(self.nc, self.inbox, self.metrics, route_timeout=s.route_timeout,
                            upstream_timeout=s.upstream_timeout, request_timeout=s.request_timeout,
                            discovery_backend=s.discovery_backend)
+        self._reconnects.add("frames", self.relay.resync)  # first: it only starts its checks
+        self._reconnects.add("discovery", self.watcher.restore)
         pipeline = Pipeline(tokenizer, self.models, self.relay, self.metrics, s.max_body_bytes,
                             max_retries=s.request_max_retries)
         http = HttpApi(pipeline, self.watcher.view, self.metrics, self.not_ready, fleet_info=self.fleet_info)

@@ -22,6 +22,10 @@ class AgentMetrics:
         )
         self.bad_cancels = Counter("infera_agent_bad_cancels", "Cancel messages that were not a valid Cancel.", registry=r)
         self.cancels = Counter("infera_agent_cancels", "Cancel messages received.", registry=r)
+        self.frames_queries = Counter(
+            "infera_agent_frames_queries", "Frontends' questions after a broker outage (FramesQuery), by outcome.",
+            ["outcome"], registry=r,
+        )
         self.engine_restarts = Counter("infera_agent_engine_restarts", "Engine restarts by the agent.", registry=r)
         self.engine_exit_code = Gauge(
             "infera_agent_engine_exit_code", "Exit code of the engine (-1 while it runs; 128+N for signal N).", registry=r

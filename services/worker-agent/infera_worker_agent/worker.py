@@ -13,6 +13,9 @@ On its way out (drain or engine exit) the agent seals its queue, so routers' pub
 and go to another worker, and waits until every envelope stored before was delivered: deleting the
 stream then loses no request (without it, an envelope stored in the moment between the consumer's
 end and the stream's deletion left its client waiting for ``--upstream-timeout``).
+
+It also answers ``FramesQuery`` (``frames_query_subject``): a frontend back from a broker outage asks
+how many frames each of its open requests was sent, to find frames and envelopes the outage lost.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ from infera_common.engine_relay import Abort, Relay
 from infera_common.logs import get_logger
 from infera_common.nats_conn import flush_all, seal_request_stream, unsubscribe_quietly
 from infera_common.request_runner import CLOSING, Engine, RequestRunner, SeriesHooks, StopReason, quietly
-from infera_common.schemas import WorkEnvelope, decode
-from infera_common.subjects import cancel_subject, request_stream, work_consumer, work_subject
+from infera_common.schemas import FramesQuery, FramesSent, WorkEnvelope, decode, encode
+from infera_common.subjects import cancel_subject, frames_query_subject, request_stream, work_consumer, work_subject
 from infera_worker_agent.metrics import AgentMetrics
 
 log = get_logger("worker_agent.worker")
@@ -80,6 +83,7 @@ class RequestWorker:
                                                              metrics.bad_cancels))
         self._work_sub = None
         self._cancel_sub = None
+        self._frames_sub = None
         self._tasks: dict[str, asyncio.Task] = {}
         self._unacked: dict[int, Msg] = {}  # delivered envelopes whose answer is not complete (by id())
         self._sealed = False  # the queue takes no more work (the agent is on its way out)
@@ -98,6 +102,7 @@ class RequestWorker:
             await self._js.delete_consumer(stream, config.durable_name)
             await self._js.add_consumer(stream, config=config)
         self._cancel_sub = await self._nc.subscribe(cancel_subject(self.worker_id), cb=self._on_cancel)
+        self._frames_sub = await self._nc.subscribe(frames_query_subject(self.worker_id), cb=self._on_frames_query)
         await flush_all(self._nc)  # cancel subscription known to the broker before we register
         self._tasks["keepalive"] = asyncio.create_task(self._keepalive(), name="keepalive")
 
@@ -215,9 +220,10 @@ class RequestWorker:
                 await asyncio.wait_for(work_sub.drain(), SUB_DRAIN_TIMEOUT)
             except Exception:  # connection closed or draining: nothing more arrives
                 await unsubscribe_quietly(work_sub)
-        cancel_sub, self._cancel_sub = self._cancel_sub, None
-        if cancel_sub is not None:
-            await unsubscribe_quietly(cancel_sub)
+        for sub in (self._cancel_sub, self._frames_sub):
+            if sub is not None:
+                await unsubscribe_quietly(sub)
+        self._cancel_sub = self._frames_sub = None
         await self._runner.close(reason)
 
     # --- delivery ---------------------------------------------------------------------------------
@@ -252,3 +258,19 @@ class RequestWorker:
     # --- cancel ----------------------------------------------------------------------------------
     async def _on_cancel(self, msg: Msg) -> None:
         self._runner.cancel(self.worker_id, msg.data)
+
+    # --- after a broker outage ----------------------------------------------------------------------
+    async def _on_frames_query(self, msg: Msg) -> None:
+        """A frontend that reconnected asks how many frames its requests were sent: it compares them
+        with what it received (frames published while it was away are lost) and learns of requests
+        this worker never received (lost from the queue of a restarted broker)."""
+        try:
+            query = decode(FramesQuery, msg.data)
+        except ValueError as exc:
+            self._metrics.frames_queries.labels("bad").inc()
+            log.warning("bad_frames_query", error=str(exc)[:500])
+            return
+        sent = {rid: n for rid in query.request_ids
+                if (n := self._runner.frames_sent(self.worker_id, rid)) is not None}
+        self._metrics.frames_queries.labels("answered").inc()
+        await quietly(msg.respond(encode(FramesSent(sent=sent))), "frames_reply")
