@@ -28,7 +28,7 @@ async def test_the_frontend_inbox_relay_and_the_router_publisher_work_on_the_bus
     fe = bus.connect("frontend")
     inbox = Inbox(fe, "fe-1")
     await inbox.start()
-    relay = Relay(fe, inbox, FrontendMetrics(), route_timeout=5, upstream_timeout=5, request_timeout=60)
+    relay = Relay(fe, inbox, FrontendMetrics(), route_timeout=1, upstream_timeout=5, request_timeout=60)
 
     async def open_request(body: bytes = b"{}"):
         return await relay.open(request_id="r1", endpoint=Endpoint.CHAT, model="m", body=body, stream=False,

@@ -366,11 +366,31 @@ async def test_no_router_retries_then_503(make_frontend, nats_server):
     registrar = Registrar(nc.jetstream(), worker_record(W1))
     await registrar.start()
     try:
-        fe = await make_frontend(request_max_retries=1)
+        fe = await make_frontend(request_max_retries=1, route_timeout=1.0)
         await wait_until(lambda: fe.models.is_known(MODEL))
         status, _, raw = await post(fe, chat_body())
         assert status == 503 and json.loads(raw)["error"]["message"] == "router unavailable"
         assert 'infera_frontend_retries_total{reason="no_router"} 1.0' in await metrics_text(fe)
+    finally:
+        await registrar.stop()
+        await nc.close()
+
+
+async def test_a_router_that_subscribes_within_the_route_timeout_gets_the_request(make_frontend, nats_server):
+    """Routers reconnecting after a broker restart: the route request is sent again meanwhile."""
+    nc = await connect(nats_server, "late-router")
+    fleet = MultiFleet(nc, [W1])
+    registrar = Registrar(nc.jetstream(), worker_record(W1))
+    await registrar.start()
+    try:
+        fe = await make_frontend(request_max_retries=0, route_timeout=10.0)
+        await wait_until(lambda: fe.models.is_known(MODEL))
+        answer = asyncio.create_task(post(fe, chat_body()))
+        await asyncio.sleep(1.0)  # no router: NATS answers "no responders" to each try
+        await nc.subscribe(ROUTER_ROUTE, queue=ROUTER_QUEUE, cb=fleet.on_route)
+        status, _, raw = await answer
+        assert status == 200 and raw == completion_json()
+        assert len(fleet.routed) == 1  # it reached the router once
     finally:
         await registrar.stop()
         await nc.close()

@@ -160,19 +160,17 @@ async def test_router_refusals_are_passed_through(frontend, fleet, route_status,
     assert err["message"] == "router says no" and err["type"] == etype
 
 
-async def test_router_unreachable_is_503_at_once(make_frontend, nats_server):
+async def test_router_unreachable_is_503_after_the_route_timeout(make_frontend, nats_server):
     from infera_common.nats_conn import connect
 
-    fe = await make_frontend(route_timeout=30)
+    fe = await make_frontend(route_timeout=1.0, request_max_retries=0)
     nc = await connect(nats_server, "registrar-only")
     registrar = Registrar(nc.jetstream(), worker_record())
     await registrar.start()
     try:
         await wait_until(lambda: fe.models.is_known(MODEL))
-        t0 = time.monotonic()
         status, _, raw = await post(fe, "/v1/chat/completions", chat_body())
         assert status == 503 and openai_error(raw)["message"] == "router unavailable"
-        assert time.monotonic() - t0 < 10  # NATS said "no responders": no wait for --route-timeout
     finally:
         await registrar.stop()
         await nc.close()

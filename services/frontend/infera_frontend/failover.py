@@ -10,8 +10,9 @@ no NATS reply), and only for failures another worker may not have:
   ``engine_<status>``;
 - no frame within ``--upstream-timeout`` before the first token: reason ``upstream_timeout`` (the
   worker has been sent a ``Cancel``);
-- NATS "no responders" for the route request (no router subscribed): reason ``no_router``; nobody
-  received the request, so it cannot run twice;
+- NATS "no responders" for the route request (no router subscribed) until ``--route-timeout``
+  (the relay sends it again every 0.25 s meanwhile): reason ``no_router``; nobody received the
+  request, so it cannot run twice;
 - a response frame lost between the worker and the frontend (a gap in the frames' numbers, e.g.
   across a broker restart): reason ``frames_lost`` (the worker has been sent a ``Cancel``).
 

@@ -48,6 +48,8 @@ log = get_logger("frontend.relay")
 FRAMES_QUERY_TIMEOUT = 2.0
 RESYNC_RETRY = 0.5
 RESYNC_ATTEMPTS = 20
+#: Seconds between route requests while NATS says no router is subscribed (within --route-timeout).
+NO_ROUTER_PAUSE = 0.25
 #: Frames a worker says it sent may still be on their way here: how long they get before they count as lost.
 IN_TRANSIT_GRACE = 0.5
 
@@ -176,8 +178,7 @@ class Relay:
                 type="invalid_request_error", code="request_too_large",
             )
         try:
-            await self._nc.publish(ROUTER_ROUTE, data, reply=subject)
-            reply, early = await self._route_reply(box)
+            reply, early = await self._place(data, subject, box)
         except asyncio.CancelledError:  # the client left while the router decides: cancel once placed
             self.spawn(self._cancel_when_routed(subject, box, request_id))
             raise
@@ -258,10 +259,27 @@ class Relay:
             return max(self.request_timeout, self.route_timeout + self.upstream_timeout)
         return self.route_timeout + self.upstream_timeout
 
-    async def _route_reply(self, box: Mailbox) -> tuple[RouteReply, list[Msg]]:
-        """The router's reply, and any frames that arrived before it (kept in order)."""
+    async def _place(self, data: bytes, subject: str, box: Mailbox) -> tuple[RouteReply, list[Msg]]:
+        """Send the route request; while no router is subscribed (e.g. the routers are still
+        reconnecting after a broker restart) send it again every ``NO_ROUTER_PAUSE`` seconds, up to
+        ``--route-timeout``: nobody received it, so it cannot be placed twice."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.route_timeout
+        while True:
+            await self._nc.publish(ROUTER_ROUTE, data, reply=subject)
+            try:
+                return await self._route_reply(box, deadline)
+            except _NoRouter:
+                if loop.time() + NO_ROUTER_PAUSE >= deadline:
+                    raise
+            await asyncio.sleep(NO_ROUTER_PAUSE)
+
+    async def _route_reply(self, box: Mailbox, deadline: float | None = None) -> tuple[RouteReply, list[Msg]]:
+        """The router's reply (by ``deadline``, on the loop's clock; default ``--route-timeout`` from
+        now), and any frames that arrived before it (kept in order)."""
+        loop = asyncio.get_running_loop()
+        if deadline is None:
+            deadline = loop.time() + self.route_timeout
         early: list[Msg] = []
         while True:
             remaining = deadline - loop.time()
