@@ -1,9 +1,14 @@
 """Response frames on the hot path: the fast encoder and decoder give exactly what the models give."""
 
 import msgpack
+import msgspec
 import pytest
 
 from infera_common.schemas import Frame, decode, decode_frame, encode, encode_frame
+
+
+def as_model(wire) -> Frame:
+    return Frame(**msgspec.structs.asdict(wire))
 
 
 @pytest.mark.parametrize("fields", [
@@ -16,12 +21,12 @@ from infera_common.schemas import Frame, decode, decode_frame, encode, encode_fr
 def test_the_fast_path_matches_the_model_both_ways(fields):
     data = encode_frame(**fields)
     assert data == encode(Frame(**fields))  # the same bytes on the bus
-    assert decode_frame(data) == decode(Frame, data) == Frame(**fields)
+    assert as_model(decode_frame(data)) == decode(Frame, data) == Frame(**fields)
 
 
 def test_anything_unusual_is_still_validated():
     loose = msgpack.packb({"kind": "data", "seq": "3", "body": b"x"}, use_bin_type=True)  # a str seq: coerced
-    assert decode_frame(loose) == Frame(kind="data", seq=3, body=b"x")
-    for bad in (msgpack.packb({"kind": "nope", "seq": 1}), msgpack.packb([1, 2]), b"\xc1"):
+    assert as_model(decode_frame(loose)) == Frame(kind="data", seq=3, body=b"x")
+    for bad in (msgpack.packb({"kind": "nope", "seq": 1}), msgpack.packb([1, 2]), b"\xc1", b""):
         with pytest.raises(ValueError):
             decode_frame(bad)

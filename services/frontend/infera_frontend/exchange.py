@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from infera_common.logs import get_logger
 from infera_common.openai_errors import normalize_error
-from infera_common.schemas import Endpoint, Frame, decode_frame
+from infera_common.schemas import Endpoint, FrameWire, decode_frame
 
 from infera_frontend.failover import FRAMES_LOST, UPSTREAM_TIMEOUT, RetryableError, worker_error_reason
 from infera_frontend.inbox import Mailbox
@@ -39,7 +39,7 @@ DONE_PAYLOAD = b"[DONE]"
 LOST = object()
 
 
-def frame_error(frame: Frame) -> ApiError:
+def frame_error(frame: FrameWire) -> ApiError:
     """The client's error for a worker-agent ``error`` frame (retryable for 502/503/504)."""
     status = frame.status if 400 <= frame.status < 600 else 502
     message = frame.message or f"upstream error (status {frame.status})"
@@ -112,7 +112,7 @@ class Exchange:
             self._cancelled = True
             self._relay.publish_cancel(self.worker_id, self.request_id, reason)
 
-    async def _next(self) -> Frame:
+    async def _next(self) -> FrameWire:
         box = self._box
         if box.empty():
             try:
