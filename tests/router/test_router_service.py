@@ -10,7 +10,7 @@ import nats.errors
 import pytest
 
 from infera_common.discovery import Registrar
-from infera_common.nats_conn import connect, ensure_request_stream
+from infera_common.nats_conn import connect, ensure_request_stream, flush_all
 from infera_common.schemas import (
     LoadReport, Release, RouteReply, WorkEnvelope, WorkerStatus, decode, decode_frame, encode,
 )
@@ -154,7 +154,7 @@ async def test_unacknowledged_publish_is_503_without_trying_another_worker(bench
     await bench.worker("a", stream=False)
     await bench.worker("b")
     swallowed = await bench.nc.subscribe(work_subject("a"))  # takes a's work, never acknowledges
-    await bench.nc.flush()
+    await flush_all(bench.nc)  # the broker knows the subscription before the router publishes
     reply = await bench.route(request_id="lost")
     assert reply.status == 503 and "worker a" in reply.message and "did not acknowledge" in reply.message
     assert decode(WorkEnvelope, (await swallowed.next_msg(timeout=1)).data).request_id == "lost"
