@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Literal
 
@@ -43,22 +44,41 @@ def outcome_for_status(status: int) -> Outcome:
 
 
 class FrameSink:
-    """Numbered frames to one reply subject."""
+    """Numbered frames to one reply subject; the last ``keep`` of them kept, to be sent again
+    (``kept_from``, ``resend``) to a requester that lost some to a broker outage."""
 
     def __init__(self, publish: Publish, subject: str,
-                 on_first_data: Callable[[], Awaitable[None]] | None = None) -> None:
+                 on_first_data: Callable[[], Awaitable[None]] | None = None, keep: int = 0) -> None:
         self._publish = publish
         self._subject = subject
         self._on_first_data = on_first_data  # called once, after the first streamed data frame
         self.seq = 0
         self.closed = False  # an end, error or final head frame was sent
         self.data_sent = False  # a data frame was sent: the client may have bytes of the answer
+        self._kept: deque[bytes] | None = deque(maxlen=keep) if keep else None
+
+    def kept_from(self, seq: int) -> list[bytes] | None:
+        """The frames sent from number ``seq`` on, or None when some of them are no longer kept."""
+        kept = self._kept
+        if kept is None or seq > self.seq:
+            return None
+        first = self.seq - len(kept)
+        return None if seq < first else list(kept)[seq - first:]
+
+    def forget_frames(self) -> None:
+        self._kept = None
+
+    async def resend(self, frames: list[bytes]) -> None:
+        for data in frames:
+            await self._publish(self._subject, data)
 
     async def send(
         self, kind: FrameKind, *, status: int = 200, body: bytes = b"", message: str = "", final: bool = False,
     ) -> None:
         data = encode_frame(kind, self.seq, status, body, message, final)
         self.seq += 1
+        if self._kept is not None:
+            self._kept.append(data)
         if final or kind == "end" or kind == "error":
             self.closed = True
         elif kind == "data":

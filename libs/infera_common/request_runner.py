@@ -14,14 +14,16 @@ one ``Release`` to the lease's router:
 A streamed request's first data frame also sends ``Prefilled`` to its router (its prefill is done).
 Requests are keyed by (worker id, request id): a retry of a request on another worker is another
 request. ``frames_sent`` says how many frames a request running or recently finished has sent, so
-that a requester that lost its connection to the broker can tell whether frames were lost.
+that a requester that lost its connection to the broker can tell whether frames were lost, and
+``replay`` sends them again: each request keeps its last ``KEPT_FRAMES`` frames while it runs and
+for ``REPLAY_MEMORY`` seconds after (at most ``REPLAY_REMEMBERED`` finished requests keep theirs).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -39,6 +41,12 @@ CANCELLED_MEMORY = 60.0
 #: Seconds (and how many) finished requests are remembered with the number of frames they sent.
 FINISHED_MEMORY = 120.0
 FINISHED_REMEMBERED = 50_000
+#: Frames each request keeps to send again (~0.25 kB each: a 1k-token answer whole, and at 50
+#: tokens/s the last 20 s of a longer one), and for how long (and how many) finished requests keep
+#: them: a broker restart takes seconds.
+KEPT_FRAMES = 1024
+REPLAY_MEMORY = 30.0
+REPLAY_REMEMBERED = 2000
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +127,7 @@ class RequestRunner:
         self._handlers: set[asyncio.Task] = set()
         self._cancelled = RecentIds(ttl=CANCELLED_MEMORY)
         self._finished = RecentIds(ttl=FINISHED_MEMORY, max_size=FINISHED_REMEMBERED)  # key -> its FrameSink
+        self._replayable: deque[tuple[float, FrameSink]] = deque()  # finished sinks still keeping frames
         self._refusal: StopReason | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -141,8 +150,34 @@ class RequestRunner:
         entry = self._inflight.get((worker_id, request_id))
         if entry is not None:
             return entry.sink.seq
+        sink = self._sink_of(worker_id, request_id)
+        return None if sink is None else sink.seq
+
+    async def replay(self, worker_id: str, request_id: str, from_seq: int) -> int:
+        """Send the request's frames from number ``from_seq`` on again (to its requester); how many,
+        or -1 when the request is unknown or some of those frames are no longer kept."""
+        sink = self._sink_of(worker_id, request_id)
+        frames = None if sink is None else sink.kept_from(from_seq)
+        if sink is None or frames is None:
+            return -1
+        await sink.resend(frames)
+        return len(frames)
+
+    def _sink_of(self, worker_id: str, request_id: str) -> FrameSink | None:
+        entry = self._inflight.get((worker_id, request_id))
+        if entry is not None:
+            return entry.sink
         sink = self._finished.get(_key(worker_id, request_id), time.monotonic())
-        return sink.seq if isinstance(sink, FrameSink) else None
+        return sink if isinstance(sink, FrameSink) else None
+
+    def _retire(self, worker_id: str, request_id: str, sink: FrameSink) -> None:
+        """The request ended (its sink may still send one error frame): remember it, keep its frames a while."""
+        now = time.monotonic()
+        self._finished.add(_key(worker_id, request_id), now, sink)
+        self._replayable.append((now, sink))
+        while self._replayable and (now - self._replayable[0][0] >= REPLAY_MEMORY
+                                    or len(self._replayable) > REPLAY_REMEMBERED):
+            self._replayable.popleft()[1].forget_frames()
 
     def begin_drain(self, refusal: StopReason) -> None:
         """Run no new work: from now on submitted envelopes are answered with ``refusal`` at once."""
@@ -186,8 +221,8 @@ class RequestRunner:
             self._start(worker_id, env, engine, on_done)
             return
         status, message, outcome = refused
-        sink = FrameSink(self._publish, env.reply_subject)
-        self._finished.add(_key(worker_id, env.request_id), time.monotonic(), sink)
+        sink = FrameSink(self._publish, env.reply_subject, keep=1)
+        self._retire(worker_id, env.request_id, sink)
         await quietly(sink.error(status, message), "error_frame", env.request_id)
         await self._finish(worker_id, env, on_done, outcome)
 
@@ -205,7 +240,8 @@ class RequestRunner:
 
     def _start(self, worker_id: str, env: WorkEnvelope, engine: Engine, on_done: Done | None) -> None:
         prefilled = (lambda: self._prefilled(worker_id, env)) if env.stream else None
-        entry = InFlight(worker_id, env, engine, FrameSink(self._publish, env.reply_subject, prefilled), on_done)
+        entry = InFlight(worker_id, env, engine, FrameSink(self._publish, env.reply_subject, prefilled, KEPT_FRAMES),
+                         on_done)
         self._inflight[(worker_id, env.request_id)] = entry
         self._per_worker[worker_id] += 1
         self._hooks.in_flight(len(self._inflight))
@@ -263,7 +299,7 @@ class RequestRunner:
     def _untrack(self, entry: InFlight) -> None:
         key = (entry.worker_id, entry.envelope.request_id)
         if self._inflight.pop(key, None) is not None:
-            self._finished.add(_key(*key), time.monotonic(), entry.sink)  # it may still send its error frame
+            self._retire(*key, entry.sink)
             self._per_worker[entry.worker_id] -= 1
             if self._per_worker[entry.worker_id] <= 0:
                 del self._per_worker[entry.worker_id]

@@ -256,6 +256,21 @@ class FramesSent(_Msg):
     sent: dict[str, int]
 
 
+class FramesReplay(_Msg):
+    """Frontend -> worker-agent (``frames_replay_subject``): send this request's frames from number
+    ``from_seq`` on again, to its reply subject (some never arrived)."""
+
+    request_id: str
+    from_seq: int = Field(ge=0)
+
+
+class FramesReplayed(_Msg):
+    """Worker-agent -> frontend: how many frames it sent again, published before this answer; -1 when
+    it cannot (the request is unknown, or those frames are no longer kept)."""
+
+    count: int
+
+
 class KvRelay(_Msg):
     """Worker-agent -> KV event stream (``kv_event_subject``): one engine event batch.
 

@@ -48,7 +48,13 @@ def worker_of_cancel_subject(subject: str) -> str | None:
 def frames_query_subject(worker_id: str) -> str:
     """Request/reply: how many response frames each of some requests has sent (``FramesQuery``),
     asked by a frontend that lost its connection to the broker; the worker-agent answers."""
-    return f"{PREFIX}.frames.{_token(worker_id)}"
+    return f"{PREFIX}.frames.query.{_token(worker_id)}"
+
+
+def frames_replay_subject(worker_id: str) -> str:
+    """Request/reply: send a request's frames again from a number on (``FramesReplay``), asked by a
+    frontend that missed some; the worker-agent answers how many it sent (``FramesReplayed``)."""
+    return f"{PREFIX}.frames.replay.{_token(worker_id)}"
 
 
 # --- load reports -------------------------------------------------------------

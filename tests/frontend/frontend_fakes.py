@@ -18,6 +18,8 @@ from infera_common.schemas import (
     Cancel,
     Frame,
     FramesQuery,
+    FramesReplay,
+    FramesReplayed,
     FramesSent,
     RouteReply,
     RouteRequest,
@@ -153,10 +155,19 @@ class MultiFleet:
     placed: list[str] = field(default_factory=list)  # the worker of each placed attempt, in order
     cancels: list[tuple[str, str]] = field(default_factory=list)  # (worker id, request id)
     sent: dict[str, int] = field(default_factory=dict)  # request id -> frames a worker says it sent
+    kept: dict[str, list[tuple[str, bytes]]] = field(default_factory=dict)  # request id -> (subject, frame) sent
+    keeps_frames: bool = True  # False: the workers answer FramesReplay with -1 (no longer kept)
+    replays: list[tuple[str, int]] = field(default_factory=list)  # (request id, from_seq) asked
     tasks: set = field(default_factory=set)
 
-    async def frame(self, req: RouteRequest, frame: Frame) -> None:
-        await self.nc.publish(req.reply_subject, encode(frame))
+    async def frame(self, req: RouteRequest, frame: Frame, *, lost: bool = False) -> None:
+        """Send a frame (``lost``: count and keep it as sent, but it never reaches the frontend)."""
+        data = encode(frame)
+        self.kept.setdefault(req.request_id, []).append((req.reply_subject, data))
+        if lost:
+            self.sent[req.request_id] = len(self.kept[req.request_id])
+        else:
+            await self.nc.publish(req.reply_subject, data)
 
     def frames_handler(self, worker_id: str):
         """Answer ``FramesQuery`` as a worker-agent does, from ``sent`` (unknown requests left out)."""
@@ -164,6 +175,17 @@ class MultiFleet:
             ids = decode(FramesQuery, msg.data).request_ids
             await msg.respond(encode(FramesSent(sent={r: self.sent[r] for r in ids if r in self.sent})))
         return on_query
+
+    def replay_handler(self, worker_id: str):
+        """Answer ``FramesReplay`` as a worker-agent does: the frames again, then how many."""
+        async def on_replay(msg) -> None:
+            ask = decode(FramesReplay, msg.data)
+            self.replays.append((ask.request_id, ask.from_seq))
+            frames = self.kept.get(ask.request_id, [])[ask.from_seq:] if self.keeps_frames else None
+            for subject, data in frames or ():
+                await self.nc.publish(subject, data)
+            await msg.respond(encode(FramesReplayed(count=-1 if frames is None else len(frames))))
+        return on_replay
 
     async def on_route(self, msg) -> None:
         req = decode(RouteRequest, msg.data)

@@ -11,7 +11,9 @@ from infera_common.discovery import Registrar
 from infera_common.nats_conn import connect, flush_all
 from infera_common.settings import parse_cli
 from infera_common.schemas import Frame
-from infera_common.subjects import ROUTER_QUEUE, ROUTER_ROUTE, cancel_subject, frames_query_subject
+from infera_common.subjects import (
+    ROUTER_QUEUE, ROUTER_ROUTE, cancel_subject, frames_query_subject, frames_replay_subject,
+)
 from infera_frontend.failover import Attempts, engine_status_reason, worker_error_reason
 from infera_frontend.settings import FrontendSettings
 from tests.frontend.frontend_fakes import (
@@ -39,6 +41,7 @@ async def multi(nats_server):
     for w in fleet.workers:
         await nc.subscribe(cancel_subject(w), cb=fleet.cancel_handler(w))
         await nc.subscribe(frames_query_subject(w), cb=fleet.frames_handler(w))
+        await nc.subscribe(frames_replay_subject(w), cb=fleet.replay_handler(w))
         registrars.append(Registrar(nc.jetstream(), worker_record(w)))
         await registrars[-1].start()
     await flush_all(nc)
@@ -196,39 +199,57 @@ async def test_error_after_a_token_is_never_retried(start_frontend, multi):
 async def token_then_a_lost_frame(f, req):
     """Frame 2 never arrives (a broker restarted between the worker and the frontend)."""
     await f.frame(req, Frame(kind="head", status=200))
-    await f.frame(req, Frame(kind="data", seq=1, body=chunk_json(0, "Two")))
-    await f.frame(req, Frame(kind="data", seq=3, body=chunk_json(2, " of course")))
-    await f.frame(req, Frame(kind="end", seq=4))
+    for i, text in enumerate(STREAM_TEXTS, start=1):
+        await f.frame(req, Frame(kind="data", seq=i, body=chunk_json(i - 1, text)), lost=i == 2)
+    await f.frame(req, Frame(kind="end", seq=len(STREAM_TEXTS) + 1))
 
 
 async def a_lost_head(f, req):
-    await f.frame(req, Frame(kind="data", seq=1, body=chunk_json(0, "Two")))
-    await f.frame(req, Frame(kind="end", seq=2))
+    if not req.stream:
+        await f.frame(req, Frame(kind="head", status=200, body=completion_json(), final=True), lost=True)
+        return
+    await f.frame(req, Frame(kind="head", status=200), lost=True)
+    for i, text in enumerate(STREAM_TEXTS, start=1):
+        await f.frame(req, Frame(kind="data", seq=i, body=chunk_json(i - 1, text)))
+    await f.frame(req, Frame(kind="end", seq=len(STREAM_TEXTS) + 1))
 
 
-async def test_a_frame_lost_mid_stream_ends_the_stream_with_an_error_not_a_shorter_answer(start_frontend, multi):
+async def test_a_frame_lost_mid_stream_is_sent_again_and_the_answer_is_whole(start_frontend, multi):
     fe = await start_frontend(request_max_retries=2)
     multi.scripts[W1] = token_then_a_lost_frame
+    status, headers, raw = await post(fe, chat_body(stream=True))
+    assert status == 200 and stream_texts(raw) == STREAM_TEXTS  # in order, none twice
+    assert multi.replays == [(headers["X-Request-Id"], 2)] and multi.placed == [W1] and multi.cancels == []
+    metrics = await metrics_text(fe)
+    assert "infera_frontend_frames_replayed_total 1.0" in metrics and "infera_frontend_frames_lost_total 0.0" in metrics
+
+
+async def test_a_frame_lost_mid_stream_that_the_worker_no_longer_has_ends_the_stream_with_an_error(
+        start_frontend, multi):
+    fe = await start_frontend(request_max_retries=2)
+    multi.scripts[W1] = token_then_a_lost_frame
+    multi.keeps_frames = False
     status, headers, raw = await post(fe, chat_body(stream=True))
     assert status == 200
     payloads = sse_payloads(raw)
     assert json.loads(payloads[0])["choices"][0]["delta"]["content"] == "Two"  # what came before the gap
     err = json.loads(payloads[1])["error"]
-    assert "1 response frames from worker w1 were lost in transit" in err["message"]
+    assert err["message"].startswith("response frames from worker w1 from number 2 on were lost in transit")
+    assert "no longer has them" in err["message"]
     assert payloads[2] == b"[DONE]" and len(payloads) == 3  # nothing after the gap reaches the client
     assert multi.placed == [W1]  # the client has part of the answer: not retried
     await wait_until(lambda: (W1, headers["X-Request-Id"]) in multi.cancels)  # the worker stops
     assert "infera_frontend_frames_lost_total 1.0" in await metrics_text(fe)
 
 
-@pytest.mark.parametrize("stream", [False, True])
-async def test_a_lost_first_frame_is_retried_on_another_worker(start_frontend, multi, stream):
+async def test_a_lost_first_frame_is_sent_again_or_the_request_retried_on_another_worker(start_frontend, multi):
     fe = await start_frontend()
     multi.scripts[W1] = a_lost_head
-    status, headers, raw = await post(fe, chat_body(stream=stream))
-    assert status == 200
-    assert stream_texts(raw) == STREAM_TEXTS if stream else raw == completion_json()
-    assert multi.placed == [W1, W2]
+    status, _, raw = await post(fe, chat_body(stream=True))  # the data frames reveal the gap
+    assert status == 200 and stream_texts(raw) == STREAM_TEXTS and multi.placed == [W1]
+    multi.keeps_frames = False
+    status, headers, raw = await post(fe, chat_body(stream=True))
+    assert status == 200 and stream_texts(raw) == STREAM_TEXTS and multi.placed == [W1, W1, W2]
     await wait_until(lambda: (W1, headers["X-Request-Id"]) in multi.cancels)
     assert 'infera_frontend_retries_total{reason="frames_lost"} 1.0' in await metrics_text(fe)
 
@@ -242,22 +263,39 @@ async def resync_when(multi, fe, request_id_seen) -> None:
     await fe.relay.resync()
 
 
-async def test_frames_sent_while_the_frontend_was_away_end_the_stream_at_the_reconnect(start_frontend, multi):
+async def two_frames_lost_at_the_end(f, req):
+    """Data 2 and 3 and the end went out while nobody listened; nothing more comes."""
+    if not req.stream:
+        await f.frame(req, Frame(kind="head", status=200, body=completion_json(), final=True), lost=True)
+        return
+    await f.frame(req, Frame(kind="head", status=200))
+    for i, text in enumerate(STREAM_TEXTS, start=1):
+        await f.frame(req, Frame(kind="data", seq=i, body=chunk_json(i - 1, text)), lost=i > 1)
+    await f.frame(req, Frame(kind="end", seq=len(STREAM_TEXTS) + 1), lost=True)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_frames_sent_while_the_frontend_was_away_are_sent_again_at_the_reconnect(start_frontend, multi, stream):
     fe = await start_frontend(upstream_timeout=120)
-
-    async def two_frames_lost(f, req):
-        await f.frame(req, Frame(kind="head", status=200))
-        await f.frame(req, Frame(kind="data", seq=1, body=chunk_json(0, "Two")))
-        f.sent[req.request_id] = 4  # data 2 and 3 went out while nobody listened; nothing more comes
-
-    multi.scripts[W1] = two_frames_lost
-    answer = asyncio.create_task(post(fe, chat_body(stream=True)))
+    multi.scripts[W1] = two_frames_lost_at_the_end
+    answer = asyncio.create_task(post(fe, chat_body(stream=stream)))
     await resync_when(multi, fe, lambda m: m.sent)
     status, headers, raw = await asyncio.wait_for(answer, 30)  # not the 120 s upstream timeout
+    assert status == 200
+    assert stream_texts(raw) == STREAM_TEXTS if stream else raw == completion_json()
+    assert multi.replays == [(headers["X-Request-Id"], 2 if stream else 0)] and multi.placed == [W1]
+
+
+async def test_frames_sent_while_the_frontend_was_away_and_no_longer_kept_end_the_stream(start_frontend, multi):
+    fe = await start_frontend(upstream_timeout=120)
+    multi.scripts[W1] = two_frames_lost_at_the_end
+    multi.keeps_frames = False
+    answer = asyncio.create_task(post(fe, chat_body(stream=True)))
+    await resync_when(multi, fe, lambda m: m.sent)
+    status, headers, raw = await asyncio.wait_for(answer, 30)
     payloads = sse_payloads(raw)
     assert status == 200 and json.loads(payloads[0])["choices"][0]["delta"]["content"] == "Two"
-    assert json.loads(payloads[1])["error"]["message"].startswith(
-        "2 response frames from worker w1 were lost while the connection to the message broker was down")
+    assert "from number 2 on were lost in transit" in json.loads(payloads[1])["error"]["message"]
     assert payloads[2:] == [b"[DONE]"] and multi.placed == [W1]
     await wait_until(lambda: (W1, headers["X-Request-Id"]) in multi.cancels)
     assert "infera_frontend_frames_lost_total 1.0" in await metrics_text(fe)

@@ -12,9 +12,9 @@ import pytest
 from nats.js.errors import BadRequestError
 
 from infera_common.nats_conn import connect, ensure_request_stream
-from infera_common.schemas import Cancel, Frame, FramesQuery, FramesSent, Prefilled, Release, WorkEnvelope, decode, encode
+from infera_common.schemas import Cancel, Frame, FramesQuery, FramesReplay, FramesReplayed, FramesSent, Prefilled, Release, WorkEnvelope, decode, encode
 from infera_common.subjects import (
-    cancel_subject, frames_query_subject, request_stream, router_prefilled_subject, router_release_subject, work_consumer, work_subject,
+    cancel_subject, frames_query_subject, frames_replay_subject, request_stream, router_prefilled_subject, router_release_subject, work_consumer, work_subject,
 )
 from infera_common.engine_relay import EngineAborter
 from infera_worker_agent.metrics import AgentMetrics
@@ -249,6 +249,22 @@ async def test_the_worker_tells_a_reconnected_frontend_how_many_frames_each_requ
     rid2, sub2 = await h.submit({"mode": "json"}, stream=False, deadline_in=-1)  # refused at once: one frame
     await h.frames(sub2)
     assert await ask(rid2, rid) == {rid2: 1, rid: 4}
+
+
+async def test_the_worker_sends_frames_again_from_a_number_on(h):
+    async def replay(rid: str, from_seq: int) -> int:
+        msg = await h.nc.request(frames_replay_subject(WID), encode(FramesReplay(request_id=rid, from_seq=from_seq)),
+                                 timeout=5)
+        return decode(FramesReplayed, msg.data).count
+
+    rid, sub = await h.submit({"stream": True, "events": 3})
+    first = await h.frames(sub)
+    assert [f.kind for f in first] == ["head", "data", "data", "data", "end"]
+    await h.released(f"lease-{rid}")
+    assert await replay(rid, 2) == 3  # finished: its frames are still kept
+    again = [decode(Frame, (await sub.next_msg(timeout=5)).data) for _ in range(3)]
+    assert again == first[2:]  # the same frames, same numbers, to the same requester
+    assert await replay(rid, 6) == -1 and await replay("never-received", 0) == -1
 
 
 async def test_work_queued_before_the_agent_started_is_answered(nats_server):

@@ -110,3 +110,21 @@ async def test_the_envelopes_trace_context_reaches_the_engine_unchanged_when_tra
     assert engine.requests[0]["headers"]["traceparent"] == parent  # no spans here: the client's context passes
     await relay(session, engine.url, envelope({"stream": False}, stream=False, rid="req-2"))
     assert "traceparent" not in engine.requests[1]["headers"]  # none given, none invented
+
+
+async def test_a_sink_keeps_its_last_frames_to_send_them_again():
+    sent: list[tuple[str, bytes]] = []
+
+    async def publish(subject: str, data: bytes) -> None:
+        sent.append((subject, data))
+
+    sink = FrameSink(publish, "inbox.1", keep=3)
+    for i in range(5):
+        await sink.send("data", body=str(i).encode())
+    assert sink.kept_from(2) == [data for _, data in sent[2:]]  # the last three
+    assert sink.kept_from(5) == [] and sink.kept_from(1) is None and sink.kept_from(6) is None
+    await sink.resend(sink.kept_from(3))
+    assert sent[5:] == sent[3:5]  # the same bytes to the same subject
+    sink.forget_frames()
+    assert sink.kept_from(4) is None and sink.seq == 5
+    assert FrameSink(publish, "inbox.2").kept_from(0) is None  # keeps nothing unless asked

@@ -8,13 +8,16 @@ when another worker may do better); ``cancel()`` publishes ``Cancel`` to the wor
 
 Frames are numbered by their sender from 0, and core NATS delivers one sender's messages in order
 but at most once: when a nats-server restarts, frames in flight, and those a worker-agent flushes
-before this frontend has subscribed again, are gone. A frame whose number is not the next one is
-such a loss. The request is then cancelled on its worker and ends with an error (502, retried on
-another worker while the client has nothing of it), never as a shorter answer that looks complete.
-An ``error`` frame is taken whatever its number: a router that tells the requester its worker left
-numbers it 0. A loss that no later frame reveals (the last frames of an answer, or an envelope lost
-from a restarted broker's queue) is found by ``Relay.resync`` after a reconnect: the worker says how
-many frames it sent (``has_all``), and ``lost`` wakes the reader with the loss.
+before this frontend has subscribed again, are gone. A frame whose number is past the next one
+reveals such a gap: later frames are held back, and the worker is asked to send the missing ones
+again (``FramesReplay``; it keeps each request's last 1,024 frames, and a finished request's for
+30 s); copies of frames already read are dropped. When the worker cannot (or does not answer),
+the request is cancelled on it and ends with an error (502, retried on another worker while the
+client has nothing of it), never as a shorter answer that looks complete. An ``error`` frame is
+taken whatever its number: a router that tells the requester its worker left numbers it 0. A
+loss that no later frame reveals (the last frames of an answer, or an envelope lost from a
+restarted broker's queue) is found by ``Relay.resync`` after a reconnect: the worker says how many
+frames it sent (``has_all``); ``fill_gap`` asks for the missing ones, ``lose`` ends the request.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ class Exchange:
 
     __slots__ = ("_relay", "request_id", "worker_id", "_subject", "_box", "stream", "endpoint", "done",
                  "_closed", "_cancelled", "_error", "_expected_tokens", "status", "body", "_first", "_seq",
-                 "_lost")
+                 "_lost", "_ahead", "_replay_from")
 
     def __init__(
         self, relay: Relay, request_id: str, worker_id: str, subject: str, box: Mailbox, stream: bool,
@@ -76,7 +79,9 @@ class Exchange:
         self.body: bytes | None = None  # the whole answer once started, None for a stream
         self._first: list[bytes] = []  # a stream's first payloads, read by start()
         self._seq = 0  # the number the next frame must carry
-        self._lost = ""  # why frames are lost, once Relay.resync found it
+        self._lost = ""  # why frames are lost for good, once known
+        self._ahead: dict[int, FrameWire] = {}  # frames that came after a gap, by number
+        self._replay_from = -1  # the number from which the worker was last asked to send frames again
 
     def close(self) -> None:
         """Stop receiving frames (always call, e.g. in ``finally``)."""
@@ -94,17 +99,31 @@ class Exchange:
         arrived here; an exchange already ended has all it needs."""
         if self.ended:
             return True
-        return sent is not None and self._seq + len(self._box) >= sent
+        return sent is not None and self._seq + len(self._ahead) + len(self._box) >= sent
 
-    def lost(self, sent: int | None) -> None:
-        """Frames the worker sent will never arrive (``has_all`` stayed false): end with the loss."""
-        if sent is None:
-            self._lost = (f"worker {self.worker_id} never received this request (its queue was lost when the "
-                          "message broker restarted)")
-        else:
-            self._lost = (f"{sent - self._seq - len(self._box)} response frames from worker {self.worker_id} were "
-                          "lost while the connection to the message broker was down")
-        self._box.put(LOST)
+    def lose(self, why: str) -> None:
+        """Frames of this request will never arrive: the reader ends it with ``why``."""
+        if not self.ended and not self._lost:
+            self._lost = why
+            self._box.put(LOST)
+
+    def fill_gap(self, again: bool = False) -> None:
+        """Frames from the next number on are missing: ask the worker to send them again (once per
+        gap, unless ``again``: after a reconnect, the copies may have been lost too)."""
+        if (again or self._replay_from != self._seq) and not self.ended:
+            self._replay_from = self._seq
+            self._relay.spawn(self._replay(self._seq))
+
+    async def _replay(self, from_seq: int) -> None:
+        count = await self._relay.ask_replay(self.worker_id, self.request_id, from_seq)
+        if count is not None and count >= 0:
+            self._relay.metrics.frames_replayed.inc()  # they were sent before the answer
+            log.info("response_frames_sent_again", request_id=self.request_id, worker_id=self.worker_id,
+                     from_seq=from_seq, count=count)
+            return
+        self.lose(f"response frames from worker {self.worker_id} from number {from_seq} on were lost in transit "
+                  "(was the message broker restarted?) and " +
+                  ("the worker no longer has them" if count is not None else "the worker did not send them again"))
 
     def cancel(self, reason: str) -> None:
         """Tell the worker to abort this request (at most once; nothing once the response ended)."""
@@ -113,6 +132,20 @@ class Exchange:
             self._relay.publish_cancel(self.worker_id, self.request_id, reason)
 
     async def _next(self) -> FrameWire:
+        """The next frame in number order (``error`` frames at once)."""
+        while True:
+            frame = self._ahead.pop(self._seq, None) if self._ahead else None
+            if frame is None:
+                frame = await self._receive()
+                if frame.seq != self._seq and frame.kind != "error":
+                    if frame.seq > self._seq:  # a gap: hold it back until the missing frames come again
+                        self._ahead[frame.seq] = frame
+                        self.fill_gap()
+                    continue  # (a frame before the next number: a copy of one already read)
+            self._seq = frame.seq + 1
+            return frame
+
+    async def _receive(self) -> FrameWire:
         box = self._box
         if box.empty():
             try:
@@ -135,12 +168,6 @@ class Exchange:
             self.cancel("bad_frame")
             log.error("bad_frame", request_id=self.request_id, worker_id=self.worker_id, error=str(exc))
             raise ApiError(502, "the worker sent an unreadable response frame") from None
-        if frame.seq != self._seq and frame.kind != "error":
-            lost = frame.seq - self._seq
-            raise self._frames_lost(f"{lost} response frames from worker {self.worker_id} were lost in transit "
-                                    "(was the message broker restarted?)" if lost > 0 else
-                                    f"response frames from worker {self.worker_id} came out of order")
-        self._seq = frame.seq + 1
         return frame
 
     def _frames_lost(self, why: str) -> RetryableError:

@@ -13,8 +13,9 @@ no NATS reply), and only for failures another worker may not have:
 - NATS "no responders" for the route request (no router subscribed) until ``--route-timeout``
   (the relay sends it again every 0.25 s meanwhile): reason ``no_router``; nobody received the
   request, so it cannot run twice;
-- a response frame lost between the worker and the frontend (a gap in the frames' numbers, e.g.
-  across a broker restart): reason ``frames_lost`` (the worker has been sent a ``Cancel``).
+- response frames lost between the worker and the frontend (e.g. across a broker restart) that the
+  worker could not send again, or a request its worker never received: reason ``frames_lost``
+  (the worker has been sent a ``Cancel``).
 
 Never retried: any other 4xx (the client's request is at fault; 499 is the requester's own cancel,
 409 a duplicate request id), 500 (agent or engine bug), unreadable frames, a router refusal (the

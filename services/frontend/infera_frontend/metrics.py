@@ -77,7 +77,12 @@ class FrontendMetrics:
         )
         self.frames_lost = Counter(
             "infera_frontend_frames_lost",
-            "Requests ended because a response frame from the worker never arrived (a gap in the frame numbers).",
+            "Requests ended because response frames from the worker never arrived and it could not send them again.",
+            registry=r,
+        )
+        self.frames_replayed = Counter(
+            "infera_frontend_frames_replayed",
+            "Times a worker sent the frames of a request again, after they were lost on the way (a broker outage).",
             registry=r,
         )
 

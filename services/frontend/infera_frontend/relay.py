@@ -9,10 +9,10 @@ an unreachable router surface as ``ApiError``; ``publish_cancel`` sends ``Cancel
 ``resync`` runs after every reconnect to the broker: frames a worker published while this frontend
 was away (or that a restarting broker held) are lost, and so is an envelope still in the queue of
 a broker that restarted. Core NATS does not say so; the worker does: each worker of an open
-request is asked (``FramesQuery``) how many frames it sent, and a request that is short of them,
-after a grace for frames still on their way, or that its worker does not know, ends with the loss
-(``Exchange.lost``: retried on another worker while its client has nothing of it) instead of
-waiting ``--upstream-timeout`` for frames that will not come.
+request is asked (``FramesQuery``) how many frames it sent. A request short of them after a grace
+for frames still on their way asks for them again (``Exchange.fill_gap``, ``ask_replay``); one its
+worker does not know ends with the loss (``Exchange.lose``: retried on another worker while its
+client has nothing of it) instead of waiting ``--upstream-timeout`` for frames that will not come.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ from nats.aio.msg import Msg
 from infera_common.block_hash import pack_tokens
 from infera_common.logs import get_logger
 from infera_common.schemas import (
-    Cancel, DiscoveryBackend, Endpoint, FramesQuery, FramesSent, RouteReply, RouteRequest, decode, encode,
+    Cancel, DiscoveryBackend, Endpoint, FramesQuery, FramesReplay, FramesReplayed, FramesSent, RouteReply,
+    RouteRequest, decode, encode,
 )
-from infera_common.subjects import ROUTER_ROUTE, cancel_subject, frames_query_subject
+from infera_common.subjects import ROUTER_ROUTE, cancel_subject, frames_query_subject, frames_replay_subject
 
 from infera_frontend.exchange import Exchange
 from infera_frontend.failover import NO_ROUTER, RetryableError
@@ -249,8 +250,28 @@ class Relay:
             await asyncio.sleep(IN_TRANSIT_GRACE)
         short = [e for e in short if not e.has_all(sent.get(e.request_id))]
         for exchange in short:
-            exchange.lost(sent.get(exchange.request_id))
-        log.info("frames_resynced", worker_id=worker_id, requests=len(exchanges), lost=len(short))
+            if exchange.request_id in sent:
+                exchange.fill_gap(again=True)
+            else:
+                exchange.lose(f"worker {worker_id} never received this request (its queue was lost when the "
+                              "message broker restarted)")
+        log.info("frames_resynced", worker_id=worker_id, requests=len(exchanges), short=len(short))
+
+    async def ask_replay(self, worker_id: str, request_id: str, from_seq: int) -> int | None:
+        """Ask the worker to send the request's frames from ``from_seq`` on again: how many it sent
+        (-1: it no longer has them), or None when it does not answer."""
+        data = encode(FramesReplay(request_id=request_id, from_seq=from_seq))
+        for _ in range(RESYNC_ATTEMPTS):
+            try:
+                msg = await self._nc.request(frames_replay_subject(worker_id), data, timeout=FRAMES_QUERY_TIMEOUT)
+                return decode(FramesReplayed, msg.data).count
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                await asyncio.sleep(RESYNC_RETRY)  # its agent is not back yet (or this plane has none)
+            except Exception as exc:  # an unreadable answer, or the connection closing
+                log.warning("frames_replay_failed", worker_id=worker_id, request_id=request_id,
+                            error=str(exc) or type(exc).__name__)
+                return None
+        return None
 
     def deadline_in(self, stream: bool) -> float:
         """Seconds until nobody waits for the answer: a non-streaming answer is the head the frontend

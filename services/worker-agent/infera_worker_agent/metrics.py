@@ -26,6 +26,10 @@ class AgentMetrics:
             "infera_agent_frames_queries", "Frontends' questions after a broker outage (FramesQuery), by outcome.",
             ["outcome"], registry=r,
         )
+        self.frames_replays = Counter(
+            "infera_agent_frames_replays", "Frontends' requests to send frames again (FramesReplay), by outcome.",
+            ["outcome"], registry=r,
+        )
         self.engine_restarts = Counter("infera_agent_engine_restarts", "Engine restarts by the agent.", registry=r)
         self.engine_exit_code = Gauge(
             "infera_agent_engine_exit_code", "Exit code of the engine (-1 while it runs; 128+N for signal N).", registry=r

@@ -15,7 +15,8 @@ stream then loses no request (without it, an envelope stored in the moment betwe
 end and the stream's deletion left its client waiting for ``--upstream-timeout``).
 
 It also answers ``FramesQuery`` (``frames_query_subject``): a frontend back from a broker outage asks
-how many frames each of its open requests was sent, to find frames and envelopes the outage lost.
+how many frames each of its open requests was sent, to find frames and envelopes the outage lost;
+and ``FramesReplay`` (``frames_replay_subject``): it sends the frames a frontend missed again.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ from infera_common.engine_relay import Abort, Relay
 from infera_common.logs import get_logger
 from infera_common.nats_conn import flush_all, seal_request_stream, unsubscribe_quietly
 from infera_common.request_runner import CLOSING, Engine, RequestRunner, SeriesHooks, StopReason, quietly
-from infera_common.schemas import FramesQuery, FramesSent, WorkEnvelope, decode, encode
-from infera_common.subjects import cancel_subject, frames_query_subject, request_stream, work_consumer, work_subject
+from infera_common.schemas import FramesQuery, FramesReplay, FramesReplayed, FramesSent, WorkEnvelope, decode, encode
+from infera_common.subjects import (
+    cancel_subject, frames_query_subject, frames_replay_subject, request_stream, work_consumer, work_subject,
+)
 from infera_worker_agent.metrics import AgentMetrics
 
 log = get_logger("worker_agent.worker")
@@ -84,6 +87,7 @@ class RequestWorker:
         self._work_sub = None
         self._cancel_sub = None
         self._frames_sub = None
+        self._replay_sub = None
         self._tasks: dict[str, asyncio.Task] = {}
         self._unacked: dict[int, Msg] = {}  # delivered envelopes whose answer is not complete (by id())
         self._sealed = False  # the queue takes no more work (the agent is on its way out)
@@ -103,6 +107,7 @@ class RequestWorker:
             await self._js.add_consumer(stream, config=config)
         self._cancel_sub = await self._nc.subscribe(cancel_subject(self.worker_id), cb=self._on_cancel)
         self._frames_sub = await self._nc.subscribe(frames_query_subject(self.worker_id), cb=self._on_frames_query)
+        self._replay_sub = await self._nc.subscribe(frames_replay_subject(self.worker_id), cb=self._on_replay)
         await flush_all(self._nc)  # cancel subscription known to the broker before we register
         self._tasks["keepalive"] = asyncio.create_task(self._keepalive(), name="keepalive")
 
@@ -220,10 +225,10 @@ class RequestWorker:
                 await asyncio.wait_for(work_sub.drain(), SUB_DRAIN_TIMEOUT)
             except Exception:  # connection closed or draining: nothing more arrives
                 await unsubscribe_quietly(work_sub)
-        for sub in (self._cancel_sub, self._frames_sub):
+        for sub in (self._cancel_sub, self._frames_sub, self._replay_sub):
             if sub is not None:
                 await unsubscribe_quietly(sub)
-        self._cancel_sub = self._frames_sub = None
+        self._cancel_sub = self._frames_sub = self._replay_sub = None
         await self._runner.close(reason)
 
     # --- delivery ---------------------------------------------------------------------------------
@@ -274,3 +279,16 @@ class RequestWorker:
                 if (n := self._runner.frames_sent(self.worker_id, rid)) is not None}
         self._metrics.frames_queries.labels("answered").inc()
         await quietly(msg.respond(encode(FramesSent(sent=sent))), "frames_reply")
+
+    async def _on_replay(self, msg: Msg) -> None:
+        """A frontend missed frames of a request: send them again (they go out before the answer)."""
+        try:
+            ask = decode(FramesReplay, msg.data)
+        except ValueError as exc:
+            self._metrics.frames_replays.labels("bad").inc()
+            log.warning("bad_frames_replay", error=str(exc)[:500])
+            return
+        count = await self._runner.replay(self.worker_id, ask.request_id, ask.from_seq)
+        self._metrics.frames_replays.labels("sent" if count >= 0 else "not_kept").inc()
+        log.info("frames_replayed", request_id=ask.request_id, from_seq=ask.from_seq, count=count)
+        await quietly(msg.respond(encode(FramesReplayed(count=count))), "replay_reply")
