@@ -115,7 +115,7 @@ class Exchange:
             self._relay.spawn(self._replay(self._seq))
 
     async def _replay(self, from_seq: int) -> None:
-        count = await self._relay.ask_replay(self.worker_id, self.request_id, from_seq)
+        count = await self._relay.ask_replay(self, from_seq)
         if count is not None and count >= 0:
             self._relay.metrics.frames_replayed.inc()  # they were sent before the answer
             log.info("response_frames_sent_again", request_id=self.request_id, worker_id=self.worker_id,

@@ -26,11 +26,12 @@ import msgpack
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from pydantic import BaseModel
 
 from infera_common.block_hash import pack_tokens
 from infera_common.logs import get_logger
 from infera_common.schemas import (
-    Cancel, DiscoveryBackend, Endpoint, FramesQuery, FramesReplay, FramesReplayed, FramesSent, RouteReply,
+    Cancel, DiscoveryBackend, Endpoint, FramesQuery, FramesReplay, FramesReplayed, FramesSent, M, RouteReply,
     RouteRequest, decode, encode,
 )
 from infera_common.subjects import ROUTER_ROUTE, cancel_subject, frames_query_subject, frames_replay_subject
@@ -229,22 +230,12 @@ class Relay:
             self.spawn(self._resync_worker(worker_id, exchanges))
 
     async def _resync_worker(self, worker_id: str, exchanges: list[Exchange]) -> None:
-        query = encode(FramesQuery(request_ids=[e.request_id for e in exchanges]))
-        for _ in range(RESYNC_ATTEMPTS):
-            if all(e.ended for e in exchanges):
-                return  # answered meanwhile (or the frontend is stopping)
-            try:
-                msg = await self._nc.request(frames_query_subject(worker_id), query, timeout=FRAMES_QUERY_TIMEOUT)
-                sent = decode(FramesSent, msg.data).sent
-                break
-            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
-                await asyncio.sleep(RESYNC_RETRY)  # its agent is not back yet (or this plane has none)
-            except Exception as exc:  # an unreadable answer, or the connection closing
-                log.warning("frames_query_failed", worker_id=worker_id, error=str(exc) or type(exc).__name__)
-                return
-        else:
+        query = FramesQuery(request_ids=[e.request_id for e in exchanges])
+        answer = await self._ask_worker(frames_query_subject(worker_id), query, FramesSent, exchanges)
+        if answer is None:
             log.info("frames_query_unanswered", worker_id=worker_id, requests=len(exchanges))
             return
+        sent = answer.sent
         short = [e for e in exchanges if not e.has_all(sent.get(e.request_id))]
         if short:
             await asyncio.sleep(IN_TRANSIT_GRACE)
@@ -257,19 +248,29 @@ class Relay:
                               "message broker restarted)")
         log.info("frames_resynced", worker_id=worker_id, requests=len(exchanges), short=len(short))
 
-    async def ask_replay(self, worker_id: str, request_id: str, from_seq: int) -> int | None:
-        """Ask the worker to send the request's frames from ``from_seq`` on again: how many it sent
+    async def ask_replay(self, exchange: Exchange, from_seq: int) -> int | None:
+        """Ask the exchange's worker to send its frames from ``from_seq`` on again: how many it sent
         (-1: it no longer has them), or None when it does not answer."""
-        data = encode(FramesReplay(request_id=request_id, from_seq=from_seq))
+        ask = FramesReplay(request_id=exchange.request_id, from_seq=from_seq)
+        answer = await self._ask_worker(frames_replay_subject(exchange.worker_id), ask, FramesReplayed, [exchange])
+        return None if answer is None else answer.count
+
+    async def _ask_worker(self, subject: str, question: BaseModel, answer_type: type[M],
+                          for_exchanges: list[Exchange]) -> M | None:
+        """Request/reply with a worker-agent that may not be back on the broker yet: asked again every
+        ``RESYNC_RETRY`` s while nobody answers (``RESYNC_ATTEMPTS`` times), and no more once every
+        exchange in ``for_exchanges`` has ended; None when it never answers or answers unreadably."""
+        data = encode(question)
         for _ in range(RESYNC_ATTEMPTS):
+            if all(e.ended for e in for_exchanges):
+                return None  # answered meanwhile (or the frontend is stopping)
             try:
-                msg = await self._nc.request(frames_replay_subject(worker_id), data, timeout=FRAMES_QUERY_TIMEOUT)
-                return decode(FramesReplayed, msg.data).count
+                msg = await self._nc.request(subject, data, timeout=FRAMES_QUERY_TIMEOUT)
+                return decode(answer_type, msg.data)
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
                 await asyncio.sleep(RESYNC_RETRY)  # its agent is not back yet (or this plane has none)
             except Exception as exc:  # an unreadable answer, or the connection closing
-                log.warning("frames_replay_failed", worker_id=worker_id, request_id=request_id,
-                            error=str(exc) or type(exc).__name__)
+                log.warning("worker_question_failed", subject=subject, error=str(exc) or type(exc).__name__)
                 return None
         return None
 
