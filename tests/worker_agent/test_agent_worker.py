@@ -267,6 +267,16 @@ async def test_the_worker_sends_frames_again_from_a_number_on(h):
     assert await replay(rid, 6) == -1 and await replay("never-received", 0) == -1
 
 
+async def test_an_unreadable_question_is_counted_and_the_worker_answers_the_next(h):
+    for subject in (frames_query_subject(WID), frames_replay_subject(WID)):
+        with pytest.raises(nats.errors.TimeoutError):
+            await h.nc.request(subject, b"\xc1 not msgpack", timeout=0.3)
+    assert h.metrics.frames_queries.labels("bad")._value.get() == 1
+    assert h.metrics.frames_replays.labels("bad")._value.get() == 1
+    msg = await h.nc.request(frames_query_subject(WID), encode(FramesQuery(request_ids=["x"])), timeout=5)
+    assert decode(FramesSent, msg.data).sent == {}
+
+
 async def test_work_queued_before_the_agent_started_is_answered(nats_server):
     """Envelopes already in the worker's queue when its agent (re)starts are each run once."""
     nc = await connect(nats_server, "early")
