@@ -10,9 +10,9 @@ from infera.client import InferaClient, InferaError
 from infera_common.discovery import Registrar
 from infera_common.nats_conn import connect, flush_all
 from infera_common.settings import parse_cli
-from infera_common.schemas import Frame
+from infera_common.schemas import Frame, Release, decode
 from infera_common.subjects import (
-    ROUTER_QUEUE, ROUTER_ROUTE, cancel_subject, frames_query_subject, frames_replay_subject,
+    ROUTER_QUEUE, ROUTER_ROUTE, cancel_subject, frames_query_subject, frames_replay_subject, router_release_subject,
 )
 from infera_frontend.failover import Attempts, engine_status_reason, worker_error_reason
 from infera_frontend.settings import FrontendSettings
@@ -305,12 +305,17 @@ async def test_a_request_its_worker_never_received_is_retried_at_the_reconnect(s
     """Its envelope was in the queue of a broker that restarted: the worker does not know it."""
     fe = await start_frontend(upstream_timeout=120)
     multi.scripts[W1] = lambda f, req: asyncio.sleep(0)  # nothing arrives, nothing was sent
+    released = await multi.nc.subscribe(router_release_subject("r1"))
+    await flush_all(multi.nc)
     answer = asyncio.create_task(post(fe, chat_body()))
     await resync_when(multi, fe, lambda m: m.placed == [W1])
     status, headers, raw = await asyncio.wait_for(answer, 30)
     assert status == 200 and raw == completion_json()
     assert multi.placed == [W1, W2]
     await wait_until(lambda: (W1, headers["X-Request-Id"]) in multi.cancels)  # dropped if it ever comes
+    # its router gets the lease back, as the worker would have released it
+    assert decode(Release, (await released.next_msg(timeout=5)).data) == Release(
+        lease_id="lease-1", worker_id=W1, outcome="cancelled")
     assert 'infera_frontend_retries_total{reason="frames_lost"} 1.0' in await metrics_text(fe)
 
 

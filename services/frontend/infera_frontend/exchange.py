@@ -57,13 +57,14 @@ class Exchange:
 
     __slots__ = ("_relay", "request_id", "worker_id", "_subject", "_box", "stream", "endpoint", "done",
                  "_closed", "_cancelled", "_error", "_expected_tokens", "status", "body", "_first", "_seq",
-                 "_lost", "_ahead", "_replay_from")
+                 "_lost", "_ahead", "_replay_from", "lease")
 
     def __init__(
         self, relay: Relay, request_id: str, worker_id: str, subject: str, box: Mailbox, stream: bool,
-        endpoint: Endpoint, expected_tokens: int | None = None,
+        endpoint: Endpoint, expected_tokens: int | None = None, lease: tuple[str, str] | None = None,
     ) -> None:
         self._relay = relay
+        self.lease = lease  # (lease id, router id) of the placement, when the router said
         self._expected_tokens = expected_tokens  # the frontend's prompt count; None once checked or unknown
         self.request_id = request_id
         self.worker_id = worker_id

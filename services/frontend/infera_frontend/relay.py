@@ -31,10 +31,12 @@ from pydantic import BaseModel
 from infera_common.block_hash import pack_tokens
 from infera_common.logs import get_logger
 from infera_common.schemas import (
-    Cancel, DiscoveryBackend, Endpoint, FramesQuery, FramesReplay, FramesReplayed, FramesSent, M, RouteReply,
-    RouteRequest, decode, encode,
+    Cancel, DiscoveryBackend, Endpoint, FramesQuery, FramesReplay, FramesReplayed, FramesSent, M, Release,
+    RouteReply, RouteRequest, decode, encode,
 )
-from infera_common.subjects import ROUTER_ROUTE, cancel_subject, frames_query_subject, frames_replay_subject
+from infera_common.subjects import (
+    ROUTER_ROUTE, cancel_subject, frames_query_subject, frames_replay_subject, router_release_subject,
+)
 
 from infera_frontend.exchange import Exchange
 from infera_frontend.failover import NO_ROUTER, RetryableError
@@ -212,7 +214,8 @@ class Relay:
         if early:
             box.push_front(early)
         expected = prompt_tokens if token_ids is not None else None  # None: no count to check against
-        exchange = Exchange(self, request_id, reply.worker_id, subject, box, stream, endpoint, expected)
+        lease = (reply.lease_id, reply.router_id) if reply.lease_id and reply.router_id else None
+        exchange = Exchange(self, request_id, reply.worker_id, subject, box, stream, endpoint, expected, lease)
         self._open.add(exchange)
         return exchange
 
@@ -246,7 +249,23 @@ class Relay:
             else:
                 exchange.lose(f"worker {worker_id} never received this request (its queue was lost when the "
                               "message broker restarted)")
+                self._release_lost(exchange)
         log.info("frames_resynced", worker_id=worker_id, requests=len(exchanges), short=len(short))
+
+    def _release_lost(self, exchange: Exchange) -> None:
+        """The worker never received the request, so no ``Release`` will come from it: give the
+        placing router its lease back (else the worker counts as busier until the lease ages out)."""
+        if exchange.lease is None:
+            return
+        lease_id, router_id = exchange.lease
+        release = Release(lease_id=lease_id, worker_id=exchange.worker_id, outcome="cancelled")
+        self.spawn(self._publish_quietly(router_release_subject(router_id), encode(release), exchange.request_id))
+
+    async def _publish_quietly(self, subject: str, data: bytes, request_id: str) -> None:
+        try:
+            await self._nc.publish(subject, data)
+        except Exception as exc:  # NATS down again: the lease ages out instead
+            log.warning("publish_failed", subject=subject, request_id=request_id, error=str(exc) or type(exc).__name__)
 
     async def ask_replay(self, exchange: Exchange, from_seq: int) -> int | None:
         """Ask the exchange's worker to send its frames from ``from_seq`` on again: how many it sent
