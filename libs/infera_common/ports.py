@@ -5,18 +5,54 @@ draws the local ports of its outgoing connections from: between the pick and the
 a connection may take it (EADDRINUSE). That happened to a mock engine in a trace replay (the
 worker-agent picks its engine's port, the engine binds it half a second later). Below the range, only
 another listener can take a port, and a pick is checked for being free.
+
+Another listener may be another Infera process that picked the same port and has not bound it yet:
+two worker-agents starting together on one host, each picking its engine's port, did pick the same
+one (CI, a PD fleet), and SGLang binds its HTTP port only after loading the model, so on a GPU node
+the clash would show after the cold start. So every pick is also claimed for the host (``claim``:
+an empty file per port under ``CLAIMS_DIR``, created exclusively), and no Infera process picks a port
+claimed in the last ``CLAIM_TTL`` seconds.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
+import tempfile
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 LINUX_EPHEMERAL = (32768, 60999)  # the kernel's default, when the file cannot be read
 LOWEST = 10000  # below: ports that well-known services tend to use
 _random = random.SystemRandom()  # not the global generator: processes seeded alike must not pick alike
+#: One empty file per port picked on this host by any Infera process (every user: sticky, world-writable).
+CLAIMS_DIR = Path(tempfile.gettempdir()) / "infera-ports"
+#: How long a picked port stays claimed: longer than an engine's cold start before it binds.
+CLAIM_TTL = 2 * 3600.0
+
+
+def claim(port: int, claims_dir: Path = CLAIMS_DIR, now: float | None = None) -> bool:
+    """Claim ``port`` for this host; False when another pick claimed it less than ``CLAIM_TTL`` ago.
+    Where no claim can be written (say, a read-only temporary directory) every port counts as unclaimed."""
+    path = claims_dir / str(port)
+    try:
+        if not claims_dir.is_dir():
+            claims_dir.mkdir(parents=True, exist_ok=True)
+            os.chmod(claims_dir, 0o1777)
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            return True
+        except FileExistsError:
+            age = (time.time() if now is None else now) - path.stat().st_mtime
+            if age < CLAIM_TTL:
+                return False
+            os.utime(path)  # an old claim: the port is this pick's now
+            return True
+    except OSError:
+        return True
 
 
 def ephemeral_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
@@ -49,12 +85,13 @@ def bindable(host: str, port: int) -> bool:
 
 
 def free_port(host: str = "127.0.0.1", attempts: int = 100,
-              is_free: Callable[[str, int], bool] = bindable) -> int:
-    """A TCP port free on ``host`` right now, outside the ephemeral range when one can be found."""
+              is_free: Callable[[str, int], bool] = bindable, claim_port: Callable[[int], bool] = claim) -> int:
+    """A TCP port free on ``host`` right now and not picked by another Infera process lately
+    (``claim``), outside the ephemeral range when one can be found."""
     ports = listen_ports()
     for _ in range(attempts):
         port = _random.choice(ports)
-        if is_free(host, port):
+        if is_free(host, port) and claim_port(port):
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # everything below was taken: any port
         s.bind((host, 0))
@@ -65,15 +102,17 @@ def free_port(host: str = "127.0.0.1", attempts: int = 100,
 _TAKEN: set[int] = set()
 
 
-def free_port_block(n: int, taken: set[int] | None = None, host: str = "0.0.0.0", attempts: int = 200) -> int:
-    """The first of ``n`` contiguous ports free now and not in ``taken`` (default: every block this
-    process was given); adds them to ``taken``."""
+def free_port_block(n: int, taken: set[int] | None = None, host: str = "0.0.0.0", attempts: int = 200,
+                    claim_port: Callable[[int], bool] = claim) -> int:
+    """The first of ``n`` contiguous ports free now, not in ``taken`` (default: every block this
+    process was given) and claimed for this host (``claim``); adds them to ``taken``."""
     taken = _TAKEN if taken is None else taken
     ports = listen_ports()
     for _ in range(attempts):
         base = _random.randrange(ports.start, ports.stop - n)
         block = range(base, base + n)
-        if not any(p in taken for p in block) and all(bindable(host, p) for p in block):
+        if (not any(p in taken for p in block) and all(bindable(host, p) for p in block)
+                and all(claim_port(p) for p in block)):
             taken.update(block)
             return base
     raise OSError(f"no block of {n} free ports found")

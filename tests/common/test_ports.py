@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from infera_common.ports import bindable, ephemeral_range, free_port, free_port_block, listen_ports
+from infera_common.ports import CLAIM_TTL, bindable, claim, ephemeral_range, free_port, free_port_block, listen_ports
 
 
 def test_ports_are_picked_outside_the_range_outgoing_connections_draw_from():
@@ -40,3 +40,25 @@ def test_a_port_in_use_is_not_handed_out_and_when_every_pick_is_taken_the_kernel
         assert not bindable("127.0.0.1", held)
         port = free_port(attempts=3, is_free=lambda host, p: False)  # nothing below the range is free
         assert port != held and bindable("127.0.0.1", port)
+
+
+def test_a_port_picked_by_one_process_is_not_picked_by_another_until_its_claim_is_old(tmp_path, monkeypatch):
+    """Two worker-agents starting together picked the same engine port (a CI failure)."""
+    claims = tmp_path / "claims"
+    assert claim(15930, claims, now=1000.0)  # one agent's pick
+    assert not claim(15930, claims, now=1000.0 + 60)  # another's, a minute later: taken
+    assert claim(15931, claims, now=1060.0)
+    assert claim(15930, claims, now=(claims / "15930").stat().st_mtime + CLAIM_TTL)  # an old claim lapses
+
+    picks = iter([20000, 20000, 20001])  # the second pick repeats the first
+    monkeypatch.setattr("infera_common.ports._random.choice", lambda ports: next(picks))
+    fresh = tmp_path / "fresh"
+    pick = lambda: free_port(is_free=lambda h, p: True, claim_port=lambda p: claim(p, fresh))  # noqa: E731
+    assert [pick(), pick()] == [20000, 20001]
+    assert free_port_block(2, set(), claim_port=lambda p: claim(p, fresh)) not in (19999, 20000, 20001)
+
+
+def test_without_a_writable_claims_directory_ports_are_still_handed_out(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert claim(15000, blocker / "claims")  # cannot be created: the bind check alone decides
