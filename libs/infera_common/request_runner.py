@@ -147,9 +147,6 @@ class RequestRunner:
     def frames_sent(self, worker_id: str, request_id: str) -> int | None:
         """How many frames the request has sent to its requester so far (all of them once finished);
         None when this runner does not know it (never received, or finished too long ago)."""
-        entry = self._inflight.get((worker_id, request_id))
-        if entry is not None:
-            return entry.sink.seq
         sink = self._sink_of(worker_id, request_id)
         return None if sink is None else sink.seq
 
@@ -158,7 +155,7 @@ class RequestRunner:
         or -1 when the request is unknown or some of those frames are no longer kept."""
         sink = self._sink_of(worker_id, request_id)
         frames = None if sink is None else sink.kept_from(from_seq)
-        if sink is None or frames is None:
+        if frames is None:
             return -1
         await sink.resend(frames)
         return len(frames)

@@ -70,7 +70,8 @@ class AgentSettings(PlaneSettings, LogSettings):
         10.0, ge=0,
         description="While serving, seconds between probes of the engine's /health (0: no probes). After "
         "--health-check-failures failed probes in a row the worker is registered 'unhealthy' (routers send it "
-        "nothing new; running requests go on) until a probe passes again.",
+        "nothing new; requests with nothing answered yet are handed back to be retried elsewhere, streams "
+        "under way go on) until a probe passes again.",
     )
     health_check_timeout: float = Field(
         30.0, gt=0,
