@@ -175,6 +175,9 @@ class RouteReply(_Msg):
     worker_id: str | None = None
     lease_id: str | None = None
     router_id: str | None = None
+    # who sends the worker's frames and answers questions about them: its worker-agent, or (on
+    # --request-transport http) this router, which calls the engine itself
+    frames_from: Literal["worker", "router"] = "worker"
 
 
 class WorkEnvelope(_Msg):
@@ -243,30 +246,35 @@ class Cancel(_Msg):
 
 
 class FramesQuery(_Msg):
-    """Frontend -> worker-agent (``frames_query_subject``), after the frontend reconnected to the
+    """Frontend -> worker-agent (``frames_query_subject``), or -> the router that runs the requests
+    on engines itself (``router_frames_query_subject``), after the frontend reconnected to the
     broker: how many frames has each of these requests sent so far?"""
 
     request_ids: list[str]
+    worker_id: str | None = None  # the requests' worker: a router answering for many workers needs it
 
 
 class FramesSent(_Msg):
-    """Worker-agent -> frontend: frames sent per request it runs or finished lately; a request it
-    does not know (never received: lost from its queue with a restarted broker) is left out."""
+    """Worker-agent (or router) -> frontend: frames sent per request it runs or finished lately; a
+    request it does not know (never received: lost from its queue with a restarted broker) is left
+    out."""
 
     sent: dict[str, int]
 
 
 class FramesReplay(_Msg):
-    """Frontend -> worker-agent (``frames_replay_subject``): send this request's frames from number
-    ``from_seq`` on again, to its reply subject (some never arrived)."""
+    """Frontend -> worker-agent (``frames_replay_subject``) or router (``router_frames_replay_subject``):
+    send this request's frames from number ``from_seq`` on again, to its reply subject (some never
+    arrived)."""
 
     request_id: str
     from_seq: int = Field(ge=0)
+    worker_id: str | None = None  # as in ``FramesQuery``
 
 
 class FramesReplayed(_Msg):
-    """Worker-agent -> frontend: how many frames it sent again, published before this answer; -1 when
-    it cannot (the request is unknown, or those frames are no longer kept)."""
+    """Worker-agent (or router) -> frontend: how many frames it sent again, published before this
+    answer; -1 when it cannot (the request is unknown, or those frames are no longer kept)."""
 
     count: int
 

@@ -87,6 +87,17 @@ def router_pd_subjects(router_id: str) -> str:
     return f"{PREFIX}.router.pd.{_token(router_id)}.*"
 
 
+def router_frames_query_subject(router_id: str) -> str:
+    """``frames_query_subject`` for the requests a router runs on engines itself (``--request-transport
+    http``): the router instance that sends their frames answers."""
+    return f"{PREFIX}.router.frames.query.{_token(router_id)}"
+
+
+def router_frames_replay_subject(router_id: str) -> str:
+    """``frames_replay_subject`` for the requests a router runs on engines itself."""
+    return f"{PREFIX}.router.frames.replay.{_token(router_id)}"
+
+
 def router_prefilled_subject(router_id: str) -> str:
     """Subject on which the router that issued a lease hears that its request's prefill is done."""
     return f"{PREFIX}.router.prefilled.{_token(router_id)}"

@@ -48,11 +48,11 @@ class ManualFleet:
         with open(self.tmp / "logs" / f"nats-{store}.log", "ab") as log:
             self.nats = start_nats(self.nats_port, self.tmp / store, log_file=log)
 
-    def start(self, **env_values: str) -> "ManualFleet":
+    def start(self, request_transport: str = "nats", **env_values: str) -> "ManualFleet":
         self.start_nats("store")
         specs = plan_fleet(nats_url=f"nats://127.0.0.1:{self.nats_port}", host="127.0.0.1", port=self.port,
                            workers=2, router_policy="kv-aware", engine_args=["--served-model-name", BUNDLED_MODEL_NAME],
-                           metrics_ports=[free_port() for _ in range(4)])
+                           metrics_ports=[free_port() for _ in range(4)], request_transport=request_transport)
         env = env_with(**{"INFERA_DISCOVERY_TTL": "3", **env_values})
         for spec in specs:
             with open(self.tmp / "logs" / f"{spec.name}.log", "ab") as log:
@@ -135,14 +135,15 @@ def _frontend_metric(url: str, name: str) -> float:
     return 0.0
 
 
-def test_answers_in_flight_across_a_broker_restart_arrive_whole(tmp_path):
+@pytest.mark.parametrize("transport", ["nats", "http"])
+def test_answers_in_flight_across_a_broker_restart_arrive_whole(tmp_path, transport):
     """Frames published while the broker is down never arrive, and a restarted broker has lost the
     queues: the frontend finds the gaps (frame numbers; each worker's count after its reconnect)
     and has the frames sent again, so every client gets its whole answer, and none waits for the
     upstream timeout (120 s here; the client gives up at 40 s)."""
     # records outlive the outage (with a TTL shorter than it, routers drop the workers and tell
     # their requesters so)
-    fleet = ManualFleet(tmp_path).start(INFERA_UPSTREAM_TIMEOUT="120", INFERA_DISCOVERY_TTL="10")
+    fleet = ManualFleet(tmp_path).start(transport, INFERA_UPSTREAM_TIMEOUT="120", INFERA_DISCOVERY_TTL="10")
 
     async def run() -> list[dict]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=40)) as session:

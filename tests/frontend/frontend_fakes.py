@@ -158,6 +158,8 @@ class MultiFleet:
     kept: dict[str, list[tuple[str, bytes]]] = field(default_factory=dict)  # request id -> (subject, frame) sent
     keeps_frames: bool = True  # False: the workers answer FramesReplay with -1 (no longer kept)
     replays: list[tuple[str, int]] = field(default_factory=list)  # (request id, from_seq) asked
+    frames_from: str = "worker"  # "router": the route replies say the router sends the frames
+    asked: list[tuple[str, str | None]] = field(default_factory=list)  # (subject, worker id) of each question
     tasks: set = field(default_factory=set)
 
     async def frame(self, req: RouteRequest, frame: Frame, *, lost: bool = False) -> None:
@@ -172,7 +174,9 @@ class MultiFleet:
     def frames_handler(self, worker_id: str):
         """Answer ``FramesQuery`` as a worker-agent does, from ``sent`` (unknown requests left out)."""
         async def on_query(msg) -> None:
-            ids = decode(FramesQuery, msg.data).request_ids
+            query = decode(FramesQuery, msg.data)
+            self.asked.append((msg.subject, query.worker_id))
+            ids = query.request_ids
             await msg.respond(encode(FramesSent(sent={r: self.sent[r] for r in ids if r in self.sent})))
         return on_query
 
@@ -180,6 +184,7 @@ class MultiFleet:
         """Answer ``FramesReplay`` as a worker-agent does: the frames again, then how many."""
         async def on_replay(msg) -> None:
             ask = decode(FramesReplay, msg.data)
+            self.asked.append((msg.subject, ask.worker_id))
             self.replays.append((ask.request_id, ask.from_seq))
             frames = self.kept.get(ask.request_id, [])[ask.from_seq:] if self.keeps_frames else None
             for subject, data in frames or ():
@@ -197,7 +202,7 @@ class MultiFleet:
         worker = left[0]
         self.placed.append(worker)
         await msg.respond(encode(RouteReply(status=200, worker_id=worker, lease_id=f"lease-{len(self.placed)}",
-                                            router_id="r1")))
+                                            router_id="r1", frames_from=self.frames_from)))
         script = self.scripts.get(worker, script_ok)
         task = asyncio.get_running_loop().create_task(script(self, req))
         self.tasks.add(task)

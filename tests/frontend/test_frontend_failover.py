@@ -12,7 +12,8 @@ from infera_common.nats_conn import connect, flush_all
 from infera_common.settings import parse_cli
 from infera_common.schemas import Frame, Release, decode
 from infera_common.subjects import (
-    ROUTER_QUEUE, ROUTER_ROUTE, cancel_subject, frames_query_subject, frames_replay_subject, router_release_subject,
+    ROUTER_QUEUE, ROUTER_ROUTE, cancel_subject, frames_query_subject, frames_replay_subject,
+    router_frames_query_subject, router_frames_replay_subject, router_release_subject,
 )
 from infera_frontend.failover import Attempts, engine_status_reason, worker_error_reason
 from infera_frontend.settings import FrontendSettings
@@ -44,6 +45,9 @@ async def multi(nats_server):
         await nc.subscribe(frames_replay_subject(w), cb=fleet.replay_handler(w))
         registrars.append(Registrar(nc.jetstream(), worker_record(w)))
         await registrars[-1].start()
+    # the router's own subjects, asked when its route replies say it sends the frames itself
+    await nc.subscribe(router_frames_query_subject("r1"), cb=fleet.frames_handler("r1"))
+    await nc.subscribe(router_frames_replay_subject("r1"), cb=fleet.replay_handler("r1"))
     await flush_all(nc)
     yield fleet
     for t in list(fleet.tasks):
@@ -274,16 +278,23 @@ async def two_frames_lost_at_the_end(f, req):
     await f.frame(req, Frame(kind="end", seq=len(STREAM_TEXTS) + 1), lost=True)
 
 
+@pytest.mark.parametrize("sender", ["worker", "router"])
 @pytest.mark.parametrize("stream", [False, True])
-async def test_frames_sent_while_the_frontend_was_away_are_sent_again_at_the_reconnect(start_frontend, multi, stream):
+async def test_frames_sent_while_the_frontend_was_away_are_sent_again_at_the_reconnect(
+        start_frontend, multi, stream, sender):
+    """``sender``: who the route reply says sends the frames (the router, on --request-transport http)."""
     fe = await start_frontend(upstream_timeout=120)
     multi.scripts[W1] = two_frames_lost_at_the_end
+    multi.frames_from = sender
     answer = asyncio.create_task(post(fe, chat_body(stream=stream)))
     await resync_when(multi, fe, lambda m: m.sent)
     status, headers, raw = await asyncio.wait_for(answer, 30)  # not the 120 s upstream timeout
     assert status == 200
     assert stream_texts(raw) == STREAM_TEXTS if stream else raw == completion_json()
     assert multi.replays == [(headers["X-Request-Id"], 2 if stream else 0)] and multi.placed == [W1]
+    expected = ([frames_query_subject(W1), frames_replay_subject(W1)] if sender == "worker"
+                else [router_frames_query_subject("r1"), router_frames_replay_subject("r1")])
+    assert multi.asked == [(subject, W1) for subject in expected]  # whoever sends the frames, about W1's
 
 
 async def test_frames_sent_while_the_frontend_was_away_and_no_longer_kept_end_the_stream(start_frontend, multi):

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import json
 
+import nats.errors
 import pytest
 
 from infera_common.discovery import Registrar
 from infera_common.nats_conn import connect
-from infera_common.schemas import Cancel, Frame, RouteReply, WorkerStatus, decode, encode
-from infera_common.subjects import ROUTER_ROUTE, cancel_subject
+from infera_common.schemas import (
+    Cancel, Frame, FramesQuery, FramesReplay, FramesReplayed, FramesSent, RouteReply, WorkerStatus, decode, encode,
+)
+from infera_common.subjects import (
+    ROUTER_ROUTE, cancel_subject, router_frames_query_subject, router_frames_replay_subject,
+)
 
 from infera_router.service import RouterService
 from infera_router.settings import RouterSettings
@@ -144,3 +149,38 @@ async def test_a_worker_turning_unhealthy_hands_back_its_unanswered_calls(rig):
     await eventually(lambda: rig.metric("infera_router_http_in_flight") == 1)  # q2 goes on
     await rig.nc.publish(cancel_subject("a"), encode(Cancel(request_id="q2")))  # (not left to the teardown)
     await eventually(lambda: rig.metric("infera_router_http_in_flight") == 0)
+
+
+async def test_the_router_answers_for_the_frames_it_sent(rig):
+    """On this plane the router sends the frames, so a frontend back from a broker outage asks it
+    (the subject its route reply names) what it sent, and has lost frames sent again."""
+    await rig.worker("a")
+    await rig.worker("b")
+    reply, sub = await rig.send("q1", {"mode": "stream", "events": 3})
+    assert reply.frames_from == "router" and reply.router_id == "rh"
+    frames = await rig.frames(sub)
+    worker = reply.worker_id
+
+    async def ask(subject: str, question, answer_type, timeout: float = 5):
+        return decode(answer_type, (await rig.nc.request(subject, encode(question), timeout=timeout)).data)
+
+    sent = await ask(router_frames_query_subject("rh"),
+                     FramesQuery(request_ids=["q1", "never-seen"], worker_id=worker), FramesSent)
+    assert sent.sent == {"q1": len(frames)}  # a request it does not run is left out: never received
+    other = "b" if worker == "a" else "a"
+    assert (await ask(router_frames_query_subject("rh"), FramesQuery(request_ids=["q1"], worker_id=other),
+                      FramesSent)).sent == {}  # (worker, request) is the key, as at an agent
+    replayed = await ask(router_frames_replay_subject("rh"),
+                         FramesReplay(request_id="q1", from_seq=2, worker_id=worker), FramesReplayed)
+    assert replayed.count == len(frames) - 2
+    again = [decode(Frame, (await sub.next_msg(timeout=5)).data) for _ in range(replayed.count)]
+    assert [f.seq for f in again] == list(range(2, len(frames))) and again[-1].kind == "end"
+    assert (await ask(router_frames_replay_subject("rh"), FramesReplay(request_id="nope", from_seq=0, worker_id=worker),
+                      FramesReplayed)).count == -1
+    # a question without the worker cannot be answered right by a router: counted, not answered
+    with pytest.raises(nats.errors.TimeoutError):
+        await ask(router_frames_query_subject("rh"), FramesQuery(request_ids=["q1"]), FramesSent, timeout=0.5)
+    assert rig.metric("infera_router_http_frames_queries_total", outcome="answered") == 2
+    assert rig.metric("infera_router_http_frames_queries_total", outcome="bad") == 1
+    assert rig.metric("infera_router_http_frames_replays_total", outcome="sent") == 1
+    assert rig.metric("infera_router_http_frames_replays_total", outcome="not_kept") == 1

@@ -98,7 +98,7 @@ async def test_round_robin_alternates_between_workers_streams(bench):
     replies = [await bench.route(request_id=f"q{i}", prompt_tokens=7) for i in range(4)]
     assert [r.status for r in replies] == [200] * 4
     assert [r.worker_id for r in replies] == ["a", "b", "a", "b"]
-    assert all(r.router_id == "rt1" for r in replies)
+    assert all(r.router_id == "rt1" and r.frames_from == "worker" for r in replies)  # its agent sends the frames
     env_a, env_b = await bench.pull("a"), await bench.pull("b")
     assert [e.request_id for e in env_a] == ["q0", "q2"] and [e.request_id for e in env_b] == ["q1", "q3"]
     assert [e.lease_id for e in env_a + env_b] == [replies[i].lease_id for i in (0, 2, 1, 3)]

@@ -8,11 +8,13 @@ an unreachable router surface as ``ApiError``; ``publish_cancel`` sends ``Cancel
 
 ``resync`` runs after every reconnect to the broker: frames a worker published while this frontend
 was away (or that a restarting broker held) are lost, and so is an envelope still in the queue of
-a broker that restarted. Core NATS does not say so; the worker does: each worker of an open
-request is asked (``FramesQuery``) how many frames it sent. A request short of them after a grace
-for frames still on their way asks for them again (``Exchange.fill_gap``, ``ask_replay``); one its
-worker does not know ends with the loss (``Exchange.lose``: retried on another worker while its
-client has nothing of it) instead of waiting ``--upstream-timeout`` for frames that will not come.
+a broker that restarted. Core NATS does not say so; the sender does: whoever sends an open
+request's frames (its worker-agent; on ``--request-transport http`` the router that calls the
+engine, named by the route reply's ``frames_from``) is asked (``FramesQuery``) how many it sent. A
+request short of them after a grace for frames still on their way asks for them again
+(``Exchange.fill_gap``, ``ask_replay``); one its worker does not know ends with the loss
+(``Exchange.lose``: retried on another worker while its client has nothing of it) instead of
+waiting ``--upstream-timeout`` for frames that will not come.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from infera_common.schemas import (
     RouteReply, RouteRequest, decode, encode,
 )
 from infera_common.subjects import (
-    ROUTER_ROUTE, cancel_subject, frames_query_subject, frames_replay_subject, router_release_subject,
+    ROUTER_ROUTE, cancel_subject, frames_query_subject, frames_replay_subject, router_frames_query_subject,
+    router_frames_replay_subject, router_release_subject,
 )
 
 from infera_frontend.exchange import Exchange
@@ -76,6 +79,14 @@ def router_error(reply: RouteReply) -> ApiError:
     }.get(status, f"the router could not place the request (status {reply.status})")
     param = "model" if status == 404 else None
     return ApiError(status, message, type=etype, param=param, code=code)
+
+
+def frames_subjects(router_id: str | None, worker_id: str) -> tuple[str, str]:
+    """Where to ask about a request's frames (query, replay): the router that sends them
+    (``router_id``), else the worker's agent."""
+    if router_id is not None:
+        return router_frames_query_subject(router_id), router_frames_replay_subject(router_id)
+    return frames_query_subject(worker_id), frames_replay_subject(worker_id)
 
 
 def router_unavailable() -> ApiError:
@@ -215,7 +226,9 @@ class Relay:
             box.push_front(early)
         expected = prompt_tokens if token_ids is not None else None  # None: no count to check against
         lease = (reply.lease_id, reply.router_id) if reply.lease_id and reply.router_id else None
-        exchange = Exchange(self, request_id, reply.worker_id, subject, box, stream, endpoint, expected, lease)
+        frames_router = reply.router_id if reply.frames_from == "router" else None
+        exchange = Exchange(self, request_id, reply.worker_id, subject, box, stream, endpoint, expected, lease,
+                            frames_router)
         self._open.add(exchange)
         return exchange
 
@@ -225,18 +238,19 @@ class Relay:
 
     async def resync(self) -> None:
         """After a reconnect: check every open request's frames with its worker (see the module doc)."""
-        by_worker: dict[str, list[Exchange]] = defaultdict(list)
+        by_sender: dict[tuple[str | None, str], list[Exchange]] = defaultdict(list)
         for exchange in self._open:
             if not exchange.ended:
-                by_worker[exchange.worker_id].append(exchange)
-        for worker_id, exchanges in by_worker.items():
-            self.spawn(self._resync_worker(worker_id, exchanges))
+                by_sender[exchange.frames_router, exchange.worker_id].append(exchange)
+        for (router_id, worker_id), exchanges in by_sender.items():
+            self.spawn(self._resync_worker(router_id, worker_id, exchanges))
 
-    async def _resync_worker(self, worker_id: str, exchanges: list[Exchange]) -> None:
-        query = FramesQuery(request_ids=[e.request_id for e in exchanges])
-        answer = await self._ask_worker(frames_query_subject(worker_id), query, FramesSent, exchanges)
+    async def _resync_worker(self, router_id: str | None, worker_id: str, exchanges: list[Exchange]) -> None:
+        """Ask whoever sends the frames of ``worker_id``'s ``exchanges`` (its agent, or ``router_id``)."""
+        query = FramesQuery(request_ids=[e.request_id for e in exchanges], worker_id=worker_id)
+        answer = await self._ask_worker(frames_subjects(router_id, worker_id)[0], query, FramesSent, exchanges)
         if answer is None:
-            log.info("frames_query_unanswered", worker_id=worker_id, requests=len(exchanges))
+            log.info("frames_query_unanswered", worker_id=worker_id, router_id=router_id, requests=len(exchanges))
             return
         sent = answer.sent
         short = [e for e in exchanges if not e.has_all(sent.get(e.request_id))]
@@ -270,8 +284,9 @@ class Relay:
     async def ask_replay(self, exchange: Exchange, from_seq: int) -> int | None:
         """Ask the exchange's worker to send its frames from ``from_seq`` on again: how many it sent
         (-1: it no longer has them), or None when it does not answer."""
-        ask = FramesReplay(request_id=exchange.request_id, from_seq=from_seq)
-        answer = await self._ask_worker(frames_replay_subject(exchange.worker_id), ask, FramesReplayed, [exchange])
+        ask = FramesReplay(request_id=exchange.request_id, from_seq=from_seq, worker_id=exchange.worker_id)
+        subject = frames_subjects(exchange.frames_router, exchange.worker_id)[1]
+        answer = await self._ask_worker(subject, ask, FramesReplayed, [exchange])
         return None if answer is None else answer.count
 
     async def _ask_worker(self, subject: str, question: BaseModel, answer_type: type[M],

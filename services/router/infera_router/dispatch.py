@@ -8,7 +8,10 @@ URL (``infera_common.request_runner`` with ``engine_relay``: the same frames, Re
 a worker-agent would send, on the same subjects, so the frontend and the rest of the router do not
 know the difference). The worker's ``max_pending`` bounds the requests this router has running on
 it ("full" beyond); a worker no longer in discovery is "gone". It listens to every worker's cancel
-subject: a ``Cancel`` closes the engine connection and calls the engine's abort.
+subject: a ``Cancel`` closes the engine connection and calls the engine's abort. Since the frames
+come from this router, so do the answers to a frontend back from a broker outage
+(``frames_answer``, on ``router_frames_query_subject`` / ``router_frames_replay_subject`` of this
+router; ``frames_from`` "router" in the route reply tells the frontend to ask here).
 
 Both answer ``send`` exactly once through ``on_result`` (a ``PubResult``). When a worker leaves
 discovery with requests of this router unfinished, ``worker_left`` sees that no requester waits
@@ -19,16 +22,19 @@ hands back what its engine has not answered yet (see each class).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import aiohttp
 
 from infera_common.engine_relay import ABORT_PATHS, EngineAborter, Relay
+from infera_common.frames_answer import FramesAnswers
 from infera_common.logs import get_logger
 from infera_common.nats_conn import unsubscribe_quietly
 from infera_common.request_runner import ENGINE_UNHEALTHY, Engine, RequestRunner, SeriesHooks, StopReason
 from infera_common.schemas import WorkEnvelope, WorkerRecord, encode, encode_frame
-from infera_common.subjects import CANCEL_SUBJECTS, work_subject, worker_of_cancel_subject
+from infera_common.subjects import (
+    CANCEL_SUBJECTS, router_frames_query_subject, router_frames_replay_subject, work_subject, worker_of_cancel_subject,
+)
 
 from infera_router.jetstream import AckedPublisher, OnResult, PubResult
 from infera_router.leases import Lease
@@ -43,6 +49,8 @@ STOP_GRACE = 10.0
 
 
 class Dispatcher(Protocol):
+    frames_from: Literal["worker", "router"]  # who sends the frames of the requests it hands over
+
     async def start(self) -> None: ...
     async def send(self, worker_id: str, env: WorkEnvelope, timeout: float, on_result: OnResult) -> None: ...
     async def worker_left(self, worker_id: str, dropped: list[Lease]) -> int: ...
@@ -53,6 +61,8 @@ class Dispatcher(Protocol):
 
 class JetStreamDispatcher:
     """The NATS request plane: the worker-agent takes it from its work queue."""
+
+    frames_from = "worker"
 
     def __init__(self, nc: Any) -> None:
         self._nc = nc
@@ -98,21 +108,30 @@ class JetStreamDispatcher:
 class HttpDispatcher:
     """The HTTP request plane: this router calls the engine (see the module doc)."""
 
-    def __init__(self, nc: Any, record_of: Callable[[str], WorkerRecord | None], metrics: RouterMetrics) -> None:
+    frames_from = "router"
+
+    def __init__(self, nc: Any, router_id: str, record_of: Callable[[str], WorkerRecord | None],
+                 metrics: RouterMetrics) -> None:
         self._nc = nc
+        self._router_id = router_id
         self._record_of = record_of
         self._runner = RequestRunner(nc.publish, SeriesHooks(metrics.http_requests, metrics.http_in_flight,
                                                              metrics.http_cancels, metrics.bad_messages.labels("cancel")))
+        self._answers = FramesAnswers(self._runner, metrics.http_frames_queries, metrics.http_frames_replays)
         self._session: aiohttp.ClientSession | None = None
         self._engines: dict[str, tuple[str, Engine]] = {}  # worker id -> (url, engine)
-        self._cancel_sub = None
+        self._subs: list[Any] = []
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),  # every worker's max_pending is the bound
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
         )
-        self._cancel_sub = await self._nc.subscribe(CANCEL_SUBJECTS, cb=self._on_cancel)
+        self._subs = [
+            await self._nc.subscribe(CANCEL_SUBJECTS, cb=self._on_cancel),
+            await self._nc.subscribe(router_frames_query_subject(self._router_id), cb=self._answers.on_query),
+            await self._nc.subscribe(router_frames_replay_subject(self._router_id), cb=self._answers.on_replay),
+        ]
 
     async def send(self, worker_id: str, env: WorkEnvelope, timeout: float, on_result: OnResult) -> None:
         record = self._record_of(worker_id)
@@ -161,9 +180,9 @@ class HttpDispatcher:
         if not await self._runner.wait_idle(STOP_GRACE):
             log.warning("http_requests_stopped", count=self._runner.in_flight, grace_s=STOP_GRACE)
         await self._runner.close(ROUTER_STOPPING)
-        if self._cancel_sub is not None:
-            await unsubscribe_quietly(self._cancel_sub)
-            self._cancel_sub = None
+        for sub in self._subs:
+            await unsubscribe_quietly(sub)
+        self._subs = []
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -189,6 +189,14 @@ class RouterMetrics:
         self.http_cancels = Counter(
             "infera_router_http_cancels", "Cancel messages received for requests this router runs itself.", registry=r,
         )
+        self.http_frames_queries = Counter(
+            "infera_router_http_frames_queries", "Frontends' questions after a broker outage (FramesQuery) about "
+            "requests this router runs itself, by outcome.", ["outcome"], registry=r,
+        )
+        self.http_frames_replays = Counter(
+            "infera_router_http_frames_replays", "Frontends' requests to send frames of requests this router runs "
+            "itself again (FramesReplay), by outcome.", ["outcome"], registry=r,
+        )
         self.plane_mismatches = Counter(
             "infera_router_plane_mismatches", "Workers that joined on another request or KV-event plane than this "
             "router's, by flag (--request-transport: not routed to; --kv-event-transport: cache-blind).",

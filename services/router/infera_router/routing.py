@@ -254,7 +254,8 @@ class RoutePath:
             (log.debug if status == 429 else log.info)(
                 "route_refused", request_id=request.request_id, model=request.model, status=status, message=message)
         reply = RouteReply(status=status, message=message, worker_id=worker_id, lease_id=lease_id,
-                           router_id=self.router_id)
+                           router_id=self.router_id,
+                           frames_from=self._dispatcher.frames_from if self._dispatcher is not None else "worker")
         await self._send(r.reply_to, reply, r.t0)
 
     async def _send(self, reply_to: str, reply: RouteReply, t0: float) -> None:

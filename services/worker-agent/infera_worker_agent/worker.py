@@ -22,7 +22,6 @@ and ``FramesReplay`` (``frames_replay_subject``): it sends the frames a frontend
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -31,12 +30,11 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from infera_common.engine_relay import Abort, Relay
+from infera_common.frames_answer import FramesAnswers
 from infera_common.logs import get_logger
 from infera_common.nats_conn import flush_all, seal_request_stream, unsubscribe_quietly
 from infera_common.request_runner import CLOSING, Engine, RequestRunner, SeriesHooks, StopReason, quietly
-from infera_common.schemas import (
-    FramesQuery, FramesReplay, FramesReplayed, FramesSent, M, WorkEnvelope, decode, encode,
-)
+from infera_common.schemas import WorkEnvelope, decode
 from infera_common.subjects import (
     cancel_subject, frames_query_subject, frames_replay_subject, request_stream, work_consumer, work_subject,
 )
@@ -87,6 +85,7 @@ class RequestWorker:
         self._ack_wait = ack_wait
         self._runner = RequestRunner(nc.publish, SeriesHooks(metrics.requests, metrics.in_flight, metrics.cancels,
                                                              metrics.bad_cancels))
+        self._answers = FramesAnswers(self._runner, metrics.frames_queries, metrics.frames_replays)
         self._work_sub = None
         self._cancel_sub = None
         self._frames_sub = None
@@ -272,30 +271,8 @@ class RequestWorker:
         """A frontend that reconnected asks how many frames its requests were sent: it compares them
         with what it received (frames published while it was away are lost) and learns of requests
         this worker never received (lost from the queue of a restarted broker)."""
-        query = _decoded(msg, FramesQuery, self._metrics.frames_queries)
-        if query is None:
-            return
-        sent = {rid: n for rid in query.request_ids
-                if (n := self._runner.frames_sent(self.worker_id, rid)) is not None}
-        self._metrics.frames_queries.labels("answered").inc()
-        await quietly(msg.respond(encode(FramesSent(sent=sent))), "frames_reply")
+        await self._answers.on_query(msg, self.worker_id)
 
     async def _on_replay(self, msg: Msg) -> None:
         """A frontend missed frames of a request: send them again (they go out before the answer)."""
-        ask = _decoded(msg, FramesReplay, self._metrics.frames_replays)
-        if ask is None:
-            return
-        count = await self._runner.replay(self.worker_id, ask.request_id, ask.from_seq)
-        self._metrics.frames_replays.labels("sent" if count >= 0 else "not_kept").inc()
-        log.info("frames_replayed", request_id=ask.request_id, from_seq=ask.from_seq, count=count)
-        await quietly(msg.respond(encode(FramesReplayed(count=count))), "replay_reply")
-
-
-def _decoded(msg: Msg, cls: type[M], outcomes: Any) -> M | None:
-    """A frontend's question, or None (counted under ``outcomes`` as "bad", logged) when unreadable."""
-    try:
-        return decode(cls, msg.data)
-    except ValueError as exc:
-        outcomes.labels("bad").inc()
-        log.warning("bad_question", kind=cls.__name__, error=str(exc)[:500])
-        return None
+        await self._answers.on_replay(msg, self.worker_id)
