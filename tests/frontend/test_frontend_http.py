@@ -305,6 +305,31 @@ async def test_models_workers_health_ready_metrics(frontend, fleet):
     assert "infera_frontend_time_to_first_byte_seconds_count" in text
 
 
+async def test_one_model_is_retrieved_as_the_openai_sdk_asks(frontend, fleet):
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url(frontend, "/v1"), api_key="none")
+    got = await client.models.retrieve(MODEL)
+    assert (got.id, got.object, got.owned_by) == (MODEL, "model", "infera")
+    with pytest.raises(openai.NotFoundError) as err:
+        await client.models.retrieve("org/no-such-model")  # ids may hold a slash
+    assert err.value.body["code"] == "model_not_found" and "org/no-such-model" in err.value.body["message"]
+    await client.close()
+
+
+@pytest.mark.parametrize("method, path, status", [
+    ("GET", "/v1/embeddings", 404), ("POST", "/nowhere", 404), ("GET", "/v1/chat/completions", 405),
+    ("DELETE", "/v1/models", 405),
+])
+async def test_unknown_routes_and_methods_get_openai_errors(frontend, fleet, method, path, status):
+    async with aiohttp.ClientSession() as s, s.request(method, url(frontend, path)) as r:
+        assert r.status == status and r.content_type == "application/json"
+        error = (await r.json())["error"]
+    assert path in error["message"] and error["type"] == "invalid_request_error"
+    if status == 405:
+        assert method in error["message"] and r.headers["Allow"]
+
+
 async def test_not_ready_without_nats(make_frontend, nats_server):
     fe = await make_frontend()
     await fe.nc.close()

@@ -1,10 +1,12 @@
 """The OpenAI HTTP API (aiohttp): completions relayed through the fleet, plus models, workers, health.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (optional header ``X-Dynamo-Session-ID``,
-every value passed to the router for session affinity), GET /v1/models, GET /v1/workers (every
-worker record, plus this frontend's ``discovery`` and the running workers ``not_in_discovery``), GET /health (process up), GET /ready (NATS connected and discovery synced, else 503),
-GET /metrics (Prometheus). Every error is an OpenAI error body; every completion response carries
-``X-Request-Id``.
+every value passed to the router for session affinity), GET /v1/models, GET /v1/models/{model}
+(OpenAI's "retrieve model"), GET /v1/workers (every worker record, plus this frontend's
+``discovery`` and the running workers ``not_in_discovery``), GET /health (process up), GET /ready
+(NATS connected and discovery synced, else 503), GET /metrics (Prometheus). Every error is an
+OpenAI error body (aiohttp's own 404 and 405 too, through ``openai_http_errors``); every completion
+response carries ``X-Request-Id``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from infera_common.tracing import HEADER as TRACE_HEADER
 from infera_common.tracing import SpanKind, finish, start_span, traceparent
 
 from infera_frontend import sse
-from infera_frontend.listing import models_list, workers_list
+from infera_frontend.listing import model_entry, models_list, workers_list
 from infera_frontend.metrics import FrontendMetrics
 from infera_frontend.pipeline import Pipeline, new_request_id
 from infera_frontend.exchange import Exchange
@@ -43,6 +45,26 @@ def error_response(err: ApiError, request_id: str | None) -> web.Response:
     return web.Response(body=json.dumps(body).encode(), status=err.status, content_type=_JSON, headers=headers)
 
 
+@web.middleware
+async def openai_http_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own refusals (no such route, wrong method) as OpenAI error bodies, like every other error."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        if exc.status == 404:
+            message = f"Invalid URL ({request.method} {request.path}): no such route."
+        elif exc.status == 405:
+            message = f"Method {request.method} is not allowed for {request.path}; allowed: {exc.headers.get('Allow')}."
+        else:
+            message = exc.reason
+        resp = error_response(ApiError(exc.status, message, type="invalid_request_error"), None)
+        if "Allow" in exc.headers:
+            resp.headers["Allow"] = exc.headers["Allow"]
+        return resp
+
+
 class HttpApi:
     def __init__(
         self, pipeline: Pipeline, view: FleetView, metrics: FrontendMetrics, ready: Callable[[], list[str]],
@@ -56,10 +78,11 @@ class HttpApi:
 
     def build(self, max_body_bytes: int) -> web.Application:
         # aiohttp refuses bodies of client_max_size bytes or more: allow exactly max_body_bytes
-        app = web.Application(client_max_size=max_body_bytes + 1)
+        app = web.Application(client_max_size=max_body_bytes + 1, middlewares=[openai_http_errors])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)  # model ids may hold slashes (org/name)
         app.router.add_get("/v1/workers", self.workers)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
@@ -152,6 +175,15 @@ class HttpApi:
 
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response(models_list(self.view))
+
+    async def model(self, request: web.Request) -> web.Response:
+        model = request.match_info["model"]
+        entry = model_entry(self.view, model)
+        if entry is None:
+            return error_response(ApiError(
+                404, f"The model `{model}` does not exist: no active worker serves it (GET /v1/models lists "
+                "those that do).", type="invalid_request_error", param="model", code="model_not_found"), None)
+        return web.json_response(entry)
 
     async def workers(self, _request: web.Request) -> web.Response:
         body = workers_list(self.view)
