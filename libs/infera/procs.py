@@ -140,6 +140,21 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int | None:
     return proc.returncode
 
 
+def stop_processes(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:
+    """``stop_process`` for several at once: every group gets SIGTERM together, so their grace
+    periods run side by side (``timeout`` in all, not each); whoever outlasts it gets SIGKILL."""
+    alive = [p for p in procs if p.poll() is None]
+    for proc in alive:
+        _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in alive:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait(5)
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)

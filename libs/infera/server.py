@@ -69,7 +69,8 @@ class Server:
                 self.registry, self.settings.metrics_host, self.settings.metrics_port)
 
     async def stop(self) -> None:
-        """Frontend first (its open requests are cancelled), then router, then index."""
+        """Frontend first (it refuses new requests and drains those under way for --drain-timeout,
+        cancelling what is left), then router, then index."""
         for part in (self.frontend, self.router, self.indexer):
             try:
                 await part.stop()

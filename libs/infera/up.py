@@ -6,7 +6,8 @@ http and zmq together (the runbooks' no-broker plane) no nats-server is started 
 kv-indexer, router and frontend run as one ``python -m infera.server``.
 
 Ctrl-C or SIGTERM stops everything it started (each child runs in its own process group and is
-stopped TERM-then-KILL), leaving no process behind. A nats-server that exits is started again
+stopped TERM-then-KILL), leaving no process behind: the frontend (or server) first, which refuses
+new requests and drains its answers under way; then all workers together; then the rest. A nats-server that exits is started again
 (at most ``BROKER_RESTARTS`` times) and the services restore their state in it; any other control
 process that exits stops the fleet; a worker that exits leaves it.
 """
@@ -28,7 +29,7 @@ from typing import Literal
 from pydantic import Field
 
 from infera.fleet_plan import ProcSpec, no_broker, plan_fleet
-from infera.procs import free_port, start_etcd, start_nats, stop_process, wait_port
+from infera.procs import free_port, start_etcd, start_nats, stop_processes, wait_port
 from infera_common.models import BUNDLED_MODEL_NAME
 from infera_common.schemas import KvEventTransport, RequestTransport
 from infera_common.settings import TracingSettings, parse_cli
@@ -177,10 +178,28 @@ def main(argv: list[str]) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        # workers first (they drain and stop their engines), then the control plane, then etcd and NATS
-        for name, proc in reversed(running):
-            stop_process(proc, timeout=40.0 if name in worker_names else 10.0)
+        # the front door first: it refuses new requests at once and drains the answers under way
+        # while the workers still serve them; then every worker together (each drains and stops its
+        # engine); then the rest of the control plane; etcd and NATS last
+        for group, timeout in _stop_order(running, worker_names):
+            stop_processes(group, timeout)
         print("infera up: stopped", file=sys.stderr)
+
+
+#: Seconds a draining process gets before SIGKILL: --drain-timeout's default (30) and a margin.
+DRAIN_GRACE = 40.0
+#: The same for the processes that have nothing to drain.
+STOP_GRACE = 10.0
+
+
+def _stop_order(running: list[tuple[str, subprocess.Popen]],
+                worker_names: set[str]) -> list[tuple[list[subprocess.Popen], float]]:
+    """The processes to stop, in groups stopped one after the other, each with its grace."""
+    front = [p for n, p in running if n in ("frontend", "server")]
+    workers = [p for n, p in running if n in worker_names]
+    backing = [p for n, p in running if n in ("nats-server", "etcd")]
+    rest = [p for _, p in running if not any(p in g for g in (front, workers, backing))]
+    return [(front, DRAIN_GRACE), (workers, DRAIN_GRACE), (rest, STOP_GRACE), (backing, STOP_GRACE)]
 
 
 def _restart_nats(port: int, state: Path, logs: Path, code: int | None) -> subprocess.Popen | None:

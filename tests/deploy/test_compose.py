@@ -22,7 +22,7 @@ from infera_kv_indexer.settings import KvIndexerSettings
 from infera_mock_engine.main import parse_args as parse_mock_args
 from infera_router.settings import RouterSettings
 from infera_worker_agent.engine_cmd import plan_engine
-from infera_worker_agent.settings import parse_agent_cli
+from infera_worker_agent.settings import AgentSettings, parse_agent_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
@@ -107,3 +107,20 @@ def test_compose_nats_allows_the_payload_infera_up_allows():
     assert nats["command"][nats["command"].index("-c") + 1] == nats["volumes"][0].split(":")[1]
     text = (ROOT / conf_host_path).read_text()
     assert f"max_payload: {NATS_MAX_PAYLOAD}" in text
+
+
+def _seconds(duration: str) -> float:
+    assert duration.endswith("s") and duration[:-1].isdigit(), f"write compose durations as e.g. 45s: {duration!r}"
+    return float(duration[:-1])
+
+
+def test_compose_lets_the_frontend_and_the_workers_drain_before_docker_kills_them():
+    """Docker SIGKILLs a container 10 s after SIGTERM unless told otherwise: shorter than what the
+    frontend and the worker-agents take, by default, to finish the answers under way."""
+    services = COMPOSE["services"]
+    frontend_needs = FrontendSettings.model_fields["drain_timeout"].default
+    assert _seconds(services["frontend"].get("stop_grace_period", "10s")) > frontend_needs
+    agent = AgentSettings.model_fields
+    worker_needs = agent["drain_timeout"].default + agent["engine_stop_timeout"].default
+    workers = [svc for svc in services.values() if svc["command"][0] == "infera-worker-agent"]
+    assert workers and all(_seconds(w.get("stop_grace_period", "10s")) > worker_needs for w in workers)

@@ -184,3 +184,31 @@ async def test_the_router_answers_for_the_frames_it_sent(rig):
     assert rig.metric("infera_router_http_frames_queries_total", outcome="bad") == 1
     assert rig.metric("infera_router_http_frames_replays_total", outcome="sent") == 1
     assert rig.metric("infera_router_http_frames_replays_total", outcome="not_kept") == 1
+
+
+@pytest.mark.parametrize("drain_timeout, mode, last", [(10.0, "stream", ("end", 0)), (0.3, "hang", ("error", 503))])
+async def test_a_stopping_router_lets_its_engine_calls_finish_within_the_drain_timeout(
+        nats_server, drain_timeout, mode, last):
+    """SIGTERM: a stream under way finishes whole (``--drain-timeout``); one that outlasts it ends
+    with the router's 503 instead of leaving its requester waiting."""
+    engine = await FakeEngine().start()
+    router = RouterService(RouterSettings(nats_url=nats_server, router_id="rd", router_policy="round-robin",
+                                          request_transport="http", drain_timeout=drain_timeout))
+    await router.start()
+    nc = await connect(nats_server, "test-client")
+    r = Rig(router, nc, engine)
+    try:
+        await r.worker("a")
+        _, sub = await r.send("q1", {"mode": mode, "events": 3, "delay": 0.2})
+        assert (await r.frames(sub, until_end=False))[-1].kind == "data"
+        await router.stop()
+        frames = await r.frames(sub)
+        assert (frames[-1].kind, frames[-1].status if frames[-1].kind == "error" else 0) == last
+        if mode == "stream":
+            assert [f.kind for f in frames] == ["data", "data", "end"]  # the rest of the stream, whole
+    finally:
+        for reg in r.registrars:
+            await reg.stop()
+        await router.stop()
+        await nc.close()
+        await engine.close()

@@ -75,11 +75,14 @@ class NatsApi:
             self._subs.append(await self._nc.subscribe(subject, queue=FRONTEND_QUEUE, cb=cb))
         await flush_all(self._nc)  # the broker knows the subscriptions before we say we serve
 
-    async def stop(self) -> None:
-        """Stop taking requests, then end the ones in flight (their workers get a Cancel)."""
+    async def stop(self, drain_timeout: float = 0.0) -> None:
+        """Stop taking requests, give the ones in flight ``drain_timeout`` seconds to finish, then
+        end the rest (their workers get a Cancel)."""
         for sub in self._subs:
             await unsubscribe_quietly(sub)
         self._subs.clear()
+        if self._tasks and drain_timeout > 0:
+            await asyncio.wait(set(self._tasks), timeout=drain_timeout)
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:

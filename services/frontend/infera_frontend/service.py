@@ -28,8 +28,6 @@ from infera_frontend.settings import FrontendSettings
 
 log = get_logger("frontend")
 
-#: Seconds in-flight HTTP responses get to finish when the frontend stops.
-SHUTDOWN_GRACE = 10.0
 #: Seconds to reach NATS at start-up before giving up with a clear message.
 NATS_CONNECT_TIMEOUT = 10.0
 
@@ -54,6 +52,7 @@ class Frontend:
         self.nats_api: NatsApi | None = None
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
+        self._stopped = False
 
     def not_ready(self) -> list[str]:
         reasons = []
@@ -96,7 +95,7 @@ class Frontend:
             http.build(s.max_body_bytes),
             handler_cancellation=True,  # a client that disconnects cancels its handler -> Cancel upstream
             access_log=logging.getLogger("aiohttp.access") if s.access_log else None,
-            shutdown_timeout=SHUTDOWN_GRACE,
+            shutdown_timeout=s.drain_timeout,  # what answers under way get once the port is closed
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, s.host, s.port)
@@ -129,13 +128,21 @@ class Frontend:
                              "the same --discovery-backend (and --etcd-endpoint)")
 
     async def stop(self) -> None:
+        """Refuse new requests, drain those under way for --drain-timeout, then let go of NATS.
+        Calling it again does nothing."""
+        if self._stopped:
+            return
+        self._stopped = True
         if self._load_sub is not None:
             await unsubscribe_quietly(self._load_sub)
             self._load_sub = None
+        # both APIs stop taking requests at once, and drain what is under way side by side
+        draining = []
         if self.nats_api is not None:
-            await self.nats_api.stop()
+            draining.append(self.nats_api.stop(self.settings.drain_timeout))
         if self._runner is not None:
-            await self._runner.cleanup()
+            draining.append(self._runner.cleanup())
+        await asyncio.gather(*draining)
         if self.relay is not None:
             await self.relay.drain_background()
         if self.watcher is not None:

@@ -48,6 +48,13 @@ class FrontendSettings(PlaneSettings, LogSettings):
         "the client (worker-agent 502/503/504, engine 429/502/503/504, no frame within --upstream-timeout, "
         "no router subscribed); never once a token was sent, never for other 4xx or cancellations. 0: no retry.",
     )
+    drain_timeout: float = Field(
+        30.0, ge=0,
+        description="On SIGTERM, seconds the answers under way (streams included, HTTP and NATS clients) may take "
+        "to finish before they are cut and their workers cancelled. New requests are refused at once: the "
+        "HTTP port closes and the NATS API unsubscribes. Give the process manager's grace (compose "
+        "stop_grace_period, Kubernetes terminationGracePeriodSeconds) a few seconds more.",
+    )
     frontend_id: str | None = Field(
         None, pattern=TOKEN_RE.pattern,
         description="This frontend's id (letters, digits, '_', '-'); names its reply inbox. Default: generated.",

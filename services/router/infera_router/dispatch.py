@@ -44,8 +44,6 @@ log = get_logger("router.dispatch")
 
 #: What a request still running on an engine gets when the router stops.
 ROUTER_STOPPING = StopReason("error", 503, "router stopping")
-#: Seconds the router's own HTTP requests get to finish when it stops.
-STOP_GRACE = 10.0
 
 
 class Dispatcher(Protocol):
@@ -111,9 +109,10 @@ class HttpDispatcher:
     frames_from = "router"
 
     def __init__(self, nc: Any, router_id: str, record_of: Callable[[str], WorkerRecord | None],
-                 metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics, drain_timeout: float = 30.0) -> None:
         self._nc = nc
         self._router_id = router_id
+        self._drain_timeout = drain_timeout  # what the router's own engine calls get to finish when it stops
         self._record_of = record_of
         self._runner = RequestRunner(nc.publish, SeriesHooks(metrics.http_requests, metrics.http_in_flight,
                                                              metrics.http_cancels, metrics.bad_messages.labels("cancel")))
@@ -177,8 +176,8 @@ class HttpDispatcher:
         return await self._runner.wait_idle(timeout)
 
     async def stop(self) -> None:
-        if not await self._runner.wait_idle(STOP_GRACE):
-            log.warning("http_requests_stopped", count=self._runner.in_flight, grace_s=STOP_GRACE)
+        if not await self._runner.wait_idle(self._drain_timeout):
+            log.warning("http_requests_stopped", count=self._runner.in_flight, grace_s=self._drain_timeout)
         await self._runner.close(ROUTER_STOPPING)
         for sub in self._subs:
             await unsubscribe_quietly(sub)

@@ -175,7 +175,7 @@ class RouterService(RoutePath):
                 state = self.core.fleet.get(worker_id)
                 return state.record if state is not None else None
 
-            return HttpDispatcher(self.nc, self.router_id, record_of, self.metrics)
+            return HttpDispatcher(self.nc, self.router_id, record_of, self.metrics, self.settings.drain_timeout)
         return JetStreamDispatcher(self.nc)
 
     # --- discovery -------------------------------------------------------------------------

@@ -86,6 +86,11 @@ class RouterSettings(PlaneSettings, LogSettings):
     publish_timeout: float = Field(
         2.0, gt=0, description="Seconds to wait for JetStream to acknowledge a work envelope."
     )
+    drain_timeout: float = Field(
+        30.0, ge=0,
+        description="On SIGTERM, with --request-transport http, seconds the requests this router runs on engines "
+        "itself may take to finish before they are stopped (their requesters get an error).",
+    )
     metrics_host: str = Field("127.0.0.1", description="Address the /metrics HTTP endpoint binds.")
     metrics_port: int = Field(9100, ge=0, le=65535, description="Port of /metrics (0 = any free port, logged).")
     router_id: str | None = Field(
