@@ -74,6 +74,9 @@ async def test_what_outlasts_the_drain_timeout_is_cut_and_cancelled(make_fronten
     texts, done = await over_http
     assert not done and len(texts) < len(STREAM_TEXTS)
     await wait_until(lambda: [rid for _, rid in fleet.cancels] == [fleet.routed[0].request_id])
+    metrics = fe.metrics.registry
+    assert metrics.get_sample_value("infera_frontend_cancels_sent_total", {"reason": "shutdown"}) == 1
+    assert not metrics.get_sample_value("infera_frontend_client_disconnects_total", {"endpoint": "/v1/chat/completions"})
 
 
 async def _nats_texts(client: InferaClient) -> list[str]:

@@ -75,6 +75,7 @@ class HttpApi:
         self._fleet_info = fleet_info  # extra /v1/workers keys: this frontend's discovery, unlisted workers
         self.metrics = metrics
         self._not_ready = ready  # returns the reasons the frontend is not ready (empty: ready)
+        self.stopping = False  # set when the frontend drains: a cancelled handler was cut, not left
 
     def build(self, max_body_bytes: int) -> web.Application:
         # aiohttp refuses bodies of client_max_size bytes or more: allow exactly max_body_bytes
@@ -141,7 +142,12 @@ class HttpApi:
         except ApiError as err:
             status = err.status
             return error_response(err, request_id or new_request_id())
-        except asyncio.CancelledError:  # the client went away (aiohttp cancels the handler)
+        except asyncio.CancelledError:  # the client went away, or the drain timeout ran out (aiohttp cancels)
+            if self.stopping:
+                status = 503
+                if ex is not None:
+                    ex.cancel("shutdown")
+                raise
             status = 499  # client closed the request (nginx's convention)
             m.client_disconnects.labels(ep).inc()
             if ex is not None:

@@ -51,6 +51,7 @@ class Frontend:
         self.relay: Relay | None = None
         self.nats_api: NatsApi | None = None
         self._runner: web.AppRunner | None = None
+        self.http: HttpApi | None = None
         self.port: int | None = None
         self._stopped = False
 
@@ -90,7 +91,8 @@ class Frontend:
         self._reconnects.add("discovery", self.watcher.restore)
         pipeline = Pipeline(tokenizer, self.models, self.relay, self.metrics, s.max_body_bytes,
                             max_retries=s.request_max_retries)
-        http = HttpApi(pipeline, self.watcher.view, self.metrics, self.not_ready, fleet_info=self.fleet_info)
+        http = self.http = HttpApi(pipeline, self.watcher.view, self.metrics, self.not_ready,
+                                   fleet_info=self.fleet_info)
         self._runner = web.AppRunner(
             http.build(s.max_body_bytes),
             handler_cancellation=True,  # a client that disconnects cancels its handler -> Cancel upstream
@@ -138,6 +140,8 @@ class Frontend:
             self._load_sub = None
         # both APIs stop taking requests at once, and drain what is under way side by side
         draining = []
+        if self.http is not None:
+            self.http.stopping = True
         if self.nats_api is not None:
             draining.append(self.nats_api.stop(self.settings.drain_timeout))
         if self._runner is not None:
