@@ -10,7 +10,7 @@ import json
 import aiohttp
 import pytest
 
-from infera.client import InferaClient
+from infera.client import InferaClient, InferaError
 from infera_common.schemas import Frame
 from tests.frontend.frontend_fakes import MODEL, STREAM_TEXTS, chat_body, chunk_json, url, wait_until
 
@@ -81,3 +81,23 @@ async def test_what_outlasts_the_drain_timeout_is_cut_and_cancelled(make_fronten
 
 async def _nats_texts(client: InferaClient) -> list[str]:
     return [c["choices"][0]["delta"]["content"] async for c in client.stream_chat(chat_body())]
+
+
+async def test_a_nats_client_cut_by_the_drain_timeout_is_told_at_once(make_frontend, fleet, nats_server):
+    """A NATS client has no connection that closes: without a last message it would wait for its
+    own timeout (60 s here)."""
+    fe = await start(make_frontend, fleet, drain_timeout=0.2)
+    async with InferaClient(nats_server, timeout=60.0) as client:
+        got: list = []
+
+        async def read() -> None:
+            async for chunk in client.stream_chat(chat_body()):
+                got.append(chunk["choices"][0]["delta"]["content"])
+
+        reading = asyncio.create_task(read())
+        await wait_until(lambda: got)
+        await asyncio.wait_for(fe.stop(), 3)
+        with pytest.raises(InferaError) as err:
+            await asyncio.wait_for(reading, 3)
+    assert err.value.status == 503 and "shutting down" in str(err.value)
+    assert len(got) < len(STREAM_TEXTS)

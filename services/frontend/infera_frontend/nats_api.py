@@ -153,10 +153,16 @@ class NatsApi:
         except ApiError as err:
             status = err.status
             await self._error(reply, err, request_id)
-        except asyncio.CancelledError:  # frontend shutting down
+        except asyncio.CancelledError:  # frontend shutting down, past its --drain-timeout
             status = 503
             if ex is not None:
                 ex.cancel("shutdown")
+            # a NATS client has no connection that closes: say so, or it waits for its own timeout
+            try:
+                await self._error(reply, ApiError(503, "the frontend is shutting down; retry the request",
+                                                  type="service_unavailable_error"), request_id)
+            except Exception:  # connection already gone
+                pass
             raise
         except Exception as exc:  # one bad request never takes the API down
             log.exception("nats_api_request_failed", request_id=request_id, error=str(exc))
