@@ -7,9 +7,10 @@ kv-indexer, router and frontend run as one ``python -m infera.server``.
 
 Ctrl-C or SIGTERM stops everything it started (each child runs in its own process group and is
 stopped TERM-then-KILL), leaving no process behind: the frontend (or server) first, which refuses
-new requests and drains its answers under way; then all workers together; then the rest. A nats-server that exits is started again
-(at most ``BROKER_RESTARTS`` times) and the services restore their state in it; any other control
-process that exits stops the fleet; a worker that exits leaves it.
+new requests and drains its answers under way; then all workers together; then the rest. A
+nats-server that exits is started again (at most ``BROKER_RESTARTS`` times) and the services
+restore their state in it; any other control process that exits stops the fleet; a worker that
+exits leaves it.
 """
 
 from __future__ import annotations
