@@ -6,10 +6,15 @@ import pytest
 
 from infera_common.discovery import Registrar
 from infera_common.nats_conn import connect, flush_all
-from infera_common.subjects import ROUTER_QUEUE, ROUTER_ROUTE, cancel_subject
+from infera_common.subjects import (
+    ROUTER_QUEUE, ROUTER_ROUTE, cancel_subject, frames_query_subject, frames_replay_subject,
+    router_frames_query_subject, router_frames_replay_subject,
+)
 from infera_frontend.service import Frontend
 from infera_frontend.settings import FrontendSettings
-from tests.frontend.frontend_fakes import MODEL, WORKER, FakeFleet, wait_until, worker_record
+from tests.frontend.frontend_fakes import (
+    MODEL, W1, W2, W3, WORKER, FakeFleet, MultiFleet, wait_until, worker_record,
+)
 
 
 @pytest.fixture
@@ -64,3 +69,37 @@ def tok_ids_1plus1() -> list[int]:
     from infera_common.tokenizer import ChatTokenizer
 
     return ChatTokenizer.from_dir(default_model_path()).chat_ids([{"role": "user", "content": "1+1=?"}])
+
+
+@pytest.fixture
+async def multi(nats_server):
+    """A fake router over fake workers w1, w2, w3 (tried in that order, ``exclude`` honoured)."""
+    nc = await connect(nats_server, "fake-multi-fleet")
+    fleet = MultiFleet(nc, [W1, W2, W3])
+    await nc.subscribe(ROUTER_ROUTE, queue=ROUTER_QUEUE, cb=fleet.on_route)
+    registrars = []
+    for w in fleet.workers:
+        await nc.subscribe(cancel_subject(w), cb=fleet.cancel_handler(w))
+        fleet.query_subs[w] = await nc.subscribe(frames_query_subject(w), cb=fleet.frames_handler(w))
+        await nc.subscribe(frames_replay_subject(w), cb=fleet.replay_handler(w))
+        registrars.append(Registrar(nc.jetstream(), worker_record(w)))
+        await registrars[-1].start()
+    # the router's own subjects, asked when its route replies say it sends the frames itself
+    fleet.query_subs["r1"] = await nc.subscribe(router_frames_query_subject("r1"), cb=fleet.frames_handler("r1"))
+    await nc.subscribe(router_frames_replay_subject("r1"), cb=fleet.replay_handler("r1"))
+    await flush_all(nc)
+    yield fleet
+    for t in list(fleet.tasks):
+        t.cancel()
+    for r in registrars:
+        await r.stop()
+    await nc.close()
+
+
+@pytest.fixture
+async def start_frontend(make_frontend, multi):
+    async def start(**overrides):
+        fe = await make_frontend(**overrides)
+        await wait_until(lambda: fe.models.is_known(MODEL))
+        return fe
+    return start

@@ -54,6 +54,7 @@ def chunk_json(i: int, text: str) -> bytes:
 
 
 STREAM_TEXTS = ["Two", ",", " of course"]
+W1, W2, W3 = "w1", "w2", "w3"  # MultiFleet's workers (the ``multi`` fixture)
 
 Script = Callable[["FakeFleet", RouteRequest], Awaitable[None]]  # what the "worker" sends back
 
@@ -160,6 +161,7 @@ class MultiFleet:
     replays: list[tuple[str, int]] = field(default_factory=list)  # (request id, from_seq) asked
     frames_from: str = "worker"  # "router": the route replies say the router sends the frames
     asked: list[tuple[str, str | None]] = field(default_factory=list)  # (subject, worker id) of each question
+    query_subs: dict[str, object] = field(default_factory=dict)  # sender -> its FramesQuery subscription
     tasks: set = field(default_factory=set)
 
     async def frame(self, req: RouteRequest, frame: Frame, *, lost: bool = False) -> None:

@@ -12,7 +12,7 @@ from infera_common.nats_conn import connect, flush_all
 from infera_common.settings import parse_cli
 from infera_common.schemas import Frame, Release, decode
 from infera_common.subjects import (
-    ROUTER_QUEUE, ROUTER_ROUTE, cancel_subject, frames_query_subject, frames_replay_subject,
+    ROUTER_QUEUE, ROUTER_ROUTE, frames_query_subject, frames_replay_subject,
     router_frames_query_subject, router_frames_replay_subject, router_release_subject,
 )
 from infera_frontend.failover import Attempts, engine_status_reason, worker_error_reason
@@ -27,43 +27,11 @@ from tests.frontend.frontend_fakes import (
     url,
     wait_until,
     worker_record,
+    W1,
+    W2,
 )
 
-W1, W2, W3 = "w1", "w2", "w3"
 
-
-@pytest.fixture
-async def multi(nats_server):
-    """A fake router over fake workers w1, w2, w3 (tried in that order, ``exclude`` honoured)."""
-    nc = await connect(nats_server, "fake-multi-fleet")
-    fleet = MultiFleet(nc, [W1, W2, W3])
-    await nc.subscribe(ROUTER_ROUTE, queue=ROUTER_QUEUE, cb=fleet.on_route)
-    registrars = []
-    for w in fleet.workers:
-        await nc.subscribe(cancel_subject(w), cb=fleet.cancel_handler(w))
-        await nc.subscribe(frames_query_subject(w), cb=fleet.frames_handler(w))
-        await nc.subscribe(frames_replay_subject(w), cb=fleet.replay_handler(w))
-        registrars.append(Registrar(nc.jetstream(), worker_record(w)))
-        await registrars[-1].start()
-    # the router's own subjects, asked when its route replies say it sends the frames itself
-    await nc.subscribe(router_frames_query_subject("r1"), cb=fleet.frames_handler("r1"))
-    await nc.subscribe(router_frames_replay_subject("r1"), cb=fleet.replay_handler("r1"))
-    await flush_all(nc)
-    yield fleet
-    for t in list(fleet.tasks):
-        t.cancel()
-    for r in registrars:
-        await r.stop()
-    await nc.close()
-
-
-@pytest.fixture
-async def start_frontend(make_frontend, multi):
-    async def start(**overrides):
-        fe = await make_frontend(**overrides)
-        await wait_until(lambda: fe.models.is_known(MODEL))
-        return fe
-    return start
 
 
 async def post(fe, body, headers=None):

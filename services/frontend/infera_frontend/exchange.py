@@ -57,7 +57,7 @@ class Exchange:
 
     __slots__ = ("_relay", "request_id", "worker_id", "_subject", "_box", "stream", "endpoint", "done",
                  "_closed", "_cancelled", "_error", "_expected_tokens", "status", "body", "_first", "_seq",
-                 "_lost", "_ahead", "_replay_from", "lease", "frames_router")
+                 "_lost", "_lost_reason", "_ahead", "_replay_from", "lease", "frames_router")
 
     def __init__(
         self, relay: Relay, request_id: str, worker_id: str, subject: str, box: Mailbox, stream: bool,
@@ -85,6 +85,7 @@ class Exchange:
         self._first: list[bytes] = []  # a stream's first payloads, read by start()
         self._seq = 0  # the number the next frame must carry
         self._lost = ""  # why frames are lost for good, once known
+        self._lost_reason = FRAMES_LOST  # the retry reason that goes with it
         self._ahead: dict[int, FrameWire] = {}  # frames that came after a gap, by number
         self._replay_from = -1  # the number from which the worker was last asked to send frames again
 
@@ -106,10 +107,17 @@ class Exchange:
             return True
         return sent is not None and self._seq + len(self._ahead) + len(self._box) >= sent
 
-    def lose(self, why: str) -> None:
-        """Frames of this request will never arrive: the reader ends it with ``why``."""
+    @property
+    def progress(self) -> int:
+        """How many frames have arrived so far (read, held back after a gap, or waiting to be read)."""
+        return self._seq + len(self._ahead) + len(self._box)
+
+    def lose(self, why: str, reason: str = FRAMES_LOST) -> None:
+        """Frames of this request will never arrive: the reader ends it with ``why`` (retried, while
+        its client has nothing, under ``reason``)."""
         if not self.ended and not self._lost:
             self._lost = why
+            self._lost_reason = reason
             self._box.put(LOST)
 
     def fill_gap(self, again: bool = False) -> None:
@@ -176,13 +184,15 @@ class Exchange:
         return frame
 
     def _frames_lost(self, why: str) -> RetryableError:
-        self._relay.metrics.frames_lost.inc()
-        self.cancel("frames_lost")
+        reason = self._lost_reason
+        if reason == FRAMES_LOST:
+            self._relay.metrics.frames_lost.inc()
+        self.cancel(reason)
         self.done = True
         log.warning("response_frames_lost", request_id=self.request_id, worker_id=self.worker_id,
-                    frames_received=self._seq, why=why)
+                    frames_received=self._seq, why=why, reason=reason)
         return RetryableError(502, f"{why}; the request was cancelled rather than answered incompletely",
-                              reason=FRAMES_LOST)
+                              reason=reason)
 
     def _check(self, payload: bytes) -> None:
         expected = self._expected_tokens

@@ -34,6 +34,7 @@ RETRYABLE_ENGINE_STATUSES = frozenset({429, 502, 503, 504})
 UPSTREAM_TIMEOUT = "upstream_timeout"
 NO_ROUTER = "no_router"
 FRAMES_LOST = "frames_lost"
+SENDER_GONE = "sender_gone"  # the process sending the request's frames left the bus (sender_watch.py)
 
 
 class RetryableError(ApiError):

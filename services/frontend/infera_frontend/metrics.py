@@ -85,6 +85,12 @@ class FrontendMetrics:
             "Times a worker sent the frames of a request again, after they were lost on the way (a broker outage).",
             registry=r,
         )
+        self.senders_gone = Counter(
+            "infera_frontend_senders_gone",
+            "Times the process sending silent requests' frames (a worker-agent, or a router on --request-transport "
+            "http) had left the message bus: its requests were ended (retried while their clients had nothing).",
+            registry=r,
+        )
 
     # --- per-request recording with pre-resolved label children (labels() costs a lock + checks) ---
 

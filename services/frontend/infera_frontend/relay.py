@@ -15,6 +15,10 @@ request short of them after a grace for frames still on their way asks for them 
 (``Exchange.fill_gap``, ``ask_replay``); one its worker does not know ends with the loss
 (``Exchange.lose``: retried on another worker while its client has nothing of it) instead of
 waiting ``--upstream-timeout`` for frames that will not come.
+
+``check_silent`` runs every second: the sender of each request that has received nothing for a
+while is asked the same question; a sender the broker says has no subscription any more, for a
+few seconds in a row, died with its requests (``sender_watch.py``), and they end at once.
 """
 
 from __future__ import annotations
@@ -42,9 +46,10 @@ from infera_common.subjects import (
 )
 
 from infera_frontend.exchange import Exchange
-from infera_frontend.failover import NO_ROUTER, RetryableError
+from infera_frontend.failover import NO_ROUTER, SENDER_GONE, RetryableError
 from infera_frontend.inbox import Inbox, Mailbox
 from infera_frontend.metrics import FrontendMetrics
+from infera_frontend.sender_watch import SenderWatch
 from infera_frontend.token_check import TokenChecker, reported_prompt_tokens
 from infera_frontend.validation import ApiError
 
@@ -59,6 +64,14 @@ RESYNC_ATTEMPTS = 20
 NO_ROUTER_PAUSE = 0.25
 #: Frames a worker says it sent may still be on their way here: how long they get before they count as lost.
 IN_TRANSIT_GRACE = 0.5
+#: A placed request that received no frame for this long has its sender asked whether it is still
+#: on the bus (``sender_watch.py``); the check runs every ``SENDER_CHECK_EVERY`` seconds, a question
+#: waits ``SENDER_QUESTION_TIMEOUT`` for its answer, and a sender that answered "no responders" for
+#: ``SENDER_GONE_AFTER`` seconds is gone.
+SILENT_AFTER = 2.0
+SENDER_CHECK_EVERY = 1.0
+SENDER_QUESTION_TIMEOUT = 1.0
+SENDER_GONE_AFTER = 3.0
 
 _ROUTER_ERROR_TYPES = {
     400: ("invalid_request_error", None),
@@ -116,6 +129,9 @@ class Relay:
         self._background: set[asyncio.Task] = set()
         self._open: set[Exchange] = set()  # placed requests whose exchange is not closed yet
         self.token_checker = TokenChecker()
+        self.watch = SenderWatch(SILENT_AFTER, SENDER_GONE_AFTER)
+        self._asking: set[tuple[str | None, str]] = set()  # senders being asked right now
+        self._watch_task: asyncio.Task | None = None
 
     def spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -238,6 +254,7 @@ class Relay:
 
     async def resync(self) -> None:
         """After a reconnect: check every open request's frames with its worker (see the module doc)."""
+        self.watch.reset()  # absences seen while this frontend was away from the broker mean nothing
         by_sender: dict[tuple[str | None, str], list[Exchange]] = defaultdict(list)
         for exchange in self._open:
             if not exchange.ended:
@@ -265,6 +282,77 @@ class Relay:
                               "message broker restarted)")
                 self._release_lost(exchange)
         log.info("frames_resynced", worker_id=worker_id, requests=len(exchanges), short=len(short))
+
+    # --- senders that left the bus (sender_watch.py) ---------------------------------------------
+    def start_watch(self) -> None:
+        self._watch_task = asyncio.get_running_loop().create_task(self._watch_senders(), name="sender-watch")
+
+    async def stop_watch(self) -> None:
+        task, self._watch_task = self._watch_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _watch_senders(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(SENDER_CHECK_EVERY)
+            try:
+                self.check_silent(loop.time())
+            except Exception:  # never the end of the watch
+                log.exception("sender_watch_failed")
+
+    def check_silent(self, now: float) -> None:
+        """Ask the sender of every request silent for ``SILENT_AFTER`` s whether it is still on the bus."""
+        if not self._nc.is_connected:
+            self.watch.reset()
+            return
+        open_now = [e for e in self._open if not e.ended]
+        self.watch.forget_except(open_now)
+        silent: dict[tuple[str | None, str], list[Exchange]] = defaultdict(list)
+        for exchange in open_now:
+            if self.watch.silent(exchange, exchange.progress, now):
+                silent[exchange.frames_router, exchange.worker_id].append(exchange)
+        for sender, exchanges in silent.items():
+            if sender not in self._asking:
+                self._asking.add(sender)
+                self.spawn(self._ask_sender(sender, exchanges))
+
+    async def _ask_sender(self, sender: tuple[str | None, str], exchanges: list[Exchange]) -> None:
+        router_id, worker_id = sender
+        query = FramesQuery(request_ids=[e.request_id for e in exchanges], worker_id=worker_id)
+        try:
+            await self._nc.request(frames_subjects(router_id, worker_id)[0], encode(query),
+                                   timeout=SENDER_QUESTION_TIMEOUT)
+        except nats.errors.NoRespondersError:
+            gone = self.watch.absent(sender, asyncio.get_running_loop().time())
+        except (nats.errors.TimeoutError, TimeoutError):
+            self.watch.present(sender)  # subscribed, only slow to answer: its requests wait on
+            return
+        except Exception:  # the connection in trouble: asked again at the next check
+            return
+        else:
+            self.watch.present(sender)
+            return
+        finally:
+            self._asking.discard(sender)
+        if gone:
+            self._sender_gone(router_id, worker_id, exchanges)
+
+    def _sender_gone(self, router_id: str | None, worker_id: str, exchanges: list[Exchange]) -> None:
+        """Nothing will send these requests' frames any more: end them now (retried on another
+        worker while their clients have nothing), not after --discovery-ttl or --upstream-timeout."""
+        who = f"router {router_id}, which ran it on the engine," if router_id else "its worker-agent"
+        ended = 0
+        for exchange in exchanges:
+            if not exchange.ended:
+                exchange.lose(f"worker {worker_id}: {who} left the message bus before answering",
+                              reason=SENDER_GONE)
+                self._release_lost(exchange)
+                ended += 1
+        self.metrics.senders_gone.inc()
+        log.warning("sender_gone", worker_id=worker_id, router_id=router_id, requests=ended,
+                    absent_s=SENDER_GONE_AFTER)
 
     def _release_lost(self, exchange: Exchange) -> None:
         """The worker never received the request, so no ``Release`` will come from it: give the

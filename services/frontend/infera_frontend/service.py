@@ -88,6 +88,7 @@ class Frontend:
                            upstream_timeout=s.upstream_timeout, request_timeout=s.request_timeout,
                            discovery_backend=s.discovery_backend)
         self._reconnects.add("frames", self.relay.resync)  # first: it only starts its checks
+        self.relay.start_watch()
         self._reconnects.add("discovery", self.watcher.restore)
         pipeline = Pipeline(tokenizer, self.models, self.relay, self.metrics, s.max_body_bytes,
                             max_retries=s.request_max_retries)
@@ -148,6 +149,7 @@ class Frontend:
             draining.append(self._runner.cleanup())
         await asyncio.gather(*draining)
         if self.relay is not None:
+            await self.relay.stop_watch()
             await self.relay.drain_background()
         if self.watcher is not None:
             await self.watcher.stop()
