@@ -1,7 +1,8 @@
-"""Answering a frontend back from a broker outage about the response frames of requests a
-``RequestRunner`` runs: ``FramesQuery`` (how many frames each request sent) and ``FramesReplay``
-(send them again from a number on). Whoever sends the frames answers: the worker-agent on
-``--request-transport nats``, the router that calls the engine itself on ``http``.
+"""Answering a frontend about the response frames of requests a ``RequestRunner`` runs:
+``FramesQuery`` (how many frames each request sent; asked after a broker outage, and about
+requests silent for a while, where an answer shows the sender is still on the bus) and
+``FramesReplay`` (send them again from a number on). Whoever sends the frames answers: the
+worker-agent on ``--request-transport nats``, the router that calls the engine itself on ``http``.
 
 ``FramesAnswers`` holds no state of its own: it reads the runner's kept frames. A question that
 cannot be read is counted ("bad") and logged, never answered and never fatal.

@@ -248,7 +248,8 @@ class Cancel(_Msg):
 class FramesQuery(_Msg):
     """Frontend -> worker-agent (``frames_query_subject``), or -> the router that runs the requests
     on engines itself (``router_frames_query_subject``), after the frontend reconnected to the
-    broker: how many frames has each of these requests sent so far?"""
+    broker, or about requests silent for a while (is their sender still on the bus?): how many
+    frames has each of these requests sent so far?"""
 
     request_ids: list[str]
     worker_id: str | None = None  # the requests' worker: a router answering for many workers needs it

@@ -190,8 +190,8 @@ class RouterMetrics:
             "infera_router_http_cancels", "Cancel messages received for requests this router runs itself.", registry=r,
         )
         self.http_frames_queries = Counter(
-            "infera_router_http_frames_queries", "Frontends' questions after a broker outage (FramesQuery) about "
-            "requests this router runs itself, by outcome.", ["outcome"], registry=r,
+            "infera_router_http_frames_queries", "Frontends' questions (FramesQuery: after a broker outage, or about "
+            "requests silent for 2 s) about requests this router runs itself, by outcome.", ["outcome"], registry=r,
         )
         self.http_frames_replays = Counter(
             "infera_router_http_frames_replays", "Frontends' requests to send frames of requests this router runs "

@@ -23,7 +23,8 @@ class AgentMetrics:
         self.bad_cancels = Counter("infera_agent_bad_cancels", "Cancel messages that were not a valid Cancel.", registry=r)
         self.cancels = Counter("infera_agent_cancels", "Cancel messages received.", registry=r)
         self.frames_queries = Counter(
-            "infera_agent_frames_queries", "Frontends' questions after a broker outage (FramesQuery), by outcome.",
+            "infera_agent_frames_queries", "Frontends' questions about the frames sent (FramesQuery: after a broker "
+            "outage, or about requests silent for 2 s), by outcome.",
             ["outcome"], registry=r,
         )
         self.frames_replays = Counter(
