@@ -2,7 +2,7 @@
 
 A request's frames come from one sender: its worker-agent, or on ``--request-transport http`` the
 router that calls the engine. If that process dies (SIGKILL, OOM, a crash), nothing tells the
-frontend until the worker's discovery record ages out (``--discovery-ttl``, 10 s) and its router
+frontend until the worker's discovery record ages out (``--discovery-ttl``, 6 s by default) and its router
 says so, or, for a router on http, until ``--upstream-timeout`` (60 s). The broker knows at once:
 the dead process's subscriptions are gone, so a question to it gets "no responders".
 
