@@ -176,8 +176,9 @@ class RouteReply(_Msg):
     lease_id: str | None = None
     router_id: str | None = None
     # who sends the worker's frames and answers questions about them: its worker-agent, or (on
-    # --request-transport http) this router, which calls the engine itself
-    frames_from: Literal["worker", "router"] = "worker"
+    # --request-transport http) this router, which calls the engine itself; None from a router that
+    # predates the field (the frontend then asks the worker, and does not watch the sender)
+    frames_from: Literal["worker", "router"] | None = None
 
 
 class WorkEnvelope(_Msg):

@@ -159,7 +159,7 @@ class MultiFleet:
     kept: dict[str, list[tuple[str, bytes]]] = field(default_factory=dict)  # request id -> (subject, frame) sent
     keeps_frames: bool = True  # False: the workers answer FramesReplay with -1 (no longer kept)
     replays: list[tuple[str, int]] = field(default_factory=list)  # (request id, from_seq) asked
-    frames_from: str = "worker"  # "router": the route replies say the router sends the frames
+    frames_from: str | None = "worker"  # "router": the router sends the frames; None: a router before the field
     asked: list[tuple[str, str | None]] = field(default_factory=list)  # (subject, worker id) of each question
     query_subs: dict[str, object] = field(default_factory=dict)  # sender -> its FramesQuery subscription
     tasks: set = field(default_factory=set)

@@ -89,3 +89,27 @@ async def test_a_stream_under_way_whose_sender_left_ends_with_an_error_event(sta
     status, raw = await asyncio.wait_for(answer, 10)
     assert status == 200 and b"its worker-agent left the message bus" in raw and raw.endswith(b"data: [DONE]\n\n")
     assert multi.placed == [W1]  # the client had a token: not retried
+
+
+async def test_behind_a_router_that_predates_frames_from_a_silent_request_is_never_taken_for_lost(
+        start_frontend, multi):
+    """Such a router says nothing of who sends the frames (on --request-transport http it is the
+    router itself, and the worker's agent is not subscribed): the frontend cannot tell a dead
+    sender from a wrong guess, so it leaves the request to its timeouts, as before."""
+    fe = await start_frontend(upstream_timeout=120)
+    multi.frames_from = None
+    go = asyncio.Event()
+
+    async def late(f, req) -> None:
+        await go.wait()
+        await f.frame(req, Frame(kind="head", status=200, body=completion_json(), final=True))
+
+    multi.scripts[W1] = late
+    answer = asyncio.create_task(post(fe, chat_body()))
+    await wait_until(lambda: multi.placed == [W1])
+    await multi.query_subs[W1].unsubscribe()  # nobody answers on the worker's subject
+    await asyncio.sleep(1.5)  # three times what ends a request whose known sender left
+    go.set()
+    status, raw = await asyncio.wait_for(answer, 10)
+    assert status == 200 and raw == completion_json() and multi.placed == [W1]
+    assert await metric(fe, "infera_frontend_senders_gone_total") == 0

@@ -57,18 +57,21 @@ class Exchange:
 
     __slots__ = ("_relay", "request_id", "worker_id", "_subject", "_box", "stream", "endpoint", "done",
                  "_closed", "_cancelled", "_error", "_expected_tokens", "status", "body", "_first", "_seq",
-                 "_lost", "_lost_reason", "_ahead", "_replay_from", "lease", "frames_router")
+                 "_lost", "_lost_reason", "_ahead", "_replay_from", "lease", "frames_router", "sender_known")
 
     def __init__(
         self, relay: Relay, request_id: str, worker_id: str, subject: str, box: Mailbox, stream: bool,
         endpoint: Endpoint, expected_tokens: int | None = None, lease: tuple[str, str] | None = None,
-        frames_router: str | None = None,
+        frames_router: str | None = None, sender_known: bool = True,
     ) -> None:
         self._relay = relay
         self.lease = lease  # (lease id, router id) of the placement, when the router said
         # the router that sends the frames, calling the engine itself (--request-transport http);
         # None: the worker-agent does. Questions about lost frames go to whoever sends them.
         self.frames_router = frames_router
+        # False: the router predates ``RouteReply.frames_from``, so who sends the frames is a guess
+        # (the worker's agent) and a silent sender is not taken for a dead one (sender_watch.py)
+        self.sender_known = sender_known
         self._expected_tokens = expected_tokens  # the frontend's prompt count; None once checked or unknown
         self.request_id = request_id
         self.worker_id = worker_id

@@ -244,7 +244,7 @@ class Relay:
         lease = (reply.lease_id, reply.router_id) if reply.lease_id and reply.router_id else None
         frames_router = reply.router_id if reply.frames_from == "router" else None
         exchange = Exchange(self, request_id, reply.worker_id, subject, box, stream, endpoint, expected, lease,
-                            frames_router)
+                            frames_router, sender_known=reply.frames_from is not None)
         self._open.add(exchange)
         return exchange
 
@@ -307,7 +307,7 @@ class Relay:
         if not self._nc.is_connected:
             self.watch.reset()
             return
-        open_now = [e for e in self._open if not e.ended]
+        open_now = [e for e in self._open if not e.ended and e.sender_known]
         self.watch.forget_except(open_now)
         silent: dict[tuple[str | None, str], list[Exchange]] = defaultdict(list)
         for exchange in open_now:
