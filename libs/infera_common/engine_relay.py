@@ -16,6 +16,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from itertools import islice
 from typing import Literal
 
 import aiohttp
@@ -63,7 +64,7 @@ class FrameSink:
         if kept is None or seq > self.seq:
             return None
         first = self.seq - len(kept)
-        return None if seq < first else list(kept)[seq - first:]
+        return None if seq < first else list(islice(kept, seq - first, None))
 
     def forget_frames(self) -> None:
         self._kept = None

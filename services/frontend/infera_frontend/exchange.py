@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 log = get_logger("frontend.relay")
 
 DONE_PAYLOAD = b"[DONE]"
-#: Put in a mailbox by ``Exchange.lost``: the reader raises the loss instead of waiting on.
+#: Put in a mailbox by ``Exchange.lose``: the reader raises the loss instead of waiting on.
 LOST = object()
 
 
@@ -108,7 +108,12 @@ class Exchange:
         arrived here; an exchange already ended has all it needs."""
         if self.ended:
             return True
-        return sent is not None and self._seq + len(self._ahead) + len(self._box) >= sent
+        return sent is not None and self.progress >= sent
+
+    @property
+    def sender(self) -> tuple[str | None, str]:
+        """Who sends the frames: (the router that runs the request itself, or None, and its worker)."""
+        return self.frames_router, self.worker_id
 
     @property
     def progress(self) -> int:

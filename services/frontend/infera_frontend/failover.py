@@ -15,7 +15,9 @@ no NATS reply), and only for failures another worker may not have:
   request, so it cannot run twice;
 - response frames lost between the worker and the frontend (e.g. across a broker restart) that the
   worker could not send again, or a request its worker never received: reason ``frames_lost``
-  (the worker has been sent a ``Cancel``).
+  (the worker has been sent a ``Cancel``);
+- the process sending the request's frames (its worker-agent, or the router running it on
+  ``--request-transport http``) left the message bus: reason ``sender_gone`` (``sender_watch.py``).
 
 Never retried: any other 4xx (the client's request is at fault; 499 is the requester's own cancel,
 409 a duplicate request id), 500 (agent or engine bug), unreadable frames, a router refusal (the

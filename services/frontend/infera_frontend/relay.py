@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import msgpack
 import nats.errors
@@ -100,6 +100,20 @@ def frames_subjects(router_id: str | None, worker_id: str) -> tuple[str, str]:
     if router_id is not None:
         return router_frames_query_subject(router_id), router_frames_replay_subject(router_id)
     return frames_query_subject(worker_id), frames_replay_subject(worker_id)
+
+
+def frames_query(router_id: str | None, worker_id: str, exchanges: list[Exchange]) -> tuple[str, FramesQuery]:
+    """The question to the sender of ``exchanges`` (all of ``worker_id``): how many frames each was sent."""
+    query = FramesQuery(request_ids=[e.request_id for e in exchanges], worker_id=worker_id)
+    return frames_subjects(router_id, worker_id)[0], query
+
+
+def by_sender(exchanges: Iterable[Exchange]) -> dict[tuple[str | None, str], list[Exchange]]:
+    """``exchanges`` grouped by who sends their frames (``Exchange.sender``): one question each."""
+    groups: dict[tuple[str | None, str], list[Exchange]] = defaultdict(list)
+    for exchange in exchanges:
+        groups[exchange.sender].append(exchange)
+    return groups
 
 
 def router_unavailable() -> ApiError:
@@ -255,17 +269,13 @@ class Relay:
     async def resync(self) -> None:
         """After a reconnect: check every open request's frames with its worker (see the module doc)."""
         self.watch.reset()  # absences seen while this frontend was away from the broker mean nothing
-        by_sender: dict[tuple[str | None, str], list[Exchange]] = defaultdict(list)
-        for exchange in self._open:
-            if not exchange.ended:
-                by_sender[exchange.frames_router, exchange.worker_id].append(exchange)
-        for (router_id, worker_id), exchanges in by_sender.items():
+        for (router_id, worker_id), exchanges in by_sender(e for e in self._open if not e.ended).items():
             self.spawn(self._resync_worker(router_id, worker_id, exchanges))
 
     async def _resync_worker(self, router_id: str | None, worker_id: str, exchanges: list[Exchange]) -> None:
         """Ask whoever sends the frames of ``worker_id``'s ``exchanges`` (its agent, or ``router_id``)."""
-        query = FramesQuery(request_ids=[e.request_id for e in exchanges], worker_id=worker_id)
-        answer = await self._ask_worker(frames_subjects(router_id, worker_id)[0], query, FramesSent, exchanges)
+        subject, query = frames_query(router_id, worker_id, exchanges)
+        answer = await self._ask_worker(subject, query, FramesSent, exchanges)
         if answer is None:
             log.info("frames_query_unanswered", worker_id=worker_id, router_id=router_id, requests=len(exchanges))
             return
@@ -309,10 +319,7 @@ class Relay:
             return
         open_now = [e for e in self._open if not e.ended and e.sender_known]
         self.watch.forget_except(open_now)
-        silent: dict[tuple[str | None, str], list[Exchange]] = defaultdict(list)
-        for exchange in open_now:
-            if self.watch.silent(exchange, exchange.progress, now):
-                silent[exchange.frames_router, exchange.worker_id].append(exchange)
+        silent = by_sender(e for e in open_now if self.watch.silent(e, e.progress, now))
         for sender, exchanges in silent.items():
             if sender not in self._asking:
                 self._asking.add(sender)
@@ -320,10 +327,9 @@ class Relay:
 
     async def _ask_sender(self, sender: tuple[str | None, str], exchanges: list[Exchange]) -> None:
         router_id, worker_id = sender
-        query = FramesQuery(request_ids=[e.request_id for e in exchanges], worker_id=worker_id)
+        subject, query = frames_query(router_id, worker_id, exchanges)
         try:
-            await self._nc.request(frames_subjects(router_id, worker_id)[0], encode(query),
-                                   timeout=SENDER_QUESTION_TIMEOUT)
+            await self._nc.request(subject, encode(query), timeout=SENDER_QUESTION_TIMEOUT)
         except nats.errors.NoRespondersError:
             gone = self.watch.absent(sender, asyncio.get_running_loop().time())
         except (nats.errors.TimeoutError, TimeoutError):
@@ -373,7 +379,7 @@ class Relay:
         """Ask the exchange's worker to send its frames from ``from_seq`` on again: how many it sent
         (-1: it no longer has them), or None when it does not answer."""
         ask = FramesReplay(request_id=exchange.request_id, from_seq=from_seq, worker_id=exchange.worker_id)
-        subject = frames_subjects(exchange.frames_router, exchange.worker_id)[1]
+        subject = frames_subjects(*exchange.sender)[1]
         answer = await self._ask_worker(subject, ask, FramesReplayed, [exchange])
         return None if answer is None else answer.count
 
