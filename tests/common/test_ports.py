@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
 from infera_common.ports import CLAIM_TTL, bindable, claim, ephemeral_range, free_port, free_port_block, listen_ports
 
@@ -49,6 +52,12 @@ def test_a_port_picked_by_one_process_is_not_picked_by_another_until_its_claim_i
     assert not claim(15930, claims, now=1000.0 + 60)  # another's, a minute later: taken
     assert claim(15931, claims, now=1060.0)
     assert claim(15930, claims, now=(claims / "15930").stat().st_mtime + CLAIM_TTL)  # an old claim lapses
+
+    # a claim whose process has ended lapses at once, whatever its age
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (claims / "15932").write_text(done.stdout.strip())
+    assert claim(15932, claims) and (claims / "15932").read_text() == str(os.getpid())
+    assert not claim(15932, claims)  # now this (running) process's
 
     picks = iter([20000, 20000, 20001])  # the second pick repeats the first
     monkeypatch.setattr("infera_common.ports._random.choice", lambda ports: next(picks))
