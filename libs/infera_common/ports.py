@@ -13,7 +13,7 @@ the clash would show after the cold start. So every pick is also claimed for the
 a file per port under ``CLAIMS_DIR``, created exclusively, holding the claimant's pid), and no
 Infera process picks a port claimed by a process still running, less than ``CLAIM_TTL`` seconds
 ago. A claim whose process has ended is taken over at once: with the TTL alone, a machine that ran
-the test suite a few times within it (each run claims ~1,300 ports) had most of its 22,768 usable
+the test suite a few times within it (each run claims ~1,100 ports) had most of its 22,768 usable
 ports claimed, and no block of 8 contiguous ones was left (a PD fleet failed to start).
 """
 
