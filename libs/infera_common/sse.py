@@ -17,58 +17,33 @@ def is_done(payload: bytes) -> bool:
 
 class SseDecoder:
     def __init__(self) -> None:
-        self._buf = bytearray()
-        self._data: list[bytes] = []
-        self._has_data = False
+        self._tail = b""  # the last line, not ended yet
+        self._data: list[bytes] = []  # the ``data`` values of the event under way
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """Add bytes from the stream; returns the payloads of the events they complete."""
-        self._buf += chunk
+        if self._tail:
+            chunk = self._tail + chunk
+        lines = chunk.split(b"\n")
+        self._tail = lines.pop()
         events: list[bytes] = []
-        start = 0
-        while True:
-            nl = self._buf.find(b"\n", start)
-            if nl < 0:
-                break
-            line = bytes(self._buf[start:nl])
-            start = nl + 1
+        data = self._data
+        for line in lines:  # (one event per engine write is the common case: a data line, a blank one)
             if line.endswith(b"\r"):
                 line = line[:-1]
-            event = self._line(line)
-            if event is not None:
-                events.append(event)
-        del self._buf[:start]
+            if not line:
+                if data:
+                    events.append(data[0] if len(data) == 1 else b"\n".join(data))
+                    data.clear()
+            elif line.startswith(b"data:"):
+                data.append(line[6:] if line.startswith(b"data: ") else line[5:])
+            elif line == b"data":
+                data.append(b"")
+            # else: a comment (":...") or another field (event, id, retry): ignored
         return events
 
     def close(self) -> list[bytes]:
         """The stream ended: an unterminated last line and event still count."""
-        events: list[bytes] = []
-        if self._buf:
-            line = bytes(self._buf).rstrip(b"\r")
-            self._buf.clear()
-            self._line(line)
-        event = self._dispatch()
-        if event is not None:
-            events.append(event)
+        tail, self._tail = self._tail, b""
+        events = self.feed(tail + b"\n\n") if tail or self._data else []
         return events
-
-    def _line(self, line: bytes) -> bytes | None:
-        if not line:
-            return self._dispatch()
-        if line.startswith(b":"):
-            return None
-        field, sep, value = line.partition(b":")
-        if sep and value.startswith(b" "):
-            value = value[1:]
-        if field == b"data":
-            self._data.append(value)
-            self._has_data = True
-        return None
-
-    def _dispatch(self) -> bytes | None:
-        if not self._has_data:
-            return None
-        payload = b"\n".join(self._data)
-        self._data.clear()
-        self._has_data = False
-        return payload

@@ -43,3 +43,16 @@ def test_unterminated_last_event_is_flushed_on_close():
 def test_done_sentinel():
     assert is_done(b"[DONE]") and is_done(b" [DONE] ")
     assert not is_done(b'{"text": "[DONE]"}')
+
+
+def test_field_names_are_matched_whole():
+    """``data`` alone is a data line with an empty value; ``dataset:`` is another field, ignored."""
+    d = SseDecoder()
+    assert d.feed(b"data\ndata: x\n\ndataset: y\ndata:z\n\n") == [b"\nx", b"z"]
+
+
+def test_several_events_in_one_chunk_and_one_split_across_chunks():
+    d = SseDecoder()
+    assert d.feed(b'data: 1\n\ndata: 2\n\ndata: 3') == [b"1", b"2"]
+    assert d.feed(b'\n') == []
+    assert d.feed(b'\ndata: 4\n\n') == [b"3", b"4"]
