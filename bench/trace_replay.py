@@ -43,12 +43,15 @@ from collections import OrderedDict
 from pathlib import Path
 
 import aiohttp
+import orjson
+import uvloop
 
 from benchfleet import (sglang_router_installed, start_engines, start_fleet, start_sglang_router,
                         stop_fleet)
 from infera.procs import free_port
 from infera_common.block_hash import block_hashes
 from infera_common.models import BUNDLED_MODEL_NAME
+from infera_common.sse import SseDecoder
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_fast25_conversation_trace.jsonl.gz"
 TRACE_BLOCK = 512
@@ -126,20 +129,38 @@ def arrivals(trace: list[dict], time_scale: float) -> list[float]:
     return out
 
 
+#: The clients share the two cores with what they measure, so they do as little as they can: uvloop,
+#: bodies encoded by orjson, and of a stream only the chunks up to the first token and the last parsed.
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def _has_usage(payload: bytes) -> bool:
+    return b'"usage":{' in payload or b'"usage": {' in payload
+
+
+async def _events(resp: aiohttp.ClientResponse):
+    """The JSON payloads of an SSE response, as the chunks arrive."""
+    decoder = SseDecoder()
+    async for chunk in resp.content.iter_any():
+        for payload in decoder.feed(chunk):
+            if payload.startswith(b"{"):
+                yield payload
+
+
 async def one_completion(session: aiohttp.ClientSession, url: str, ids: list[int], max_tokens: int) -> dict:
     """One streamed POST /v1/completions with a token-id prompt (Infera's frontend)."""
-    body = {"model": BUNDLED_MODEL_NAME, "prompt": ids, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "temperature": 0}
+    body = orjson.dumps({"model": BUNDLED_MODEL_NAME, "prompt": ids, "max_tokens": max_tokens, "stream": True,
+                         "stream_options": {"include_usage": True}, "temperature": 0})
     t0 = time.perf_counter()
     ttft = None
     usage = None
-    async with session.post(url + "/v1/completions", json=body) as resp:
+    async with session.post(url + "/v1/completions", data=body, headers=JSON_HEADERS) as resp:
         if resp.status != 200:
             return {"ok": False, "status": resp.status}
-        async for line in resp.content:
-            if not line.startswith(b"data: {"):
+        async for payload in _events(resp):
+            if ttft is not None and not _has_usage(payload):
                 continue
-            chunk = json.loads(line[6:])
+            chunk = orjson.loads(payload)
             if ttft is None and chunk.get("choices") and chunk["choices"][0].get("text"):
                 ttft = time.perf_counter() - t0
             if chunk.get("usage"):
@@ -157,22 +178,20 @@ async def one_generate(session: aiohttp.ClientSession, url: str, ids: list[int],
 
     Each frame carries everything generated so far; the last one's meta_info has the usage.
     """
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0},
-            "stream": True}
+    body = orjson.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0},
+                         "stream": True})
     t0 = time.perf_counter()
     ttft = None
-    meta: dict = {}
-    async with session.post(url + "/generate", json=body) as resp:
+    last = None
+    async with session.post(url + "/generate", data=body, headers=JSON_HEADERS) as resp:
         if resp.status != 200:
             return {"ok": False, "status": resp.status}
-        async for line in resp.content:
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if ttft is None and chunk.get("output_ids"):
+        async for payload in _events(resp):
+            last = payload
+            if ttft is None and orjson.loads(payload).get("output_ids"):
                 ttft = time.perf_counter() - t0
-            meta = chunk.get("meta_info") or meta
     e2e = time.perf_counter() - t0
+    meta = (orjson.loads(last).get("meta_info") or {}) if last is not None else {}
     return {"ok": True, "ttft": ttft if ttft is not None else e2e, "e2e": e2e,
             "prompt": meta.get("prompt_tokens", len(ids)), "cached": meta.get("cached_tokens", 0),
             "output": meta.get("completion_tokens", 0)}
@@ -239,18 +258,21 @@ def fleet_engines(frontend: str) -> list[str]:
 
 def measure(send, url: str, engines: list[str], trace, prompts, offsets, args) -> dict:
     before = engine_requests(engines)
-    t0 = time.perf_counter()
-    results = asyncio.run(replay(send, url, trace, prompts, offsets, args.max_tokens))
-    makespan = time.perf_counter() - t0
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    results = uvloop.run(replay(send, url, trace, prompts, offsets, args.max_tokens))  # (the services' loop too)
+    makespan, client_cpu = time.perf_counter() - t0, time.process_time() - cpu0
     split = [b - a for a, b in zip(before, engine_requests(engines))]
     out = summarize(results, args.speedup, makespan, split)
     out["results"] = results
+    out["client_cpu"] = client_cpu  # the clients share the two cores with what they measure
     return out
 
 
 #: The router's own counters worth reading after a replay (why a kv-aware pick went where it did).
 ROUTER_COUNTERS = ("infera_router_kv_query_failures_total", "infera_router_kv_picks_without_cache_info_total",
                    "infera_router_prefilled_total", "infera_router_kv_hit_blocks_sum", "infera_router_kv_picks_total")
+#: Histograms whose mean the row reports (wall ms): a route answered, and the kv-indexer query within it.
+ROUTER_TIMES = ("infera_router_route_seconds", "infera_router_kv_query_seconds")
 
 
 def router_counters(metrics_url: str) -> dict[str, float]:
@@ -259,7 +281,9 @@ def router_counters(metrics_url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in ROUTER_COUNTERS:  # per reason where a reason is given (worker labels are summed)
+        if name.removesuffix("_sum").removesuffix("_count") in ROUTER_TIMES:
+            out[name] = float(line.rsplit(" ", 1)[-1])
+        elif name in ROUTER_COUNTERS:  # per reason where a reason is given (worker labels are summed)
             reason = line.split('reason="', 1)[1].split('"', 1)[0] if 'reason="' in line else None
             key = f"{name}{{reason={reason}}}" if reason else name
             out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[-1])
@@ -335,10 +359,14 @@ def print_table(rows: dict[str, dict], args, n: int, infinite: float, fleet_lru:
     for policy, r in rows.items():
         errors = f"; errors: {', '.join(r['errors'])}" if r["errors"] else ""
         print(f"requests per engine, {row_label(policy)}: {[int(x) for x in r['split_counts']]} "
-              f"(replay took {r['makespan']:.0f} s wall{errors})")
+              f"(replay took {r['makespan']:.0f} s wall, the clients {r['client_cpu']:.1f} s of CPU{errors})")
         if r.get("router"):
+            counters = {k: v for k, v in r["router"].items() if not k.startswith(ROUTER_TIMES)}
+            times = [f"{name.removeprefix('infera_router_').removesuffix('_seconds')} mean "
+                     f"{1000 * r['router'][name + '_sum'] / r['router'][name + '_count']:.2f} ms"
+                     for name in ROUTER_TIMES if r["router"].get(name + "_count")]
             print(f"router counters, {row_label(policy)}: "
-                  + ", ".join(f"{k.removeprefix('infera_router_')} {v:.0f}" for k, v in r["router"].items()))
+                  + ", ".join([*(f"{k.removeprefix('infera_router_')} {v:.0f}" for k, v in counters.items()), *times]))
 
 
 PROMPT_BUCKETS = ((0, 2000), (2000, 6000), (6000, 12000), (12000, 1 << 30))
