@@ -65,8 +65,8 @@ sglang-parser: $(SGLANG_STAMP)
 
 test-slow: $(SGLANG_STAMP)
 
-# `make bench [BENCH=overhead|hop_cost|long_prompt|small_pages|trace_replay|indexer|pd] [ARGS=...]`: installs the `bench` extra too
-# (sglang-router, for trace_replay's comparison row), then runs bench/$(BENCH).py.
+# `make bench [BENCH=overhead|hop_cost|stream_cpu|long_prompt|small_pages|trace_replay|indexer|pd] [ARGS=...]`: installs the `bench` extra too
+# (sglang-router, for the comparison rows of trace_replay, long_prompt and stream_cpu), then runs bench/$(BENCH).py.
 BENCH       ?= overhead
 BENCH_STAMP := $(VENV)/.installed-bench
 

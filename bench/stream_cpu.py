@@ -142,7 +142,7 @@ def main() -> None:
     print("-" * len(hdr))
     for row, cpu in results.items():
         path = sum(v for r, v in cpu.items() if r != "engine")
-        ratio = f"{path / base:>18.2f}x" if base else f"{'-':>19}"
+        ratio = f"{'(baseline)':>19}" if row == "direct" else f"{path / base:>18.2f}x" if base else f"{'-':>19}"
         print(f"{row:<14} | {cpu.get('engine', 0.0):>8.1f} | " + " ".join(f"{cpu.get(r, 0.0):>13.1f}" for r in roles)
               + f" | {path:>10.1f} | {ratio}")
 
