@@ -34,7 +34,8 @@ ROLES = {  # a process's role: the module it runs (checked in this order), or th
     "infera.server": "infera.server", "infera_frontend": "frontend", "infera_router": "router",
     "infera_kv_indexer": "kv-indexer",
 }
-BINARIES = {"nats-server": "nats-server", "etcd": "etcd"}
+BINARIES = {"nats-server": "nats-server", "etcd": "etcd",
+            "sglang::router": "sglang-router"}  # (the name sglang-router gives its process)
 _HZ = os.sysconf("SC_CLK_TCK")
 
 

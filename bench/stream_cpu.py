@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import tempfile
 from pathlib import Path
@@ -89,27 +88,19 @@ def start_row(row: str, tmp: Path, workers: int, engine_args: list[str]) -> tupl
 
 
 def measure_row(row: str, args, warm: list[str], prompts: list[str], tmp: Path) -> dict[str, float]:
-    """µs of CPU per streamed token, by process role (the sglang-router process as ``sglang-router``)."""
+    """µs of CPU per streamed token, by process role."""
     where = tmp / row
     where.mkdir()
     procs, urls = start_row(row, where, args.workers, ["--speedup", str(args.speedup)])
     try:
         uvloop.run(drive(urls, warm, args.clients, args.max_tokens))
         roots = [p.pid for p in procs]
-        before = fleet_cpu(roots) | _router_cpu(procs, row)
+        before = fleet_cpu(roots)
         tokens = uvloop.run(drive(urls, prompts, args.clients, args.max_tokens))
-        after = fleet_cpu(roots) | _router_cpu(procs, row)
+        after = fleet_cpu(roots)
     finally:
         stop_fleet(procs)
     return {role: 1e6 * (after[role] - before.get(role, 0.0)) / tokens for role in after}
-
-
-def _router_cpu(procs: list, row: str) -> dict[str, float]:
-    """The sglang-router process's CPU seconds (its role is not one ``fleet_cpu`` knows)."""
-    if row != "sglang-router":
-        return {}
-    fields = Path(f"/proc/{procs[-1].pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return {"sglang-router": (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")}
 
 
 def main() -> None:

@@ -192,10 +192,14 @@ async def test_decode_aborted_before_its_prefill_came_fails_the_prefill_at_once(
     prefill, decode = pair
     body = {"messages": CHAT, "max_tokens": 3, **pd_fields(prefill)}
     async with aiohttp.ClientSession() as s:
+        failed_before = (await disagg(s, prefill.url))["rooms_failed"]
         decoding = asyncio.create_task(post_json(s, decode.url + "/v1/chat/completions", {**body, "rid": "d-abort"}))
         await wait_for(lambda: _queue(s, decode.url, "decode_transfer", 1))
         await post_json(s, decode.url + "/abort_request", {"rid": "d-abort"})
         dstatus, dbody = await decoding
+        # the decode's KV pull closing reaches the prefill engine on its own time: the prefill request
+        # this test is about comes after that (one that comes before it fails in transfer, the test above)
+        await wait_for(lambda: _rooms_failed_since(s, prefill.url, failed_before))
         t0 = time.monotonic()
         status, err = await post_json(s, prefill.url + "/v1/chat/completions", body)
         elapsed = time.monotonic() - t0
@@ -236,6 +240,10 @@ async def test_dp_rank_follows_the_room_or_the_pins(pair):
 
 async def _queue(s, url: str, name: str, value: int) -> bool:
     return (await disagg(s, url))["queues"][name] == value
+
+
+async def _rooms_failed_since(s, url: str, before: int) -> bool:
+    return (await disagg(s, url))["rooms_failed"] > before
 
 
 async def _running(s, url: str) -> bool:
