@@ -22,7 +22,9 @@ each engine's own request counter), failures; ratios against round-robin; and th
 the same window: one infinite cache, one LRU cache of the whole fleet's capacity, and the same LRU
 also caching each request's output after its prompt, as the engines do (all at block size 64, full
 blocks only). With sglang-router in the run, each other row's TTFT is also compared with its on the
-requests that got the same cache hit in both (the paths' cost, not the routing's).
+requests that got the same cache hit in both (the paths' cost, not the routing's). Each row also
+prints the CPU its clients took (they share the two cores with what they measure, so they are kept
+light) and, for Infera rows, the router's mean route and kv-indexer query times.
 
     .venv/bin/python bench/trace_replay.py [--start 2000 --count 1000] [--workers 4]
         [--policies round-robin least-loaded kv-aware sglang-router]
