@@ -33,6 +33,7 @@ import uvloop
 from benchfleet import sglang_router_installed, start_engines, start_fleet, start_sglang_router, stop_fleet
 from infera_common.models import BUNDLED_MODEL_NAME
 from small_pages import fleet_cpu
+from trace_replay import has_usage, sse_payloads
 
 ROWS = ("direct", "nats", "no-broker", "sglang-router")
 
@@ -45,9 +46,9 @@ async def one_stream(session: aiohttp.ClientSession, url: str, prompt: str, max_
     async with session.post(url + "/v1/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status}: {(await resp.text())[:200]}")
-        async for line in resp.content:
-            if line.startswith(b"data: {") and b'"usage"' in line:
-                usage = json.loads(line[6:]).get("usage") or usage
+        async for payload in sse_payloads(resp):
+            if has_usage(payload):
+                usage = json.loads(payload)["usage"]
     if not usage:
         raise RuntimeError(f"{url}: no usage in the stream")
     return usage["completion_tokens"]

@@ -136,11 +136,11 @@ def arrivals(trace: list[dict], time_scale: float) -> list[float]:
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
-def _has_usage(payload: bytes) -> bool:
+def has_usage(payload: bytes) -> bool:
     return b'"usage":{' in payload or b'"usage": {' in payload
 
 
-async def _events(resp: aiohttp.ClientResponse):
+async def sse_payloads(resp: aiohttp.ClientResponse):
     """The JSON payloads of an SSE response, as the chunks arrive."""
     decoder = SseDecoder()
     async for chunk in resp.content.iter_any():
@@ -159,8 +159,8 @@ async def one_completion(session: aiohttp.ClientSession, url: str, ids: list[int
     async with session.post(url + "/v1/completions", data=body, headers=JSON_HEADERS) as resp:
         if resp.status != 200:
             return {"ok": False, "status": resp.status}
-        async for payload in _events(resp):
-            if ttft is not None and not _has_usage(payload):
+        async for payload in sse_payloads(resp):
+            if ttft is not None and not has_usage(payload):
                 continue
             chunk = orjson.loads(payload)
             if ttft is None and chunk.get("choices") and chunk["choices"][0].get("text"):
@@ -188,7 +188,7 @@ async def one_generate(session: aiohttp.ClientSession, url: str, ids: list[int],
     async with session.post(url + "/generate", data=body, headers=JSON_HEADERS) as resp:
         if resp.status != 200:
             return {"ok": False, "status": resp.status}
-        async for payload in _events(resp):
+        async for payload in sse_payloads(resp):
             last = payload
             if ttft is None and orjson.loads(payload).get("output_ids"):
                 ttft = time.perf_counter() - t0

@@ -39,6 +39,20 @@ class LogSettings(TracingSettings):
     )
 
 
+class DrainSettings(InferaSettings):
+    """What a service does with the work under way when it is told to stop (frontend, router, worker-agent)."""
+
+    drain_timeout: float = Field(
+        30.0, ge=0,
+        description="On SIGTERM, seconds the work under way may take to finish before it is cut: the frontend's "
+        "answers (streams included, HTTP and NATS clients; their workers are then cancelled), the requests a "
+        "router runs on engines itself (--request-transport http), a worker-agent's requests (with "
+        "--request-transport http: until its engine reports nothing running or waiting; then the engine is "
+        "stopped). New work is refused at once. Give the process manager's grace (compose stop_grace_period, "
+        "Kubernetes terminationGracePeriodSeconds) a few seconds more.",
+    )
+
+
 class NatsSettings(InferaSettings):
     nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated.")
 

@@ -330,19 +330,18 @@ class Relay:
         subject, query = frames_query(router_id, worker_id, exchanges)
         try:
             await self._nc.request(subject, encode(query), timeout=SENDER_QUESTION_TIMEOUT)
+            on_bus = True
         except nats.errors.NoRespondersError:
-            gone = self.watch.absent(sender, asyncio.get_running_loop().time())
+            on_bus = False
         except (nats.errors.TimeoutError, TimeoutError):
-            self.watch.present(sender)  # subscribed, only slow to answer: its requests wait on
-            return
+            on_bus = True  # subscribed, only slow to answer: its requests wait on
         except Exception:  # the connection in trouble: asked again at the next check
-            return
-        else:
-            self.watch.present(sender)
             return
         finally:
             self._asking.discard(sender)
-        if gone:
+        if on_bus:
+            self.watch.present(sender)
+        elif self.watch.absent(sender, asyncio.get_running_loop().time()):
             self._sender_gone(router_id, worker_id, exchanges)
 
     def _sender_gone(self, router_id: str | None, worker_id: str, exchanges: list[Exchange]) -> None:

@@ -8,11 +8,11 @@ from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from infera_common.models import default_model_path
-from infera_common.settings import LogSettings, PlaneSettings
+from infera_common.settings import DrainSettings, LogSettings, PlaneSettings
 from infera_common.subjects import TOKEN_RE
 
 
-class FrontendSettings(PlaneSettings, LogSettings):
+class FrontendSettings(DrainSettings, PlaneSettings, LogSettings):
     # the env prefix also applies to aliases: INFERA_MODEL_PATH / INFERA_ROUTER_TOKENIZER_PATH
     model_config = SettingsConfigDict(env_prefix_target="all")
 
@@ -47,13 +47,6 @@ class FrontendSettings(PlaneSettings, LogSettings):
         description="How many more workers a request is tried on when it fails before its first byte reached "
         "the client (worker-agent 502/503/504, engine 429/502/503/504, no frame within --upstream-timeout, "
         "no router subscribed); never once a token was sent, never for other 4xx or cancellations. 0: no retry.",
-    )
-    drain_timeout: float = Field(
-        30.0, ge=0,
-        description="On SIGTERM, seconds the answers under way (streams included, HTTP and NATS clients) may take "
-        "to finish before they are cut and their workers cancelled. New requests are refused at once: the "
-        "HTTP port closes and the NATS API unsubscribes. Give the process manager's grace (compose "
-        "stop_grace_period, Kubernetes terminationGracePeriodSeconds) a few seconds more.",
     )
     frontend_id: str | None = Field(
         None, pattern=TOKEN_RE.pattern,

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from infera_common.settings import LogSettings, PlaneSettings
+from infera_common.settings import DrainSettings, LogSettings, PlaneSettings
 from infera_common.subjects import TOKEN_RE
 
 from infera_router.breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD, DEFAULT_MAX_COOLDOWN_S
@@ -21,7 +21,7 @@ from infera_router.sessions import DEFAULT_AFFINITY_MODE, DEFAULT_TTL_S, MAX_TTL
 PolicyName = Literal[POLICY_NAMES]  # type: ignore[valid-type]  # the registry's names
 
 
-class RouterSettings(PlaneSettings, LogSettings):
+class RouterSettings(DrainSettings, PlaneSettings, LogSettings):
 
     router_policy: PolicyName = Field(  # type: ignore[valid-type]
         DEFAULT_POLICY,
@@ -85,11 +85,6 @@ class RouterSettings(PlaneSettings, LogSettings):
     )
     publish_timeout: float = Field(
         2.0, gt=0, description="Seconds to wait for JetStream to acknowledge a work envelope."
-    )
-    drain_timeout: float = Field(
-        30.0, ge=0,
-        description="On SIGTERM, with --request-transport http, seconds the requests this router runs on engines "
-        "itself may take to finish before they are stopped (their requesters get an error).",
     )
     metrics_host: str = Field("127.0.0.1", description="Address the /metrics HTTP endpoint binds.")
     metrics_port: int = Field(9100, ge=0, le=65535, description="Port of /metrics (0 = any free port, logged).")

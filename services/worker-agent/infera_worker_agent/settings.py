@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from infera_common.settings import LogSettings, PlaneSettings, parse_cli
+from infera_common.settings import DrainSettings, LogSettings, PlaneSettings, parse_cli
 from infera_common.subjects import TOKEN_RE
 
 PROG = "infera-worker-agent"
@@ -24,7 +24,7 @@ DESCRIPTION = (
 )
 
 
-class AgentSettings(PlaneSettings, LogSettings):
+class AgentSettings(DrainSettings, PlaneSettings, LogSettings):
 
     engine: Literal["mock", "sglang", "vllm"] = Field(
         description="Engine to launch: the mock engine, SGLang (sglang.launch_server) or vLLM "
@@ -80,11 +80,6 @@ class AgentSettings(PlaneSettings, LogSettings):
     )
     health_check_failures: int = Field(
         3, ge=1, description="Failed health probes in a row that make the worker 'unhealthy'."
-    )
-    drain_timeout: float = Field(
-        30.0, ge=0,
-        description="On SIGTERM, seconds in-flight requests may take to finish (with --request-transport http: "
-        "until the engine reports nothing running or waiting) before they are cancelled and the engine stopped."
     )
     engine_stop_timeout: float = Field(
         10.0, ge=0, description="Seconds between SIGTERM and SIGKILL when stopping the engine's process group."
