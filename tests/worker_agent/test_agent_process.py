@@ -277,7 +277,10 @@ async def test_every_envelope_stored_for_a_worker_whose_engine_dies_gets_an_answ
     flooding = asyncio.create_task(flood())
     await asyncio.sleep(0.3)
     os.kill(engine_pid, signal.SIGKILL)
-    assert await asyncio.to_thread(agent.wait, 20) == 128 + signal.SIGKILL
+    # under the flood every broker call of the agent's way out (seal, settle, stream delete) may run
+    # into its own bounded wait: this test is about the answers, so it allows their sum, not 20 s
+    code = await asyncio.to_thread(agent.wait, 60)
+    assert code == 128 + signal.SIGKILL, agent.err_path.read_text()[-4000:]
     await flooding
     await eventually(lambda: all(rid in answers for rid in stored), 5)
     unanswered = [rid for rid in stored if rid not in answers]
