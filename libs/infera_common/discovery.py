@@ -19,6 +19,7 @@ from infera_common.fleet import Change, FleetView
 from infera_common.logs import get_logger
 from infera_common.schemas import WorkerRecord, WorkerStatus, decode, encode
 from infera_common.subjects import DISCOVERY_BUCKET
+from infera_common.tasks import stop_tasks
 
 log = get_logger("discovery")
 
@@ -70,10 +71,8 @@ class Registrar:
         await self._put()
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        task, self._task = self._task, None
+        await stop_tasks(task)
         if self._kv is not None:
             try:
                 await self._kv.delete(self.record.worker_id)
@@ -147,9 +146,7 @@ class Watcher:
 
     async def _unwatch(self) -> None:
         follower, self._follower = self._follower, None
-        if follower is not None:
-            follower.cancel()
-            await asyncio.gather(follower, return_exceptions=True)
+        await stop_tasks(follower)
         kv_watcher, self._kv_watcher = self._kv_watcher, None
         if kv_watcher is not None:
             try:
@@ -158,9 +155,7 @@ class Watcher:
                 pass
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await stop_tasks(*self._tasks)
         self._tasks = []
         await self._unwatch()
 

@@ -45,6 +45,7 @@ from infera_common.etcd_gateway import EtcdClient, EtcdError, EtcdUnavailable, K
 from infera_common.fleet import Change, FleetView
 from infera_common.logs import get_logger
 from infera_common.schemas import WorkerRecord, WorkerStatus
+from infera_common.tasks import stop_tasks
 
 log = get_logger("discovery.etcd")
 
@@ -121,10 +122,8 @@ class EtcdRegistrar:
         """Nothing to redo when NATS reconnects: etcd keeps the fleet, and this class follows it itself."""
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        task, self._task = self._task, None
+        await stop_tasks(task)
         if self.lease_id is not None:
             try:
                 await self._client.revoke(self.lease_id)
@@ -207,10 +206,8 @@ class EtcdWatcher:
         """Nothing to redo when NATS reconnects: etcd keeps the fleet, and this class follows it itself."""
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        task, self._task = self._task, None
+        await stop_tasks(task)
         if self._owns_client:
             await self._client.close()
 

@@ -32,6 +32,7 @@ from zmq.utils.monitor import parse_monitor_message
 from infera_common.kv_seq import RankSeq, Verdict, fill_plan
 from infera_common.kv_wire import END_SEQ, KvWireError, decode_seq, encode_seq, replay_reply
 from infera_common.logs import get_logger
+from infera_common.tasks import stop_tasks
 
 _log = get_logger("kv_zmq")
 
@@ -126,9 +127,7 @@ class KvZmqReader:
             self._tasks.append(asyncio.create_task(self._run_rank(source, sub), name=f"kv-zmq-{source.dp_rank}"))
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await stop_tasks(*self._tasks)
         self._tasks.clear()
         for sock in self._sockets:
             sock.close(linger=0)

@@ -13,6 +13,7 @@ from nats.js.errors import NotFoundError
 
 from infera_common.logs import get_logger
 from infera_common.subjects import KV_EVENT_STREAM, KV_EVENT_SUBJECTS, request_stream, work_subject
+from infera_common.tasks import stop_tasks
 
 log = get_logger("nats")
 
@@ -68,7 +69,7 @@ class Reconnects:
 
     async def close(self) -> None:
         if self._task is not None:
-            await cancel_until_done(self._task)
+            await stop_tasks(self._task)
             self._task = None
 
 
@@ -109,7 +110,7 @@ async def connect(url: str, name: str, connect_timeout: float = 10.0, reconnects
     try:
         done, _ = await asyncio.wait({task}, timeout=connect_timeout)
     finally:  # also when the caller itself is cancelled (SIGTERM during start-up)
-        await cancel_until_done(task)
+        await stop_tasks(task)
     if not done or task.exception() is not None:
         cause = task.exception() if done else None
         raise ConnectionError(
@@ -131,16 +132,6 @@ async def flush_all(nc, timeout: float = 10.0) -> None:
     """
     await nc.flush(timeout)
     await nc.flush(timeout)
-
-
-async def cancel_until_done(task: asyncio.Task, attempts: int = 100) -> None:
-    """Cancel ``task`` and wait until it has stopped, re-cancelling if a cancellation was swallowed."""
-    for _ in range(attempts):
-        if task.done():
-            return
-        task.cancel()
-        await asyncio.wait({task}, timeout=0.1)
-    log.error("task_ignores_cancellation", task=task.get_name())
 
 
 async def ensure_request_stream(js: JetStreamContext, worker_id: str, max_pending: int, max_age: float) -> str:

@@ -44,6 +44,7 @@ from infera_common.subjects import (
     ROUTER_ROUTE, cancel_subject, frames_query_subject, frames_replay_subject, router_frames_query_subject,
     router_frames_replay_subject, router_release_subject,
 )
+from infera_common.tasks import stop_tasks
 
 from infera_frontend.exchange import Exchange
 from infera_frontend.failover import NO_ROUTER, SENDER_GONE, RetryableError
@@ -299,9 +300,7 @@ class Relay:
 
     async def stop_watch(self) -> None:
         task, self._watch_task = self._watch_task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await stop_tasks(task)
 
     async def _watch_senders(self) -> None:
         loop = asyncio.get_running_loop()

@@ -35,6 +35,7 @@ from infera_common.nats_conn import (
     Reconnects, close_connection, connect, flush_all, nats_log_fields, unsubscribe_quietly,
 )
 from infera_common.subjects import KV_INDEXER_QUEUE, KV_QUERY
+from infera_common.tasks import stop_tasks
 from infera_common.tracing import HEADER as TRACE_HEADER
 from infera_common.tracing import SpanKind, finish, start_span
 
@@ -129,9 +130,8 @@ class KvIndexerService:
         if self._stream is not None:
             await self._stream.stop()
         if self._housekeeper is not None:
-            self._housekeeper.cancel()
-            await asyncio.gather(self._housekeeper, return_exceptions=True)
-            self._housekeeper = None
+            housekeeper, self._housekeeper = self._housekeeper, None
+            await stop_tasks(housekeeper)
             self._flush_metrics()
         if self._watcher is not None:
             await self._watcher.stop()

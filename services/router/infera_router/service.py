@@ -32,6 +32,7 @@ from infera_common.subjects import (
     router_prefilled_subject,
     router_release_subject,
 )
+from infera_common.tasks import stop_tasks
 
 from infera_router.breaker import CircuitBreaker, Transition
 from infera_router.core import RouterCore
@@ -150,10 +151,8 @@ class RouterService(RoutePath):
             self._dispatcher = None
         if self._local_kv is not None:
             await self._local_kv.stop()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            await asyncio.gather(self._sweeper, return_exceptions=True)
-            self._sweeper = None
+        sweeper, self._sweeper = self._sweeper, None
+        await stop_tasks(sweeper)
         if self._watcher is not None:
             await self._watcher.stop()
             self._watcher = None

@@ -10,6 +10,7 @@ from enum import StrEnum
 import aiohttp
 
 from infera_common.logs import get_logger
+from infera_common.tasks import stop_tasks
 from infera_worker_agent.engine_proc import EngineProcess
 from infera_worker_agent.liveness import Liveness
 
@@ -51,9 +52,7 @@ class HealthWatch:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await stop_tasks(task)
 
     async def _run(self) -> None:
         told = True  # the verdict the worker's record carries (it went active healthy)

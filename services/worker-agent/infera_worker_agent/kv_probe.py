@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from infera_common.logs import get_logger
 from infera_common.schemas import KvRelay
+from infera_common.tasks import stop_tasks
 from infera_worker_agent.kv_config import KvSource
 from infera_worker_agent.kv_relay import KvRelayer
 from infera_worker_agent.metrics import AgentMetrics
@@ -49,10 +50,8 @@ class KvBlockSizeProbe:
         self._task = asyncio.create_task(self._close_when_settled(), name="kv-block-size-probe")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        task, self._task = self._task, None
+        await stop_tasks(task)
         await self._relayer.close()
 
     @property

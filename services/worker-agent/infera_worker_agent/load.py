@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from infera_common.logs import get_logger
 from infera_common.schemas import LoadReport
+from infera_common.tasks import stop_tasks
 
 log = get_logger("worker_agent.load")
 
@@ -108,10 +109,8 @@ class LoadReporter:
         self._task = asyncio.create_task(self._run(), name="load-reporter")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        task, self._task = self._task, None
+        await stop_tasks(task)
 
     async def scrape(self) -> EngineLoad | None:
         return await scrape_engine(self._session, self._url, max(min(self._interval, 5.0), 0.5))

@@ -38,6 +38,7 @@ from infera_common.schemas import WorkEnvelope, decode
 from infera_common.subjects import (
     cancel_subject, frames_query_subject, frames_replay_subject, request_stream, work_consumer, work_subject,
 )
+from infera_common.tasks import stop_tasks
 from infera_worker_agent.metrics import AgentMetrics
 
 log = get_logger("worker_agent.worker")
@@ -217,9 +218,7 @@ class RequestWorker:
         refusal is set), so none is left without a frame and a Release.
         """
         self._runner.refuse_new(reason)
-        for task in self._tasks.values():
-            task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await stop_tasks(*self._tasks.values())
         self._tasks.clear()
         work_sub, self._work_sub = self._work_sub, None
         if work_sub is not None:
