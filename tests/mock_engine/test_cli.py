@@ -15,6 +15,7 @@ def test_sglang_style_defaults(model_dir):
         64, 16384, 256, 8192)
     assert cfg.context_length == 8192  # config.json max_position_embeddings
     assert cfg.speedup == 1.0 and cfg.startup_delay == 0.0 and cfg.ignored_args == ()
+    assert not cfg.disable_overlap_schedule  # SGLang's default: the overlap schedule
     assert level == "info"
 
 
@@ -37,6 +38,8 @@ def test_unknown_real_engine_flags_are_collected(model_dir):
                          "--mem-fraction-static", "0.8", "--enable-metrics", "--num-kv-blocks", "10"])
     assert cfg.ignored_args == ("--tp", "8", "--trust-remote-code", "--mem-fraction-static", "0.8")
     assert cfg.enable_metrics and cfg.num_kv_blocks == 10
+    cfg, _ = parse_args(["--model-path", str(model_dir), "--tp", "8", "--disable-overlap-schedule"])
+    assert cfg.disable_overlap_schedule and cfg.ignored_args == ("--tp", "8")  # simulated, not ignored
 
 
 def _exit2(capsys, argv) -> str:

@@ -140,13 +140,14 @@ async def test_model_info(engine, path):
 
 async def test_server_info_reports_resolved_args(start_engine):
     client = await start_engine("--page-size", "32", "--num-kv-blocks", "500", "--max-running-requests", "7",
-                                "--speedup", "3", "--served-model-name", "smol", "--tp", "2")
+                                "--speedup", "3", "--served-model-name", "smol", "--tp", "2",
+                                "--disable-overlap-schedule")
     for path in ("/server_info", "/get_server_info"):
         status, info = await client.get_json(path)
         assert status == 200
         assert (info["page_size"], info["num_kv_blocks"], info["max_total_num_tokens"]) == (32, 500, 16000)
         assert (info["max_running_requests"], info["speedup"], info["engine_flavor"]) == (7, 3.0, "sglang")
         assert info["served_model_name"] == "smol" and info["context_length"] == 8192
-        assert info["ignored_args"] == ["--tp", "2"]
+        assert info["ignored_args"] == ["--tp", "2"] and info["disable_overlap_schedule"] is True
     status, models = await client.get_json("/v1/models")
     assert models["data"][0]["owned_by"] == "sglang" and models["data"][0]["max_model_len"] == 8192

@@ -2,7 +2,7 @@
 
 import pytest
 
-from infera_mock_engine.timing import TimingModel
+from infera_mock_engine.timing import TimingModel, step_start
 
 
 def test_prefill_curve_values():
@@ -43,3 +43,19 @@ def test_speedup_divides_step_time():
 def test_speedup_must_be_positive():
     with pytest.raises(ValueError):
         TimingModel(speedup=0)
+
+
+def test_a_step_starts_when_the_host_gets_to_it_without_overlap_or_after_idle():
+    assert step_start(10.004, due=10.0, last=0.01, overlap=False) == 10.004  # lateness lengthens the step
+    assert step_start(10.004, due=None, last=0.01, overlap=True) == 10.004  # idle before: nothing to credit
+
+
+def test_with_overlap_a_host_late_by_up_to_one_step_costs_the_gpu_nothing():
+    assert step_start(10.004, due=10.0, last=0.01, overlap=True) == 10.0  # 4 ms late, 10 ms step: hidden
+    assert step_start(10.025, due=10.0, last=0.01, overlap=True) == pytest.approx(10.015)  # only the excess lost
+    assert step_start(10.0, due=10.0, last=0.01, overlap=True) == 10.0
+
+
+def test_with_overlap_a_step_never_starts_before_the_latest_request_came_in():
+    assert step_start(10.004, due=10.0, last=0.01, overlap=True, arrived=10.003) == 10.003
+    assert step_start(10.004, due=10.0, last=0.01, overlap=True, arrived=9.0) == 10.0

@@ -25,6 +25,7 @@ class EngineConfig:
     speedup: float = 1.0
     max_running_requests: int = 256
     max_num_batched_tokens: int = 8192
+    disable_overlap_schedule: bool = False  # SGLang's flag: host time then lengthens every step
     num_kv_blocks: int = 16384
     page_size: int = 64
     context_length: int = 8192

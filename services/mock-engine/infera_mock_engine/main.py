@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                    dest="max_running_requests", help="most sequences running at once (default 256)")
     p.add_argument("--max-num-batched-tokens", "--chunked-prefill-size", type=_positive_int, default=8192,
                    dest="max_num_batched_tokens", help="prefill tokens per scheduler step (default 8192)")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="SGLang's flag: each step starts when the engine's event loop gets to it, so a busy or "
+                   "slow-waking host lengthens every step. Default (SGLang's overlap schedule): a step starts when "
+                   "the one before was due to end, the host being late by up to one step costing nothing")
     p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=_positive_int, default=None,
                    dest="num_kv_blocks", help="KV cache blocks (default 16384, or --max-total-tokens / page size)")
     p.add_argument("--max-total-tokens", type=_positive_int, default=None,
@@ -186,6 +190,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, str]:
         speedup=ns.speedup,
         max_running_requests=ns.max_running_requests,
         max_num_batched_tokens=ns.max_num_batched_tokens,
+        disable_overlap_schedule=ns.disable_overlap_schedule,
         num_kv_blocks=num_blocks,
         page_size=ns.page_size,
         context_length=ns.context_length or default_context_length(model_config, tok_dir),

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from infera_mock_engine.kv_events import KvEvent
 from infera_mock_engine.prefix_cache import PrefixCache
-from infera_mock_engine.timing import TimingModel
+from infera_mock_engine.timing import TimingModel, step_start
 
 log = logging.getLogger("infera_mock_engine.scheduler")
 
@@ -82,6 +82,7 @@ class Sequence:
 class SchedulerConfig:
     max_running_requests: int = 256
     max_num_batched_tokens: int = 8192
+    overlap: bool = True  # SGLang's overlap schedule (timing.step_start); --disable-overlap-schedule turns it off
 
 
 @dataclass
@@ -122,9 +123,14 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.stats = Stats()
         self._wake = asyncio.Event()
+        self._arrived = float("-inf")  # loop time of the latest request added
 
     # ---- requests in and out -------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        try:
+            self._arrived = asyncio.get_running_loop().time()
+        except RuntimeError:  # no loop: a test driving plan_step/finish_step itself
+            pass
         seq.state = WAITING
         self.waiting.append(seq)
         self._wake.set()
@@ -271,12 +277,15 @@ class Scheduler:
     # ---- the loop ------------------------------------------------------------
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
+        due: float | None = None  # when the step before was due to end, while steps follow one another
+        last = 0.0  # that step's length
         while True:
             if not self.running and not self.waiting:
+                due = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            t0 = loop.time()
+            t0 = step_start(loop.time(), due, last, self.config.overlap, self._arrived)
             try:
                 step = self.plan_step()
             except Exception:  # noqa: BLE001 - a bug must not stall every request: fail them, keep serving
@@ -284,10 +293,12 @@ class Scheduler:
                 self.abort_all("internal error in the mock engine's scheduler")
                 continue
             if step.empty:  # everything left waits for blocks held by nobody: cannot happen; don't spin
+                due = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await asyncio.sleep(max(0.0, t0 + step.seconds - loop.time()))
+            due, last = t0 + step.seconds, step.seconds
+            await asyncio.sleep(max(0.0, due - loop.time()))
             try:
                 self.finish_step(step)
             except Exception:  # noqa: BLE001

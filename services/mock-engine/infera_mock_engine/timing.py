@@ -10,7 +10,7 @@ with theirs:
   0 when no sequence decodes in the step.
 
 Our choice (documented in README.md): a step that both prefills and decodes costs the sum of the
-two; every time is divided by the speedup ratio.
+two; every time is divided by the speedup ratio. ``step_start`` places each step on the clock.
 """
 
 from __future__ import annotations
@@ -55,3 +55,19 @@ class TimingModel:
     def step_seconds(self, prefill_tokens: int, decoding: int, kv_usage: float) -> float:
         """Wall-clock seconds the step takes: model time divided by the speedup ratio."""
         return self.step_ms(prefill_tokens, decoding, kv_usage) / 1000.0 / self.speedup
+
+
+def step_start(now: float, due: float | None, last: float, overlap: bool, arrived: float = float("-inf")) -> float:
+    """When a step begins on the clock, given that the host got to it at ``now``, the step before
+    (``last`` seconds long) was due to end at ``due`` (None: the engine was idle in between) and
+    the latest request came in at ``arrived``.
+
+    Without overlap a step begins when the host gets to it, so the host's lateness (a busy CPU, a
+    slow wake-up, the engine's own HTTP and tokenizer work) lengthens every step. With SGLang's
+    overlap schedule (its default) the host prepares the next batch while the GPU runs the current
+    one: lateness up to one step's length costs the GPU nothing, and the step begins when the one
+    before was due to end; beyond that only the excess is lost. Never before the latest arrival: a
+    batch cannot have started before a request in it came in."""
+    if not overlap or due is None:
+        return now
+    return min(now, max(due, now - last, arrived))
