@@ -107,6 +107,11 @@ class LoadReport(_Msg):
     #: ``in_flight`` split by the router that leased each request: a router counts the others'
     #: requests from this without guessing which of its own the report still includes
     by_router: dict[str, int] = Field(default_factory=dict)
+    #: requests the engine holds that did not come through this agent (clients calling the engine
+    #: directly): its running + waiting less the agent's in-flight count taken both before and
+    #: after reading them, so a request that ended or started during the read is not counted
+    #: (``None``: not said, an older agent; a router then subtracts ``in_flight`` itself)
+    engine_unseen: int | None = None
     #: the served model and where the worker is registered: a service whose discovery does not list
     #: a worker that reports load can then say which plane it is on (``None``: not said)
     model: str = ""

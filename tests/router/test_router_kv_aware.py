@@ -66,6 +66,15 @@ def test_requests_beside_the_agent_count_once_and_waiting_ones_are_not_counted_t
     assert {c.worker_id: c.load_blocks for c in KvAware(1.0).explain(ws, request(), view({}))}["b"] == 10
 
 
+def test_the_agents_own_count_of_requests_beside_it_is_used_when_it_reports_one():
+    ws = [worker("a"), worker("b")]
+    # the engine's figures include a request that ended as they were read: the agent says none is beside it
+    ws[1].load = LoadReport(worker_id="b", in_flight=0, engine_running=1, engine_unseen=0)
+    assert {c.worker_id: c.load_blocks for c in KvAware(1.0).explain(ws, request(), view({}))}["b"] == 0
+    ws[1].load = LoadReport(worker_id="b", in_flight=0, engine_running=1, engine_unseen=1)
+    assert {c.worker_id: c.load_blocks for c in KvAware(1.0).explain(ws, request(), view({}))}["b"] == 10
+
+
 def test_decoding_requests_weigh_the_decode_weight_per_block():
     # b holds 8 of 10 blocks; its 16 blocks of leases are past their first token
     ws = [worker("a"), worker("b", leases=1, decoding_tokens=16 * 64)]

@@ -1,8 +1,8 @@
-"""Engine load from /metrics text, both engine flavours."""
+"""Engine load from /metrics text, both engine flavours, and the load report built from it."""
 
 import pytest
 
-from infera_worker_agent.load import EngineLoad, parse_engine_metrics
+from infera_worker_agent.load import EngineLoad, LoadReporter, engine_unseen, parse_engine_metrics
 
 SGLANG = """\
 # HELP sglang:num_running_reqs The number of running requests.
@@ -66,3 +66,42 @@ def test_page_without_engine_load_series():
 def test_garbage_is_a_value_error():
     with pytest.raises(ValueError):
         parse_engine_metrics("sglang:num_running_reqs{model= 3 garbage\n")
+
+
+def test_requests_beside_the_agent_are_the_engines_less_the_agents_count_around_the_scrape():
+    assert engine_unseen(EngineLoad(running=3, waiting=1), 2, 2) == 2  # two clients straight at the engine
+    assert engine_unseen(EngineLoad(running=2), 2, 1) == 0  # one ended while the scrape was under way
+    assert engine_unseen(EngineLoad(running=2), 1, 2) == 0  # one started then
+    assert engine_unseen(EngineLoad(running=0), 2, 2) == 0  # not reached the engine yet: never negative
+
+
+def reporter(in_flight, scrapes):
+    published = []
+
+    async def publish(report):
+        published.append(report)
+
+    r = LoadReporter(worker_id="w", session=None, metrics_url="http://unused", interval=1.0,
+                     in_flight=lambda: in_flight[0], publish=publish)
+
+    async def scrape():
+        result = scrapes.pop(0)
+        in_flight[0] -= 1  # a request ends while the engine's figures are read
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    r.scrape = scrape
+    return r
+
+
+async def test_a_request_ending_during_the_scrape_is_not_reported_as_someone_elses():
+    in_flight = [3]
+    r = reporter(in_flight, [EngineLoad(running=3), EngineLoad(running=3), OSError("engine gone")])
+    report = await r.report_once()
+    # the engine still counted the request that ended: 3 - 2 would be a phantom request
+    assert (report.in_flight, report.engine_running, report.engine_unseen) == (2, 3, 0)
+    in_flight[0] = 2  # the agent's two (one ending during the scrape) and a client calling the engine itself
+    assert (await r.report_once()).engine_unseen == 1  # 3 - max(2, 1)
+    # a failed scrape says nothing new: the last consistent figure stays
+    assert (await r.report_once()).engine_unseen == 1

@@ -20,9 +20,13 @@ request's first token waits behind every prompt still being prefilled on that wo
 decoding request only slows each engine step a little (and holds KV blocks), so counting it at
 full size keeps a busy conversation away from the worker that holds its cache.
 ``others(w)`` = the requests other routers leased on ``w`` (the agent's load report splits its
-in-flight count by router; older reports: agent in-flight - this router's leases) + ``max(0, engine
-running + waiting - agent in-flight)`` (clients going straight to the engine): requests whose sizes
-this router does not know, counted at this request's size. The split matters: a report is up to a
+in-flight count by router; older reports: agent in-flight - this router's leases) + the report's
+``engine_unseen`` (clients going straight to the engine: the engine's running + waiting less the
+agent's in-flight count around its scrape; older reports: ``max(0, engine running + waiting -
+agent in-flight)``): requests whose sizes this router does not know, counted at this request's size.
+Each such request weighs as much as the whole request being placed, so a miscount matters: the
+older subtraction counted every request that ended during the agent's scrape as an unseen one,
+until the next report. The split matters: a report is up to a
 second old, and subtracting this router's current leases from it would count each of its requests
 that finished since as someone else's, at full size.
 
@@ -88,7 +92,10 @@ def unseen_requests(worker: WorkerState) -> int:
     report = worker.load
     if report is None:
         return 0
-    beside_agent = max(0, report.engine_running + report.engine_waiting - report.in_flight)
+    if report.engine_unseen is not None:  # counted by the agent around its scrape (LoadReport)
+        beside_agent = report.engine_unseen
+    else:
+        beside_agent = max(0, report.engine_running + report.engine_waiting - report.in_flight)
     if worker.others is not None:  # the agent said which requests are other routers'
         return worker.others + beside_agent
     return max(0, report.in_flight - worker.in_flight) + beside_agent

@@ -62,6 +62,16 @@ def parse_engine_metrics(text: str) -> EngineLoad | None:
     )
 
 
+def engine_unseen(load: EngineLoad, in_flight_before: int, in_flight_after: int) -> int:
+    """Requests the engine holds that did not come through the agent: its running + waiting less
+    the agent's in-flight count, taken before and after the scrape and the larger used. A request
+    that ended while the scrape was under way is still in the engine's figures but no longer in
+    the count taken after it; one that started then is in the count taken after. Subtracting the
+    count from after the scrape alone turned each such ending into a phantom request that stayed in
+    a router's load until the next report."""
+    return max(0, load.running + load.waiting - max(in_flight_before, in_flight_after))
+
+
 async def scrape_engine(session: aiohttp.ClientSession, metrics_url: str, timeout: float) -> EngineLoad | None:
     """The engine's load from its /metrics; None when the page has none of the known series.
 
@@ -102,6 +112,7 @@ class LoadReporter:
         self._publish = publish
         self._on_load = on_load
         self.last = EngineLoad()
+        self._unseen = 0  # from the last successful scrape (a failed one says nothing new)
         self._task: asyncio.Task | None = None
         self._warned = False
 
@@ -116,10 +127,12 @@ class LoadReporter:
         return await scrape_engine(self._session, self._url, max(min(self._interval, 5.0), 0.5))
 
     async def report_once(self) -> LoadReport:
+        before = self._in_flight()
         try:
             load = await self.scrape()
             if load is not None:
                 self.last = load
+                self._unseen = engine_unseen(load, before, self._in_flight())
                 self._warned = False  # warn again if the engine's metrics go away later
                 self._on_load(load)
             elif not self._warned:
@@ -135,6 +148,7 @@ class LoadReporter:
             by_router=self._by_router(),
             engine_running=self.last.running,
             engine_waiting=self.last.waiting,
+            engine_unseen=self._unseen,
             kv_usage=self.last.kv_usage,
         )
         await self._publish(report)
