@@ -45,5 +45,4 @@ class SseDecoder:
     def close(self) -> list[bytes]:
         """The stream ended: an unterminated last line and event still count."""
         tail, self._tail = self._tail, b""
-        events = self.feed(tail + b"\n\n") if tail or self._data else []
-        return events
+        return self.feed(tail + b"\n\n") if tail or self._data else []

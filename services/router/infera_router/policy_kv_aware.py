@@ -21,14 +21,14 @@ decoding request only slows each engine step a little (and holds KV blocks), so 
 full size keeps a busy conversation away from the worker that holds its cache.
 ``others(w)`` = the requests other routers leased on ``w`` (the agent's load report splits its
 in-flight count by router; older reports: agent in-flight - this router's leases) + the report's
-``engine_unseen`` (clients going straight to the engine: the engine's running + waiting less the
-agent's in-flight count around its scrape; older reports: ``max(0, engine running + waiting -
-agent in-flight)``): requests whose sizes this router does not know, counted at this request's size.
-Each such request weighs as much as the whole request being placed, so a miscount matters: the
-older subtraction counted every request that ended during the agent's scrape as an unseen one,
-until the next report. The split matters: a report is up to a
-second old, and subtracting this router's current leases from it would count each of its requests
-that finished since as someone else's, at full size.
+``engine_unseen`` (clients going straight to the engine; older reports: ``max(0, engine running +
+waiting - agent in-flight)``): requests whose sizes this router does not know, counted at this
+request's size. Each weighs as much as the whole request being placed, so both counts are taken
+where they cannot go stale. The split by router: a report is up to a second old, and subtracting
+this router's current leases from it would count each of its requests that finished since as
+someone else's. ``engine_unseen``: the agent subtracts its in-flight count from before and after
+its scrape; the count from after alone made every request that ended during the scrape an unseen
+one until the next report.
 
 Why ``kv_overlap_weight`` (default DEFAULT_OVERLAP_WEIGHT = 2.0): at 1.0 a cached block would save
 exactly one block of work; above 1 favours cache hits more (prefill-bound fleets, long shared
