@@ -17,6 +17,9 @@ sglang:token_usage{model_name="m",engine_type="unified",tp_rank="0"} 0.42
 # HELP sglang:prompt_tokens_total Number of prefill tokens processed.
 # TYPE sglang:prompt_tokens_total counter
 sglang:prompt_tokens_total{model_name="m"} 12345.0
+# HELP sglang:generation_tokens_total Number of generation tokens processed.
+# TYPE sglang:generation_tokens_total counter
+sglang:generation_tokens_total{model_name="m"} 55.0
 """
 
 VLLM = """\
@@ -42,11 +45,12 @@ vllm:prompt_tokens_total{model_name="m"} 99.0
 
 
 def test_sglang_names():
-    assert parse_engine_metrics(SGLANG) == EngineLoad(running=3, waiting=5, kv_usage=pytest.approx(0.42))
+    assert parse_engine_metrics(SGLANG) == EngineLoad(running=3, waiting=5, kv_usage=pytest.approx(0.42),
+                                                      tokens=12400.0)
 
 
 def test_vllm_names_summed_over_dp_ranks_and_one_kv_name_only():
-    assert parse_engine_metrics(VLLM) == EngineLoad(running=6, waiting=1, kv_usage=pytest.approx(0.4))
+    assert parse_engine_metrics(VLLM) == EngineLoad(running=6, waiting=1, kv_usage=pytest.approx(0.4), tokens=99.0)
 
 
 def test_older_vllm_kv_name():
@@ -61,6 +65,12 @@ def test_usage_is_clamped_to_a_fraction():
 def test_page_without_engine_load_series():
     assert parse_engine_metrics("# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 3.0\n") is None
     assert parse_engine_metrics("") is None
+    assert parse_engine_metrics("vllm:generation_tokens_total 7.0\n") is None  # counters alone are no load
+
+
+def test_an_engine_without_token_counters_has_no_progress_mark():
+    text = "vllm:num_requests_running 1.0\n"
+    assert parse_engine_metrics(text).tokens is None
 
 
 def test_garbage_is_a_value_error():

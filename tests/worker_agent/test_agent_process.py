@@ -316,6 +316,45 @@ async def test_a_hung_engine_is_registered_unhealthy_gets_no_work_and_comes_back
     assert await asyncio.to_thread(agent.wait, 20) == 0
 
 
+async def agent_metric(port: int, name: str) -> float:
+    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/metrics") as resp:
+        text = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+async def test_a_hung_gpu_behind_a_passing_health_check_is_found_by_the_canary(bus, agents):
+    """vLLM's /health answers 200 while the GPU hangs; the agent still stops the routing to it."""
+    metrics_port = free_port()
+    agent = agents("w-stall", ["--health-check-interval", "0.3", "--health-check-timeout", "1",
+                               "--load-interval", "0.1", "--metrics-port", str(metrics_port)],
+                   ["--engine-flavor", "vllm"])
+    model = (await bus.active("w-stall")).model
+    rid, sub = await bus.submit("w-stall", chat(600, stream=True, model=model))  # ~3.4 s of tokens
+    first = await bus.frames(sub, n=2)
+    assert first[-1].kind == "data", first
+    await asyncio.sleep(1.0)  # busy and making progress: no canary, still active
+    assert bus.watcher.view.get("w-stall").status == WorkerStatus.ACTIVE
+    assert await agent_metric(metrics_port, "infera_agent_engine_canaries_total") == 0
+    engine_pid = agent.engine_pid()
+    engine_url = bus.watcher.view.get("w-stall").url
+    os.kill(engine_pid, signal.SIGUSR1)  # the mock's simulated GPU hang
+    try:
+        assert await eventually(lambda: bus.watcher.view.get("w-stall").status == WorkerStatus.UNHEALTHY, 10)
+        async with aiohttp.ClientSession() as s, s.get(f"{engine_url}/health") as resp:
+            assert resp.status == 200  # what vLLM's /health says of a hung GPU
+    finally:
+        os.kill(engine_pid, signal.SIGUSR2)
+    stalled = agent.event("engine_stalled")
+    assert stalled is not None and stalled["requests"] >= 1
+    assert bus.watcher.view.active(model) == []
+    assert await agent_metric(metrics_port, 'infera_agent_engine_canaries_total{outcome="silent"}') >= 1
+    await bus.active("w-stall", timeout=10)  # tokens flow again: routable again
+    frames = await bus.frames(sub, timeout=30)  # the stream under way was kept and ends whole
+    assert frames[-1].kind == "end"
+    os.kill(agent.pid, signal.SIGTERM)
+    assert await asyncio.to_thread(agent.wait, 20) == 0
+
+
 async def test_sigkilled_agent_takes_its_engine_along_and_ages_out(bus, agents):
     agent = agents("w-kill")
     await bus.active("w-kill")

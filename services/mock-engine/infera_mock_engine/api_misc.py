@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from datetime import datetime, timezone
@@ -19,30 +20,62 @@ from infera_mock_engine.metrics import render
 
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 STARTED = web.AppKey("started", float)
-HEALTH_GENERATE_TIMEOUT = 20.0
+#: SGLang's SGLANG_HEALTH_CHECK_TIMEOUT: how long a generation probe waits for the scheduler
+HEALTH_CHECK_TIMEOUT_ENV, HEALTH_CHECK_TIMEOUT_DEFAULT = "SGLANG_HEALTH_CHECK_TIMEOUT", 20.0
+#: SGLang's switch between a /health that generates (default) and one that only says the server is up
+HEALTH_GENERATION_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
+HEALTH_POLL = 0.02
+
+
+def health_check_timeout() -> float:
+    try:
+        return float(os.environ.get(HEALTH_CHECK_TIMEOUT_ENV, HEALTH_CHECK_TIMEOUT_DEFAULT))
+    except ValueError:
+        return HEALTH_CHECK_TIMEOUT_DEFAULT
+
+
+def health_generates() -> bool:
+    return os.environ.get(HEALTH_GENERATION_ENV, "true").strip().lower() not in ("0", "false", "no", "off")
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.Response(status=200 if engine_of(request).ready.is_set() else 503)
-
-
-async def health_generate(request: web.Request) -> web.Response:
-    """Generate one token through the scheduler (skipped, like SGLang, while requests are running)."""
+    """vLLM: 200 while the engine lives (a hung GPU included). SGLang: the generation probe of
+    /health_generate, unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is off."""
     engine = engine_of(request)
     if not engine.ready.is_set():
         return web.Response(status=503)
-    if engine.totals().running:
+    if engine.config.engine_flavor == "vllm" or not health_generates():
         return web.Response(status=200)
+    return await generation_probe(engine)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    engine = engine_of(request)
+    if not engine.ready.is_set():
+        return web.Response(status=503)
+    return await generation_probe(engine)
+
+
+async def generation_probe(engine: Engine) -> web.Response:
+    """SGLang's test: queue a one-token generation and answer 200 as soon as any scheduler step
+    after this moment produced output (this probe's or any other request's), 503 when none did
+    within SGLANG_HEALTH_CHECK_TIMEOUT (a hung GPU)."""
+    before = [rank.scheduler.outputs for rank in engine.ranks]
     bos = engine.tokenizer.special.get("bos_token")
     first = engine.tokenizer.tokenizer.token_to_id(bos) if bos else None
     params = GenerationParams(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", prompt_ids=[first or 0], max_new_tokens=1,
                               temperature=0.0, internal=True)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + health_check_timeout()
     try:
-        async with engine.submit(params) as stream:
-            await asyncio.wait_for(stream.collect(), HEALTH_GENERATE_TIMEOUT)
-    except (RequestError, asyncio.TimeoutError):
-        return web.Response(status=503)
-    return web.Response(status=200)
+        async with engine.submit(params):
+            while loop.time() < deadline:
+                if any(rank.scheduler.outputs > n for rank, n in zip(engine.ranks, before)):
+                    return web.Response(status=200)
+                await asyncio.sleep(HEALTH_POLL)
+    except RequestError:
+        pass
+    return web.Response(status=503)
 
 
 async def model_info(request: web.Request) -> web.Response:

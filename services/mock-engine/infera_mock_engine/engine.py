@@ -233,6 +233,16 @@ class Engine:
         for pub in self.publishers:
             await pub.close()
 
+    def hang_gpu(self) -> None:
+        """Simulate a hung GPU on every rank (SIGUSR1): see ``Scheduler.hang``."""
+        for rank in self.ranks:
+            rank.scheduler.hang()
+
+    def resume_gpu(self) -> None:
+        """End a simulated hang (SIGUSR2): the step under way completes and serving goes on."""
+        for rank in self.ranks:
+            rank.scheduler.resume()
+
     # ---- requests ----------------------------------------------------------------
     def validate(self, params: GenerationParams) -> tuple[int, str]:
         """Check a generation; returns (token limit, finish reason at the limit)."""

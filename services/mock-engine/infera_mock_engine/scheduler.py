@@ -124,6 +124,23 @@ class Scheduler:
         self.stats = Stats()
         self._wake = asyncio.Event()
         self._arrived = float("-inf")  # loop time of the latest request added
+        self._gpu_answers = asyncio.Event()  # cleared while the simulated GPU hangs (`hang`)
+        self._gpu_answers.set()
+        self.outputs = 0  # steps that produced a token or finished a sequence (SGLang's health test)
+
+    # ---- a simulated GPU hang ----------------------------------------------------
+    def hang(self) -> None:
+        """The GPU stops returning steps: the step under way never ends, no token or event goes
+        out, and the gauges keep their last values, while HTTP keeps answering (a wedged kernel or
+        collective: the process lives, its scheduler waits forever)."""
+        self._gpu_answers.clear()
+
+    def resume(self) -> None:
+        self._gpu_answers.set()
+
+    @property
+    def hung(self) -> bool:
+        return not self._gpu_answers.is_set()
 
     # ---- requests in and out -------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -258,6 +275,8 @@ class Scheduler:
                         self.stats.prompt_tokens += seq.prompt_len
                         self.stats.cached_tokens += seq.cached_tokens
                 emit.append(seq)
+        if emit:
+            self.outputs += 1
         for seq in emit:
             if seq.state != RUNNING:
                 continue
@@ -299,6 +318,9 @@ class Scheduler:
                 continue
             due, last = t0 + step.seconds, step.seconds
             await asyncio.sleep(max(0.0, due - loop.time()))
+            if not self._gpu_answers.is_set():
+                await self._gpu_answers.wait()
+                due = None  # the clock starts afresh after a hang
             try:
                 self.finish_step(step)
             except Exception:  # noqa: BLE001

@@ -107,6 +107,18 @@ async def run_forever(config: EngineConfig, sock: socket.socket | None = None,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    engine = server.engine
+
+    def hang() -> None:
+        engine.hang_gpu()
+        log.warning("simulated GPU hang (SIGUSR1): no step completes until SIGUSR2; HTTP still answers")
+
+    def resume() -> None:
+        engine.resume_gpu()
+        log.warning("simulated GPU hang over (SIGUSR2)")
+
+    loop.add_signal_handler(signal.SIGUSR1, hang)
+    loop.add_signal_handler(signal.SIGUSR2, resume)
 
     async def announce_ready() -> None:
         await server.engine.ready.wait()

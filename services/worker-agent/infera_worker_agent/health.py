@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from enum import StrEnum
 
 import aiohttp
@@ -12,7 +15,8 @@ import aiohttp
 from infera_common.logs import get_logger
 from infera_common.tasks import stop_tasks
 from infera_worker_agent.engine_proc import EngineProcess
-from infera_worker_agent.liveness import Liveness
+from infera_worker_agent.liveness import Liveness, StallCheck
+from infera_worker_agent.load import EngineLoad
 
 log = get_logger("worker_agent.health")
 
@@ -35,16 +39,87 @@ async def is_healthy(session: aiohttp.ClientSession, base_url: str, timeout: flo
         return False
 
 
+class Canary(StrEnum):
+    ANSWERED = "answered"  # the one-token completion came back
+    PROGRESS = "progress"  # it had not, but the engine's token counters moved meanwhile
+    REFUSED = "refused"  # the engine answered it with an error status: its HTTP side works, no verdict
+    FAILED = "failed"  # no connection or a broken one: a failed probe
+    SILENT = "silent"  # neither within the timeout: the engine is stalled
+
+
+async def send_canary(session: aiohttp.ClientSession, base_url: str, model: str, timeout: float,
+                      moved: Callable[[], bool], poll: float = 0.25) -> Canary:
+    """A one-token completion to the engine, as SGLang's /health sends itself one; passed as soon as
+    ``moved()`` says the engine made progress anyway (SGLang's rule). The request is dropped (its
+    connection closed, which aborts it in the engine) whichever way the wait ends."""
+    body = {"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0, "stream": False}
+    headers = {"X-Request-Id": f"infera-canary-{uuid.uuid4().hex[:12]}"}
+
+    async def post() -> Canary:
+        try:
+            async with session.post(f"{base_url}/v1/completions", json=body, headers=headers) as resp:
+                await resp.read()
+                return Canary.ANSWERED if resp.status < 400 else Canary.REFUSED
+        except (aiohttp.ClientError, OSError):
+            return Canary.FAILED
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    task = asyncio.create_task(post(), name="engine-canary")
+    try:
+        while True:
+            await asyncio.wait({task}, timeout=max(0.0, min(poll, deadline - loop.time())))
+            if task.done():
+                return task.result()
+            if moved():
+                return Canary.PROGRESS
+            if loop.time() >= deadline:
+                return Canary.SILENT
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+@dataclass(frozen=True, slots=True)
+class StallProbe:
+    """What the health watch needs to test an engine that holds work and counts no progress."""
+
+    work: Callable[[], int]  # requests the engine holds (running + waiting, or in flight through the agent)
+    progress: Callable[[], float | None]  # its token counters summed (None: it has none)
+    canary: Callable[[float, Callable[[], bool]], Awaitable[Canary]]  # (timeout, moved) -> outcome
+
+
+def engine_stall_probe(session: aiohttp.ClientSession, base_url: str, model: str,
+                       last_load: Callable[[], EngineLoad], in_flight: Callable[[], int]) -> StallProbe:
+    """The stall probe of a serving engine: its load from the latest scrape, the agent's own in-flight
+    count, and canaries to its OpenAI completions endpoint for the model it serves."""
+    return StallProbe(
+        work=lambda: max(last_load().work, in_flight()),
+        progress=lambda: last_load().tokens,
+        canary=lambda timeout, moved: send_canary(session, base_url, model, timeout, moved),
+    )
+
+
 class HealthWatch:
     """While the worker serves: probe the engine's /health every ``interval`` seconds (each probe
-    given ``timeout``), and call ``on_change(healthy)`` when ``Liveness`` changes its verdict."""
+    given ``timeout``), and call ``on_change(healthy)`` when ``Liveness`` changes its verdict.
+
+    With a ``stall`` probe, a round whose /health passes also asks ``StallCheck`` whether the engine
+    held work through the whole round without counting a token; if so it sends a canary, and one
+    that gets nothing back (nor sees progress) within ``timeout`` makes the engine unhealthy at once.
+    """
 
     def __init__(self, session: aiohttp.ClientSession, base_url: str, *, interval: float, timeout: float,
-                 failures: int, on_change: Callable[[bool], Awaitable[None]]) -> None:
+                 failures: int, on_change: Callable[[bool], Awaitable[None]], stall: StallProbe | None = None,
+                 on_canary: Callable[[Canary], None] = lambda _outcome: None) -> None:
         self._session, self._url = session, base_url
         self._interval, self._timeout = interval, timeout
         self.liveness = Liveness(failures)
         self._on_change = on_change
+        self._stall, self._check = stall, StallCheck()
+        self._on_canary = on_canary
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -54,11 +129,37 @@ class HealthWatch:
         task, self._task = self._task, None
         await stop_tasks(task)
 
+    async def probe_once(self) -> None:
+        """One round: /health, then a canary when one is due; updates ``liveness``."""
+        ok = await is_healthy(self._session, self._url, self._timeout)
+        stall = self._stall
+        if not ok or stall is None:
+            self.liveness.observe(ok)
+            return
+        work, mark = stall.work(), stall.progress()
+        if not self._check.canary_due(work, mark):
+            self.liveness.observe(True)
+            return
+        outcome = await stall.canary(self._timeout, lambda: stall.progress() != mark)
+        self._on_canary(outcome)
+        if outcome is Canary.SILENT:
+            log.error("engine_stalled", url=self._url, requests=work,
+                      no_token_for_s_at_least=round(self._interval + self._timeout, 1),
+                      hint="the engine holds requests, counts no token and did not answer a one-token completion; "
+                      "a hung GPU or collective looks like this. It gets no new requests until it makes progress "
+                      "again (restart it if it stays so)")
+            self.liveness.stalled()
+            return
+        if outcome is Canary.REFUSED:
+            log.warning("engine_canary_refused", url=self._url, note="the engine answered the one-token completion "
+                        "with an error status; its /health passed, so it counts as healthy")
+        self.liveness.observe(outcome is not Canary.FAILED)
+
     async def _run(self) -> None:
         told = True  # the verdict the worker's record carries (it went active healthy)
         while True:
             await asyncio.sleep(self._interval)
-            self.liveness.observe(await is_healthy(self._session, self._url, self._timeout))
+            await self.probe_once()
             if self.liveness.healthy != told:
                 try:
                     await self._on_change(self.liveness.healthy)

@@ -22,6 +22,10 @@ log = get_logger("worker_agent.load")
 RUNNING = ("sglang:num_running_reqs", "vllm:num_requests_running")
 WAITING = ("sglang:num_queue_reqs", "vllm:num_requests_waiting")
 KV_USAGE = ("sglang:token_usage", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+#: token counters: their sum moves whenever the engine finishes a prefill or makes a token (vLLM, the mock)
+#: or finishes a request (SGLang counts a request's tokens when it ends)
+TOKENS = ("sglang:prompt_tokens_total", "sglang:generation_tokens_total",
+          "vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +33,11 @@ class EngineLoad:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
+    tokens: float | None = None  # the token counters summed; None when the engine has none
+
+    @property
+    def work(self) -> int:
+        return self.running + self.waiting
 
 
 def parse_engine_metrics(text: str) -> EngineLoad | None:
@@ -36,8 +45,9 @@ def parse_engine_metrics(text: str) -> EngineLoad | None:
 
     Raises ``ValueError`` when the text is not Prometheus exposition format.
     """
-    sums = {"running": [], "waiting": [], "kv": []}
-    kinds = {**{n: "running" for n in RUNNING}, **{n: "waiting" for n in WAITING}, **{n: "kv" for n in KV_USAGE}}
+    sums = {"running": [], "waiting": [], "kv": [], "tokens": []}
+    kinds = {**{n: "running" for n in RUNNING}, **{n: "waiting" for n in WAITING}, **{n: "kv" for n in KV_USAGE},
+             **{n: "tokens" for n in TOKENS}}
     kv_source: str | None = None
     try:
         for family in text_string_to_metric_families(text):
@@ -52,13 +62,14 @@ def parse_engine_metrics(text: str) -> EngineLoad | None:
                 sums[kind].append(sample.value)
     except Exception as exc:  # the parser raises several types on garbage
         raise ValueError(f"not Prometheus text: {exc}") from exc
-    if not any(sums.values()):
+    if not (sums["running"] or sums["waiting"] or sums["kv"]):
         return None
     kv = sums["kv"]
     return EngineLoad(
         running=int(sum(sums["running"])),
         waiting=int(sum(sums["waiting"])),
         kv_usage=min(max(sum(kv) / len(kv), 0.0), 1.0) if kv else 0.0,
+        tokens=sum(sums["tokens"]) if sums["tokens"] else None,
     )
 
 

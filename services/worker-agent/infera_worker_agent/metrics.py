@@ -41,6 +41,11 @@ class AgentMetrics:
             "infera_agent_engine_health_changes", "The worker registered unhealthy (its engine failed "
             "--health-check-failures probes in a row) or healthy again.", ["to"], registry=r,
         )
+        self.canaries = Counter(
+            "infera_agent_engine_canaries", "One-token completions sent to an engine that held requests and counted "
+            "no token for a whole health round, by outcome (answered|progress|refused|failed|silent; silent: stalled).",
+            ["outcome"], registry=r,
+        )
         self.kv_batches = Counter(
             "infera_agent_kv_batches_relayed", "Engine KV event batches relayed to JetStream, by DP rank.",
             ["dp_rank"], registry=r,

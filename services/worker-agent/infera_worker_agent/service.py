@@ -36,12 +36,12 @@ from infera_common.nats_conn import (
 )
 from infera_common.request_runner import ENGINE_UNHEALTHY
 from infera_common.runtime import freeze_startup_heap
-from infera_common.schemas import KvRelay, LoadReport, WorkerRecord, WorkerStatus, encode, encode_sparse
+from infera_common.schemas import KvRelay, LoadReport, Role, WorkerRecord, WorkerStatus, encode, encode_sparse
 from infera_common.subjects import kv_event_subject, load_subject
 from infera_worker_agent.engine_cmd import EnginePlan
 from infera_worker_agent.engine_proc import EngineProcess, exit_status
 from infera_worker_agent.health import (
-    HealthWatch, Startup, bootstrap_ranks, engine_json, served_model, wait_healthy,
+    HealthWatch, StallProbe, Startup, bootstrap_ranks, engine_json, engine_stall_probe, served_model, wait_healthy,
 )
 from infera_worker_agent.engine_drain import drain_engine
 from infera_worker_agent.kv_config import (
@@ -188,7 +188,8 @@ class Agent:
         if self.s.health_check_interval > 0:
             self._health = HealthWatch(self._session, self.plan.local_url, interval=self.s.health_check_interval,
                                        timeout=self.s.health_check_timeout, failures=self.s.health_check_failures,
-                                       on_change=self._on_health)
+                                       on_change=self._on_health, stall=self._stall_probe(model),
+                                       on_canary=lambda outcome: self.metrics.canaries.labels(outcome.value).inc())
             self._health.start()
         log.info("worker_active", worker_id=self.worker_id, model=model, url=self.plan.url, frozen_objects=frozen)
 
@@ -255,6 +256,15 @@ class Agent:
                       "passes (restart it if it stays so)")
         self.metrics.engine_up.set(1 if healthy else 0)
         self.metrics.health_changes.labels("healthy" if healthy else "unhealthy").inc()
+
+    def _stall_probe(self, model: str) -> StallProbe | None:
+        """The canary test of a stuck engine (HealthWatch), for an aggregated engine with it switched on."""
+        if not self.s.engine_stall_check or self._pd.role is not Role.AGGREGATED:
+            return None
+        assert self._session is not None and self._reporter is not None
+        reporter = self._reporter
+        return engine_stall_probe(self._session, self.plan.local_url, model, lambda: reporter.last,
+                                  lambda: self._worker.in_flight if self._worker else 0)
 
     async def _restore_broker_state(self) -> None:
         """After a reconnect, what a restarted broker lost, the queue before the record that sends

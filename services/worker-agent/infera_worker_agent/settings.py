@@ -81,6 +81,14 @@ class AgentSettings(DrainSettings, PlaneSettings, LogSettings):
     health_check_failures: int = Field(
         3, ge=1, description="Failed health probes in a row that make the worker 'unhealthy'."
     )
+    engine_stall_check: bool = Field(
+        True,
+        description="While serving, when the engine held requests through a whole --health-check-interval and its "
+        "token counters (/metrics) did not move, send it a one-token completion; if neither that nor any other "
+        "request makes progress within --health-check-timeout, register the worker 'unhealthy' at once. vLLM's "
+        "/health only reports a dead engine core, so a hung GPU or collective passes it. Prefill and decode workers "
+        "are not tested this way (a completion needs its pair); --no-engine-stall-check turns it off.",
+    )
     engine_stop_timeout: float = Field(
         10.0, ge=0, description="Seconds between SIGTERM and SIGKILL when stopping the engine's process group."
     )

@@ -1,0 +1,92 @@
+"""A hung engine whose /health still passes (vLLM's reports only a dead engine core): the canary.
+
+The mock engine simulates the hang (``Engine.hang_gpu``; SIGUSR1 in a process): no scheduler step
+ends while its HTTP side answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from infera_mock_engine.main import parse_args
+from infera_mock_engine.server import start_server
+from infera_worker_agent.health import Canary, HealthWatch, engine_stall_probe, send_canary
+from infera_worker_agent.load import scrape_engine
+
+
+@pytest.fixture
+async def vllm_engine(model_dir):
+    config, _ = parse_args(["--model-path", str(model_dir), "--port", "0", "--engine-flavor", "vllm",
+                            "--served-model-name", "smol", "--speedup", "10"])
+    server = await start_server(config)
+    session = aiohttp.ClientSession()
+    yield server, session
+    server.engine.resume_gpu()
+    await session.close()
+    await server.close()
+
+
+async def test_the_canary_is_answered_by_a_working_engine_and_refused_for_a_wrong_model(vllm_engine):
+    server, session = vllm_engine
+    assert await send_canary(session, server.url, "smol", 5, lambda: False) is Canary.ANSWERED
+    assert await send_canary(session, server.url, "nope", 5, lambda: False) is Canary.REFUSED
+
+
+async def test_a_hung_gpu_leaves_the_canary_silent_and_the_engine_drops_it(vllm_engine):
+    server, session = vllm_engine
+    server.engine.hang_gpu()
+    assert await send_canary(session, server.url, "smol", 0.5, lambda: False, poll=0.05) is Canary.SILENT
+    await asyncio.sleep(0.1)
+    assert server.engine.totals().running + server.engine.totals().waiting == 0  # the canary was aborted
+
+
+async def test_progress_elsewhere_passes_the_canary(vllm_engine):
+    server, session = vllm_engine
+    server.engine.hang_gpu()
+    assert await send_canary(session, server.url, "smol", 5, lambda: True, poll=0.05) is Canary.PROGRESS
+
+
+async def test_no_connection_is_a_failed_canary(vllm_engine):
+    _, session = vllm_engine
+    assert await send_canary(session, "http://127.0.0.1:9", "smol", 2, lambda: False) is Canary.FAILED
+
+
+async def test_health_round_on_an_engine_that_holds_work_and_counts_no_token(vllm_engine):
+    """/health passes throughout (vLLM's), yet the watch finds the hang and then the recovery."""
+    server, session = vllm_engine
+    url = server.url
+    last = {}
+
+    async def scrape():
+        last["load"] = await scrape_engine(session, f"{url}/metrics", 2)
+
+    outcomes: list[Canary] = []
+    changes: list[bool] = []
+
+    async def on_change(healthy: bool) -> None:
+        changes.append(healthy)
+
+    probe = engine_stall_probe(session, url, "smol", lambda: last["load"], in_flight=lambda: 0)
+    watch = HealthWatch(session, url, interval=0.1, timeout=0.5, failures=3, on_change=on_change, stall=probe,
+                        on_canary=outcomes.append)
+    long = asyncio.create_task(session.post(f"{url}/v1/completions",
+                                            json={"model": "smol", "prompt": "tell", "max_tokens": 3000}))
+    await asyncio.sleep(0.3)
+    await scrape()
+    await watch.probe_once()  # the first round only takes note
+    server.engine.hang_gpu()
+    await asyncio.sleep(0.1)
+    await scrape()
+    await watch.probe_once()  # (the counters may still have moved since the first round)
+    await scrape()
+    await watch.probe_once()  # at the latest now a whole round with work and no token: canary, silent
+    assert outcomes and set(outcomes) == {Canary.SILENT} and not watch.liveness.healthy
+    server.engine.resume_gpu()
+    await asyncio.sleep(0.2)
+    await scrape()
+    await watch.probe_once()  # tokens counted again: healthy, no canary needed
+    assert watch.liveness.healthy and set(outcomes) == {Canary.SILENT}
+    long.cancel()
