@@ -65,7 +65,7 @@ sglang-parser: $(SGLANG_STAMP)
 
 test-slow: $(SGLANG_STAMP)
 
-# `make bench [BENCH=overhead|hop_cost|stream_cpu|long_prompt|small_pages|trace_replay|indexer|pd] [ARGS=...]`: installs the `bench` extra too
+# `make bench [BENCH=overhead|hop_cost|stream_cpu|long_prompt|small_pages|trace_replay|indexer|pd|engine_hang] [ARGS=...]`: installs the `bench` extra too
 # (sglang-router, for the comparison rows of trace_replay, long_prompt and stream_cpu), then runs bench/$(BENCH).py.
 BENCH       ?= overhead
 BENCH_STAMP := $(VENV)/.installed-bench

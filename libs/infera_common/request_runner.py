@@ -339,7 +339,9 @@ class RequestRunner:
         self._cancelled.add(_key(worker_id, cancel.request_id), time.monotonic())
         entry = self._inflight.get((worker_id, cancel.request_id))
         reason = CLIENT_CANCELLED
-        if cancel.status != CLIENT_CANCELLED.status:  # stopped for a failure elsewhere, not by its client
+        if cancel.worker_fault:  # the requester waited too long for this worker: its fault
+            reason = StopReason("error", cancel.status, cancel.message or "timed out")
+        elif cancel.status != CLIENT_CANCELLED.status:  # stopped for a failure elsewhere, not by its client
             reason = StopReason("cancelled", cancel.status, cancel.message or "cancelled")
         if entry is not None and self._stop(entry, reason):
             log.info("request_cancelled", request_id=cancel.request_id, worker_id=worker_id, status=reason.status)

@@ -249,6 +249,9 @@ class Cancel(_Msg):
     request_id: str
     status: int = 499  # the error frame the requester gets; 499 = the requester itself cancelled
     message: str = ""
+    # the requester gave up on this worker (nothing from it for --upstream-timeout): the lease is
+    # released as an ``error``, which the router's circuit breaker counts against the worker
+    worker_fault: bool = False
 
 
 class FramesQuery(_Msg):

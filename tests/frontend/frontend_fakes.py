@@ -89,6 +89,7 @@ class FakeFleet:
     frames_before_reply: bool = False
     routed: list[RouteRequest] = field(default_factory=list)
     cancels: list[tuple[float, str]] = field(default_factory=list)  # (monotonic time, request_id)
+    cancel_msgs: dict[str, Cancel] = field(default_factory=dict)  # request_id -> the last Cancel
     tasks: set = field(default_factory=set)
 
     async def frame(self, req: RouteRequest, frame: Frame) -> None:
@@ -114,7 +115,9 @@ class FakeFleet:
         task.add_done_callback(self.tasks.discard)
 
     async def on_cancel(self, msg) -> None:
-        self.cancels.append((time.monotonic(), decode(Cancel, msg.data).request_id))
+        cancel = decode(Cancel, msg.data)
+        self.cancels.append((time.monotonic(), cancel.request_id))
+        self.cancel_msgs[cancel.request_id] = cancel
 
     async def wait_cancel(self, request_id: str, timeout: float) -> float | None:
         """Monotonic time the Cancel for ``request_id`` arrived, or None within ``timeout``."""

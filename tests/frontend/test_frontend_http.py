@@ -202,6 +202,8 @@ async def test_upstream_timeout_is_504_and_cancels(make_frontend, fleet):
     status, headers, raw = await post(fe, "/v1/chat/completions", chat_body())
     assert status == 504 and openai_error(raw)["type"] == "timeout_error"
     assert await fleet.wait_cancel(headers["X-Request-Id"], timeout=2.0) is not None
+    cancel = fleet.cancel_msgs[headers["X-Request-Id"]]
+    assert cancel.worker_fault and cancel.status == 504  # counted against the worker by its router's breaker
 
 
 async def test_stalled_stream_ends_with_error_event_and_cancel(make_frontend, fleet):

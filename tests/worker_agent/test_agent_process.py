@@ -355,6 +355,28 @@ async def test_a_hung_gpu_behind_a_passing_health_check_is_found_by_the_canary(b
     assert await asyncio.to_thread(agent.wait, 20) == 0
 
 
+async def test_long_requests_on_an_engine_that_counts_tokens_at_the_end_pass_their_canaries(bus, agents):
+    """SGLang's token counters move only when a request ends: while long ones run, the agent sends
+    canaries, the engine answers them within a step, and the worker stays active throughout."""
+    metrics_port = free_port()
+    agents("w-long", ["--health-check-interval", "0.3", "--health-check-timeout", "2",
+                      "--load-interval", "0.1", "--metrics-port", str(metrics_port)])  # the sglang flavour
+    model = (await bus.active("w-long")).model
+    rid, sub = await bus.submit("w-long", chat(500, stream=True, model=model))  # ~3 s of tokens
+    statuses = set()
+    frames: list = []
+    collect = asyncio.create_task(bus.frames(sub, timeout=30))
+    while not collect.done():
+        statuses.add(bus.watcher.view.get("w-long").status)
+        await asyncio.sleep(0.05)
+    frames = collect.result()
+    assert frames[-1].kind == "end"
+    assert statuses == {WorkerStatus.ACTIVE}
+    sent = await agent_metric(metrics_port, "infera_agent_engine_canaries_total")
+    silent = await agent_metric(metrics_port, 'infera_agent_engine_canaries_total{outcome="silent"}')
+    assert sent >= 1 and silent == 0
+
+
 async def test_sigkilled_agent_takes_its_engine_along_and_ages_out(bus, agents):
     agent = agents("w-kill")
     await bus.active("w-kill")

@@ -196,6 +196,15 @@ async def test_a_cancel_for_a_failure_elsewhere_reaches_the_requester_as_that_fa
     assert [r.outcome for r in await h.released(f"lease-{rid}")] == ["cancelled"]  # not this worker's fault
 
 
+async def test_a_requester_that_timed_out_on_the_worker_releases_the_lease_as_an_error(h):
+    rid, sub = await h.submit({"stream": True, "mode": "hang", "events": 1})
+    [decode(Frame, (await sub.next_msg(timeout=5)).data) for _ in range(2)]
+    await h.nc.publish(cancel_subject(WID), encode(Cancel(request_id=rid, status=504, message="nothing for 60s",
+                                                         worker_fault=True)))
+    assert [(f.kind, f.status) for f in await h.frames(sub)] == [("error", 504)]
+    assert [r.outcome for r in await h.released(f"lease-{rid}")] == ["error"]  # the router's breaker counts it
+
+
 async def test_drain_refuses_queued_work_while_in_flight_work_finishes(h):
     rid, sub = await h.submit({"stream": True, "events": 4, "delay": 0.2})
     await sub.next_msg(timeout=5)  # head: it is running

@@ -9,7 +9,8 @@ no NATS reply), and only for failures another worker may not have:
 - an engine answer (a ``head``) with status 429 (engine overloaded), 502, 503 or 504: reason
   ``engine_<status>``;
 - no frame within ``--upstream-timeout`` before the first token: reason ``upstream_timeout`` (the
-  worker has been sent a ``Cancel``);
+  worker has been sent a ``Cancel`` marked ``worker_fault``, so its lease counts as an error in its
+  router's circuit breaker);
 - NATS "no responders" for the route request (no router subscribed) until ``--route-timeout``
   (the relay sends it again every 0.25 s meanwhile): reason ``no_router``; nobody received the
   request, so it cannot run twice;

@@ -47,7 +47,7 @@ from infera_common.subjects import (
 from infera_common.tasks import stop_tasks
 
 from infera_frontend.exchange import Exchange
-from infera_frontend.failover import NO_ROUTER, SENDER_GONE, RetryableError
+from infera_frontend.failover import NO_ROUTER, SENDER_GONE, UPSTREAM_TIMEOUT, RetryableError
 from infera_frontend.inbox import Inbox, Mailbox
 from infera_frontend.metrics import FrontendMetrics
 from infera_frontend.sender_watch import SenderWatch
@@ -180,8 +180,13 @@ class Relay:
         self.spawn(self._publish_cancel(worker_id, request_id, reason))
 
     async def _publish_cancel(self, worker_id: str, request_id: str, reason: str) -> None:
+        if reason == UPSTREAM_TIMEOUT:  # the worker's fault: its router's circuit breaker counts it
+            cancel = Cancel(request_id=request_id, status=504, worker_fault=True,
+                            message=f"nothing from the worker for {self.upstream_timeout:g}s")
+        else:
+            cancel = Cancel(request_id=request_id)
         try:
-            await self._nc.publish(cancel_subject(worker_id), encode(Cancel(request_id=request_id)))
+            await self._nc.publish(cancel_subject(worker_id), encode(cancel))
             await self._nc.flush(timeout=2)
         except Exception as exc:  # NATS down: the agent's own deadline ends the request
             log.warning("cancel_publish_failed", request_id=request_id, worker_id=worker_id, error=str(exc))

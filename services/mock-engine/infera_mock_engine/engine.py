@@ -172,7 +172,8 @@ class Engine:
             publisher = KvEventPublisher(config.kv_events, config.engine_flavor, config.page_size, dp_rank=dp_rank)
         scheduler = Scheduler(
             SchedulerConfig(config.max_running_requests, config.max_num_batched_tokens,
-                            overlap=not config.disable_overlap_schedule), kv, self.timing,
+                            overlap=not config.disable_overlap_schedule,
+                            count_at_finish=config.engine_flavor == "sglang"), kv, self.timing,
             on_kv_events=publisher.publish if publisher else None,
         )
         return EngineRank(dp_rank, kv, scheduler, publisher)

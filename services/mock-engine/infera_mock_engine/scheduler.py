@@ -83,6 +83,8 @@ class SchedulerConfig:
     max_running_requests: int = 256
     max_num_batched_tokens: int = 8192
     overlap: bool = True  # SGLang's overlap schedule (timing.step_start); --disable-overlap-schedule turns it off
+    # SGLang counts a request's prompt, cached and generated tokens when it ends; vLLM as each step makes them
+    count_at_finish: bool = False
 
 
 @dataclass
@@ -167,6 +169,10 @@ class Scheduler:
         seq.state = FINISHED
         if not seq.internal:
             self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+            if self.config.count_at_finish:
+                self.stats.prompt_tokens += seq.prompt_len
+                self.stats.cached_tokens += seq.cached_tokens
+                self.stats.generation_tokens += seq.generated
         seq.events.put_nowait(Finished(reason, message))
 
     def abort_all(self, message: str = "aborted") -> int:
@@ -271,7 +277,7 @@ class Scheduler:
             if seq.prefilled >= seq.prefill_target:
                 if not seq.prompt_counted:
                     seq.prompt_counted = True
-                    if not seq.internal:
+                    if not seq.internal and not self.config.count_at_finish:
                         self.stats.prompt_tokens += seq.prompt_len
                         self.stats.cached_tokens += seq.cached_tokens
                 emit.append(seq)
@@ -287,7 +293,7 @@ class Scheduler:
             token = seq.next_token()
             seq.tokens.append(token)
             seq.generated += 1
-            if not seq.internal:
+            if not seq.internal and not self.config.count_at_finish:
                 self.stats.generation_tokens += 1
             seq.events.put_nowait(token)
             if seq.generated >= seq.max_new_tokens:
