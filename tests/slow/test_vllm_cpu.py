@@ -19,6 +19,7 @@ is missing or cannot import vllm. ``make test-slow`` runs it; it takes about a m
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -30,11 +31,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import aiohttp
 import jinja2
 import pytest
 from tokenizers import Tokenizer
 
 from infera.procs import free_port, stop_process, wait_port
+from infera_worker_agent.health import Canary, send_canary
+from infera_worker_agent.load import parse_engine_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -175,6 +179,11 @@ def wait_for(predicate, timeout: float, what: str, procs: Procs, watch: list[str
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n" + procs.tails())
 
 
+async def canary(url: str) -> Canary:
+    async with aiohttp.ClientSession() as session:
+        return await send_canary(session, url, MODEL_NAME, 60, lambda: False)
+
+
 @pytest.mark.parametrize("plane", ["nats", "no-broker"])
 def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cache_hit(plane, request, tmp_path):
     python = vllm_python()
@@ -310,5 +319,12 @@ def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cac
         print(f"repeated prompt: {second['usage']['prompt_tokens']} tokens, {full_blocks} full blocks, "
               f"router hit {hit_blocks:.0f} blocks, vLLM cached_tokens {cached}; "
               f"total {time.monotonic() - started:.1f}s")
+
+        # 4. what the worker-agent's stall check reads of a real vLLM: the token counters in its
+        # /metrics, and its answer to the canary (a one-token completion)
+        with urllib.request.urlopen(worker["url"] + "/metrics", timeout=10) as r:
+            load = parse_engine_metrics(r.read().decode())
+        assert load is not None and load.tokens is not None and load.tokens > 0, load
+        assert asyncio.run(canary(worker["url"])) is Canary.ANSWERED
     finally:
         procs.stop_all()
