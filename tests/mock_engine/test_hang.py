@@ -2,21 +2,13 @@
 
 What each engine's /health says about it decides who can notice: SGLang's /health runs a one-token
 generation and fails after SGLANG_HEALTH_CHECK_TIMEOUT; vLLM's answers 200 while the engine core
-process lives.
+process lives. The signals that start and end the hang in a process: test_subprocess.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-
-from infera.procs import free_port, stop_process, wait_port
 
 CHAT = {"messages": [{"role": "user", "content": "1+1=?"}]}
 
@@ -77,41 +69,3 @@ async def test_another_requests_output_passes_the_sglang_probe(start_engine, mon
     assert time.monotonic() - t0 < 2
     assert not busy.done()
     busy.cancel()
-
-
-def _get(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-
-
-def test_sigusr1_hangs_the_gpu_and_sigusr2_ends_it(model_dir, tmp_path, subprocess_env):
-    port = free_port()
-    env = {**subprocess_env, "SGLANG_HEALTH_CHECK_TIMEOUT": "0.5"}
-    log_path = tmp_path / "engine.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "infera_mock_engine", "--model-path", str(model_dir),
-                                 "--port", str(port), "--speedup", "10"], stdout=log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
-    try:
-        wait_port("127.0.0.1", port, 10, proc)
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 15
-        while _get(base + "/health") != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGUSR1)
-        deadline = time.monotonic() + 10
-        while _get(base + "/health") != 503:
-            assert time.monotonic() < deadline, "the hang never showed"
-        assert _get(base + "/v1/models") == 200  # HTTP itself answers
-        os.kill(proc.pid, signal.SIGUSR2)
-        deadline = time.monotonic() + 10
-        while _get(base + "/health") != 200:
-            assert time.monotonic() < deadline, "the engine never came back"
-    finally:
-        assert stop_process(proc) == 0
-    text = log_path.read_text()
-    assert "simulated GPU hang (SIGUSR1)" in text and "simulated GPU hang over (SIGUSR2)" in text

@@ -1,6 +1,8 @@
 """The engine as a real process, started the way runbooks start engines."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -100,3 +102,33 @@ def test_busy_port_fails_with_a_clear_message(model_dir, subprocess_env):
         res = subprocess.run([sys.executable, "-m", "infera_mock_engine", "--model-path", str(model_dir),
                               "--port", str(port)], capture_output=True, text=True, env=subprocess_env, timeout=30)
     assert res.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in res.stderr
+
+
+def test_sigusr1_hangs_the_gpu_and_sigusr2_ends_it(model_dir, tmp_path, subprocess_env):
+    port = free_port()
+    env = {**subprocess_env, "SGLANG_HEALTH_CHECK_TIMEOUT": "0.5"}
+    log_path = tmp_path / "engine.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "infera_mock_engine", "--model-path", str(model_dir),
+                                 "--port", str(port), "--speedup", "10"], stdout=log, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+    try:
+        wait_port("127.0.0.1", port, 10, proc)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 15
+        while _get(base + "/health") != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while _get(base + "/health") != 503:
+            assert time.monotonic() < deadline, "the hang never showed"
+        assert _get(base + "/v1/models") == 200  # HTTP itself answers
+        os.kill(proc.pid, signal.SIGUSR2)
+        deadline = time.monotonic() + 10
+        while _get(base + "/health") != 200:
+            assert time.monotonic() < deadline, "the engine never came back"
+    finally:
+        assert stop_process(proc) == 0
+    text = log_path.read_text()
+    assert "simulated GPU hang (SIGUSR1)" in text and "simulated GPU hang over (SIGUSR2)" in text

@@ -140,10 +140,6 @@ class Scheduler:
     def resume(self) -> None:
         self._gpu_answers.set()
 
-    @property
-    def hung(self) -> bool:
-        return not self._gpu_answers.is_set()
-
     # ---- requests in and out -------------------------------------------------
     def add(self, seq: Sequence) -> None:
         try:

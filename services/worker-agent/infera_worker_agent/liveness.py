@@ -69,7 +69,3 @@ class StallCheck:
             return False
         last_work, last_mark = last
         return last_work > 0 and last_mark == mark
-
-    def forget(self) -> None:
-        """After a canary: the next round compares with what it sees then."""
-        self._last = None
