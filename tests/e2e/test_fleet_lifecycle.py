@@ -94,11 +94,21 @@ def test_a_request_on_a_worker_whose_agent_is_killed_is_answered_by_the_other(tm
         fleet.stop()
 
 
+#: How an engine hangs: the whole process frozen (its /health fails too), or the mock's simulated
+#: GPU hang on a vLLM-flavoured engine, whose /health passes as vLLM's does (the stall check finds it).
+HANGS = {
+    "frozen": (signal.SIGSTOP, signal.SIGCONT, []),
+    "gpu-behind-passing-health": (signal.SIGUSR1, signal.SIGUSR2, ["--engine-arg=--engine-flavor vllm"]),
+}
+
+
+@pytest.mark.parametrize("hang", list(HANGS))
 @pytest.mark.parametrize("plane", list(PLANES))
-def test_a_hung_engine_stops_getting_requests_until_it_answers_again(tmp_path, plane):
+def test_a_hung_engine_stops_getting_requests_until_it_answers_again(tmp_path, plane, hang):
+    stop_sig, resume_sig, extra = HANGS[hang]
     env = env_with(INFERA_HEALTH_CHECK_INTERVAL="0.3", INFERA_HEALTH_CHECK_TIMEOUT="0.5",
-                   INFERA_HEALTH_CHECK_FAILURES="2")
-    fleet = Fleet(tmp_path, workers=2, env=env, plane=plane).start()
+                   INFERA_HEALTH_CHECK_FAILURES="2", INFERA_LOAD_INTERVAL="0.1")
+    fleet = Fleet(tmp_path, workers=2, env=env, plane=plane, extra=extra).start()
     try:
         victim = fleet.workers_list()[0]
         pid = engine_pid(victim["url"])
@@ -106,7 +116,7 @@ def test_a_hung_engine_stops_getting_requests_until_it_answers_again(tmp_path, p
         def status() -> str:
             return next(w["status"] for w in fleet.workers_list() if w["worker_id"] == victim["worker_id"])
 
-        os.kill(pid, signal.SIGSTOP)  # the process lives and answers nothing
+        os.kill(pid, stop_sig)  # the process lives; its scheduler (or all of it) answers nothing
         try:
             with ThreadPoolExecutor(4) as pool:  # some of these land on the frozen engine before the verdict
                 caught = list(pool.map(lambda _: _chat(fleet.url), range(4)))
@@ -118,7 +128,7 @@ def test_a_hung_engine_stops_getting_requests_until_it_answers_again(tmp_path, p
             assert sum(e["requests_handed_back"] for e in handed) >= 1, handed
             assert [_chat(fleet.url) for _ in range(6)] == [200] * 6  # all on the other worker, none hangs
         finally:
-            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, resume_sig)
         deadline = time.monotonic() + 15
         while status() != "active" and time.monotonic() < deadline:
             time.sleep(0.1)
