@@ -13,7 +13,7 @@ import pytest
 
 from infera_mock_engine.main import parse_args
 from infera_mock_engine.server import start_server
-from infera_worker_agent.health import Canary, HealthWatch, engine_stall_probe, send_canary
+from infera_worker_agent.health import Canary, HealthWatch, StallProbe, engine_stall_probe, send_canary
 from infera_worker_agent.load import scrape_engine
 
 
@@ -90,3 +90,24 @@ async def test_health_round_on_an_engine_that_holds_work_and_counts_no_token(vll
     await watch.probe_once()  # tokens counted again: healthy, no canary needed
     assert watch.liveness.healthy and set(outcomes) == {Canary.SILENT}
     long.cancel()
+
+
+async def test_a_refused_canary_counts_as_healthy_and_is_logged_once(vllm_engine, capsys):
+    server, session = vllm_engine
+    url = server.url
+    refused = []
+
+    async def canary(timeout, moved):
+        return await send_canary(session, url, "not-served", timeout, moved)
+
+    async def on_change(_healthy: bool) -> None:
+        pass
+
+    watch = HealthWatch(session, url, interval=0.1, timeout=2, failures=1, on_change=on_change,
+                        stall=StallProbe(work=lambda: 1, progress=lambda: 5.0, canary=canary),
+                        on_canary=refused.append)
+    for _ in range(4):
+        await watch.probe_once()
+    assert refused == [Canary.REFUSED] * 3 and watch.liveness.healthy  # the first round only takes note
+    captured = capsys.readouterr()
+    assert (captured.out + captured.err).count("engine_canary_refused") == 1

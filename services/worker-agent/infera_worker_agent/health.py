@@ -120,6 +120,7 @@ class HealthWatch:
         self._on_change = on_change
         self._stall, self._check = stall, StallCheck()
         self._on_canary = on_canary
+        self._told_refused = False
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -150,9 +151,11 @@ class HealthWatch:
                       "again (restart it if it stays so)")
             self.liveness.stalled()
             return
-        if outcome is Canary.REFUSED:
+        if outcome is Canary.REFUSED and not self._told_refused:  # once, not every round
+            self._told_refused = True
             log.warning("engine_canary_refused", url=self._url, note="the engine answered the one-token completion "
-                        "with an error status; its /health passed, so it counts as healthy")
+                        "with an error status; its /health passed, so it counts as healthy, and the stall check "
+                        "cannot tell a hang from work (logged once)")
         self.liveness.observe(outcome is not Canary.FAILED)
 
     async def _run(self) -> None:
