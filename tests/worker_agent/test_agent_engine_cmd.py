@@ -2,7 +2,7 @@
 
 import pytest
 
-from infera_worker_agent.engine_cmd import EngineArgsError, flag_value, plan_engine
+from infera_worker_agent.engine_cmd import EngineArgsError, api_key_problem, flag_value, plan_engine
 
 PY = "/usr/bin/python3"
 MODEL = "/models/SmolLM2"
@@ -90,3 +90,20 @@ def test_flag_value_follows_argparse_last_one_wins():
     assert flag_value(["--model-path=/a"], "--model") is None
     assert flag_value(["--model-path=/a"], "--model-path", "--model") == "/a"
     assert flag_value(["--port"], "--port") is None
+
+
+@pytest.mark.parametrize("engine, args, env", [
+    ("sglang", ["--model-path", "/m", "--api-key", "s3cret"], {}),
+    ("vllm", ["--model", "/m", "--api_key=s3cret"], {}),
+    ("vllm", ["--model", "/m"], {"VLLM_API_KEY": "s3cret"}),
+])
+def test_an_engine_that_demands_an_api_key_is_refused_with_what_to_remove(engine, args, env):
+    problem = api_key_problem(engine, args, env)
+    assert problem is not None and "401" in problem and "Remove it" in problem
+    assert ("VLLM_API_KEY" in problem) == bool(env)
+
+
+def test_no_key_no_problem_and_the_mock_ignores_the_flag():
+    assert api_key_problem("sglang", ["--model-path", "/m"], {"VLLM_API_KEY": "x"}) is None
+    assert api_key_problem("vllm", ["--model", "/m"], {}) is None
+    assert api_key_problem("mock", ["--api-key", "k"], {}) is None

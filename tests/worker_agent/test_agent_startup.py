@@ -113,6 +113,16 @@ def test_an_index_block_size_the_page_cannot_fold_into_is_refused_before_launch(
     assert "engine_spawned" not in r.stderr
 
 
+def test_an_engine_api_key_is_refused_before_launch_and_noted_by_print_command(nats_server, subprocess_env):
+    args = ["--engine", "vllm", "--nats-url", nats_server, "--", "--model", "/m", "--api-key", "s3cret"]
+    t0 = time.monotonic()
+    r = _run_agent(args, subprocess_env)
+    assert r.returncode == 2 and "--api-key" in r.stderr and "engine_spawned" not in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 15  # seconds, not an engine's cold start
+    r = _run_agent(["--print-command", *args], subprocess_env)
+    assert r.returncode == 0 and "launching would be refused" in r.stderr and "--api-key" in r.stderr
+
+
 def test_unreachable_etcd_fails_before_the_engine_starts(nats_server, subprocess_env):
     r = _run_agent(["--engine", "mock", "--nats-url", nats_server, "--discovery-backend", "etcd",
                     "--etcd-endpoint", "127.0.0.1:1", "--metrics-port", "0"], subprocess_env)

@@ -173,5 +173,25 @@ def plan_engine(
     )
 
 
+def api_key_problem(engine: str, engine_args: Sequence[str], env: Mapping[str, str]) -> str | None:
+    """Why an engine that demands an API key cannot serve behind Infera, or None.
+
+    SGLang's and vLLM's ``--api-key`` (vLLM also ``VLLM_API_KEY``) make the engine answer 401 to
+    every request that does not carry the key, and neither the worker-agent nor the router (which
+    calls the engines itself on ``--request-transport http``) sends one: every request would fail,
+    after the engine's whole cold start. The mock ignores the flag."""
+    if engine not in ("sglang", "vllm"):
+        return None
+    args = vllm_flag_view(engine_args) if engine == "vllm" else engine_args
+    if has_flag(args, "--api-key"):
+        given = "the engine argument --api-key"
+    elif engine == "vllm" and env.get("VLLM_API_KEY"):
+        given = "VLLM_API_KEY in the engine's environment"
+    else:
+        return None
+    return (f"{given} makes the engine refuse (401) every request Infera sends it: neither the worker-agent nor the "
+            "router sends an API key. Remove it, and check client keys in front of Infera's frontend instead")
+
+
 def _no_ports(n: int) -> int:
     raise EngineArgsError("no port finder given for the KV events endpoints")
