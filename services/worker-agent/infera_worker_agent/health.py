@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -76,10 +75,7 @@ async def send_canary(session: aiohttp.ClientSession, base_url: str, model: str,
             if loop.time() >= deadline:
                 return Canary.SILENT
     finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_tasks(task)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,12 +36,13 @@ from infera_common.nats_conn import (
 )
 from infera_common.request_runner import ENGINE_UNHEALTHY
 from infera_common.runtime import freeze_startup_heap
-from infera_common.schemas import KvRelay, LoadReport, Role, WorkerRecord, WorkerStatus, encode, encode_sparse
+from infera_common.schemas import KvRelay, LoadReport, WorkerRecord, WorkerStatus, encode, encode_sparse
 from infera_common.subjects import kv_event_subject, load_subject
 from infera_worker_agent.engine_cmd import EnginePlan
 from infera_worker_agent.engine_proc import EngineProcess, exit_status
+from infera_worker_agent.engine_watch import EngineWatch
 from infera_worker_agent.health import (
-    HealthWatch, StallProbe, Startup, bootstrap_ranks, engine_json, engine_stall_probe, served_model, wait_healthy,
+    Startup, bootstrap_ranks, engine_json, served_model, wait_healthy,
 )
 from infera_worker_agent.engine_drain import drain_engine
 from infera_worker_agent.kv_config import (
@@ -54,7 +55,7 @@ from infera_worker_agent.kv_config import (
 )
 from infera_worker_agent.kv_probe import KvBlockSizeProbe
 from infera_worker_agent.kv_relay import KvRelayer
-from infera_worker_agent.load import EngineLoad, LoadReporter, scrape_engine
+from infera_worker_agent.load import scrape_engine
 from infera_worker_agent.metrics import AgentMetrics
 from infera_worker_agent.pd_report import (
     PdState, bootstrap_query_url, needs_bootstrap_query, planned_state, reported_state,
@@ -88,7 +89,7 @@ class Agent:
         self.metrics = AgentMetrics()
         self._stop = asyncio.Event()
         self._reconnects = Reconnects()  # what to restore when the broker comes back (it may have restarted)
-        self._health: HealthWatch | None = None
+        self._watch: EngineWatch | None = None  # load reports and health probes, while serving
         self._force = asyncio.Event()
         self._nc: NATS | None = None
         self._registrar: FleetRegistrar | None = None
@@ -96,7 +97,6 @@ class Agent:
         self._engine: EngineProcess | None = None
         self._session: aiohttp.ClientSession | None = None
         self._worker: RequestWorker | None = None
-        self._reporter: LoadReporter | None = None
         self._metrics_runner = None
         self._stream: str | None = None
         self._started_at = time.time()
@@ -178,19 +178,13 @@ class Agent:
         frozen = freeze_startup_heap()  # before any request can be routed here
         await self._registrar.set_status(WorkerStatus.ACTIVE)
         self.metrics.engine_up.set(1)
-        self._reporter = LoadReporter(
-            worker_id=self.worker_id, session=self._session, metrics_url=f"{self.plan.local_url}/metrics",
-            interval=self.s.load_interval, in_flight=lambda: self._worker.in_flight if self._worker else 0,
+        self._watch = EngineWatch(
+            self.s, self._session, self.plan.local_url, model=model, role=self._pd.role, metrics=self.metrics,
+            in_flight=lambda: self._worker.in_flight if self._worker else 0,
             by_router=lambda: self._worker.in_flight_by_router() if self._worker else {},
-            publish=self._publish_load, on_load=self._on_load,
+            publish_load=self._publish_load, on_health=self._on_health,
         )
-        self._reporter.start()
-        if self.s.health_check_interval > 0:
-            self._health = HealthWatch(self._session, self.plan.local_url, interval=self.s.health_check_interval,
-                                       timeout=self.s.health_check_timeout, failures=self.s.health_check_failures,
-                                       on_change=self._on_health, stall=self._stall_probe(model),
-                                       on_canary=lambda outcome: self.metrics.canaries.labels(outcome.value).inc())
-            self._health.start()
+        self._watch.start()
         log.info("worker_active", worker_id=self.worker_id, model=model, url=self.plan.url, frozen_objects=frozen)
 
         engine_exit = asyncio.create_task(self._engine.wait())
@@ -256,15 +250,6 @@ class Agent:
                       "passes (restart it if it stays so)")
         self.metrics.engine_up.set(1 if healthy else 0)
         self.metrics.health_changes.labels("healthy" if healthy else "unhealthy").inc()
-
-    def _stall_probe(self, model: str) -> StallProbe | None:
-        """The canary test of a stuck engine (HealthWatch), for an aggregated engine with it switched on."""
-        if not self.s.engine_stall_check or self._pd.role is not Role.AGGREGATED:
-            return None
-        assert self._session is not None and self._reporter is not None
-        reporter = self._reporter
-        return engine_stall_probe(self._session, self.plan.local_url, model, lambda: reporter.last,
-                                  lambda: self._worker.in_flight if self._worker else 0)
 
     async def _restore_broker_state(self) -> None:
         """After a reconnect, what a restarted broker lost, the queue before the record that sends
@@ -434,9 +419,8 @@ class Agent:
         return 0
 
     async def _stop_health(self) -> None:
-        if self._health is not None:
-            health, self._health = self._health, None
-            await health.stop()
+        if self._watch is not None:
+            await self._watch.stop_health()
 
     async def _deregister(self) -> None:
         if self._registrar is not None:
@@ -467,8 +451,7 @@ class Agent:
         """Whatever the path out: nothing left running, the engine stopped, the entry gone."""
         steps = [
             ("restore", self._reconnects.close),
-            ("health", self._stop_health),
-            ("load_reporter", self._reporter.stop if self._reporter else None),
+            ("engine_watch", self._watch.stop if self._watch else None),
             ("worker", self._close_worker),
             ("kv_relay", self._close_kv_relay),
             ("deregister", self._deregister),
@@ -477,7 +460,6 @@ class Agent:
             ("nats", self._nc.close if self._nc else None),
             ("metrics_server", self._metrics_runner.cleanup if self._metrics_runner else None),
         ]
-        self._reporter = None
         for name, step in steps:
             if step is None:
                 continue
@@ -494,9 +476,4 @@ class Agent:
         report.model, report.discovery_backend = self._model, self.s.discovery_backend
         report.etcd_endpoint = self.s.etcd_endpoint if self.s.discovery_backend == "etcd" else ""
         await self._nc.publish(load_subject(self.worker_id), encode(report))
-
-    def _on_load(self, load: EngineLoad) -> None:
-        self.metrics.engine_running.set(load.running)
-        self.metrics.engine_waiting.set(load.waiting)
-        self.metrics.engine_kv_usage.set(load.kv_usage)
 

@@ -1,0 +1,62 @@
+"""Watching the engine while the worker serves: its load reports and its health probes, with
+the stall check that tests an engine holding work and counting no token (``health.HealthWatch``).
+Started once the worker is active; the health probes stop first on the way out (their verdicts
+would overwrite ``draining``), the load reports last."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+
+from infera_common.schemas import LoadReport, Role
+from infera_worker_agent.health import HealthWatch, StallProbe, engine_stall_probe
+from infera_worker_agent.load import EngineLoad, LoadReporter
+from infera_worker_agent.metrics import AgentMetrics
+from infera_worker_agent.settings import AgentSettings
+
+
+class EngineWatch:
+    def __init__(self, settings: AgentSettings, session: aiohttp.ClientSession, local_url: str, *, model: str,
+                 role: Role, metrics: AgentMetrics, in_flight: Callable[[], int],
+                 by_router: Callable[[], dict[str, int]], publish_load: Callable[[LoadReport], Awaitable[None]],
+                 on_health: Callable[[bool], Awaitable[None]]) -> None:
+        self._metrics = metrics
+        self.reporter: LoadReporter | None = LoadReporter(
+            worker_id=settings.worker_id or "", session=session, metrics_url=f"{local_url}/metrics",
+            interval=settings.load_interval, in_flight=in_flight, by_router=by_router,
+            publish=publish_load, on_load=self._on_load,
+        )
+        self.health: HealthWatch | None = None
+        if settings.health_check_interval > 0:
+            stall: StallProbe | None = None
+            if settings.engine_stall_check and role is Role.AGGREGATED:  # a PD leg's completion needs its pair
+                reporter = self.reporter
+                stall = engine_stall_probe(session, local_url, model, lambda: reporter.last, in_flight)
+            self.health = HealthWatch(
+                session, local_url, interval=settings.health_check_interval, timeout=settings.health_check_timeout,
+                failures=settings.health_check_failures, on_change=on_health, stall=stall,
+                on_canary=lambda outcome: metrics.canaries.labels(outcome.value).inc(),
+            )
+
+    def start(self) -> None:
+        if self.reporter is not None:
+            self.reporter.start()
+        if self.health is not None:
+            self.health.start()
+
+    async def stop_health(self) -> None:
+        health, self.health = self.health, None
+        if health is not None:
+            await health.stop()
+
+    async def stop(self) -> None:
+        await self.stop_health()
+        reporter, self.reporter = self.reporter, None
+        if reporter is not None:
+            await reporter.stop()
+
+    def _on_load(self, load: EngineLoad) -> None:
+        self._metrics.engine_running.set(load.running)
+        self._metrics.engine_waiting.set(load.waiting)
+        self._metrics.engine_kv_usage.set(load.kv_usage)
