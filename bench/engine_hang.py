@@ -13,12 +13,18 @@ Load: one short chat request (8 tokens, not streamed) every ``--period`` s, open
 mock's simulated GPU hang: no step ends, HTTP answers on). Requests go on being sent for
 ``--observe`` s after it; the row then waits for the last answers and ends the hang.
 
+With ``--quiet Q`` the engine hangs while idle: no request is sent from 1 s before the hang until
+Q s after it, then the load resumes (a GPU that hangs overnight, met by the morning's traffic). The
+``no-idle-canary`` row (``INFERA_ENGINE_IDLE_CANARY_AFTER=0``) is that scenario's baseline: only an
+engine that holds requests is tested.
+
 Per row: seconds from the hang until /v1/workers stops listing the worker as active ("never" if
 it stayed active through the window); for the requests sent after the hang: how many, how many
 failed, latency p50 / p99 / max, and how many took more than ``--slow`` s. The last lines give the
 baseline / canary ratios of the slow requests and of p99.
 
     .venv/bin/python bench/engine_hang.py [--observe 90] [--period 0.5] [--rows canary no-canary]
+    .venv/bin/python bench/engine_hang.py --quiet 60 --observe 120 --rows canary no-idle-canary
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchfleet import start_fleet, stop_fleet  # noqa: E402
 from infera_common.models import BUNDLED_MODEL_NAME  # noqa: E402
 
-ROWS = {"canary": {}, "no-canary": {"INFERA_ENGINE_STALL_CHECK": "false"}}
+ROWS = {"canary": {}, "no-canary": {"INFERA_ENGINE_STALL_CHECK": "false"},
+        "no-idle-canary": {"INFERA_ENGINE_IDLE_CANARY_AFTER": "0"}}
 
 
 def engine_pid(logs: Path, worker_id: str) -> int:
@@ -89,6 +96,11 @@ async def watch_worker(session: aiohttp.ClientSession, url: str, worker_id: str,
     return None
 
 
+def quiet(since_start: float, args: argparse.Namespace) -> bool:
+    """No request is sent in the quiet spell around an idle hang (``--quiet``)."""
+    return args.quiet > 0 and args.hang_at - 1.0 <= since_start < args.hang_at + args.quiet
+
+
 async def drive(url: str, worker_id: str, pid: int, args: argparse.Namespace) -> dict:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         sent: list[tuple[float, asyncio.Task]] = []
@@ -105,8 +117,9 @@ async def drive(url: str, worker_id: str, pid: int, args: argparse.Namespace) ->
                 watcher = asyncio.create_task(watch_worker(session, url, worker_id, hung_at, stop))
             if hung_at is not None and now - hung_at >= args.observe:
                 break
-            sent.append((now, asyncio.create_task(one_request(session, url, args.client_timeout))))
             n += 1
+            if not quiet(now - start, args):
+                sent.append((now, asyncio.create_task(one_request(session, url, args.client_timeout))))
             await asyncio.sleep(max(0.0, start + n * args.period - time.monotonic()))
         await asyncio.gather(*(task for _, task in sent))
         await asyncio.sleep(2.0)  # a record changed as the last answers came back reaches the frontend
@@ -144,7 +157,7 @@ def run_row(row: str, args: argparse.Namespace, tmp: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS),
-                    help="in this order; no-canary is the baseline")
+                    help="in this order; no-canary is the baseline (no-idle-canary with --quiet)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--policy", default="round-robin")
     ap.add_argument("--period", type=float, default=0.5, help="seconds between requests")
@@ -152,25 +165,29 @@ def main() -> None:
     ap.add_argument("--observe", type=float, default=90.0, help="seconds of load after the hang")
     ap.add_argument("--client-timeout", type=float, default=150.0)
     ap.add_argument("--slow", type=float, default=5.0, help="a request slower than this many seconds is slow")
+    ap.add_argument("--quiet", type=float, default=0.0,
+                    help="hang the engine while idle: no request from 1 s before the hang until this many s after it")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="infera-engine-hang-"))
     results = {row: run_row(row, args, tmp) for row in args.rows}
+    idle = f" (idle: no request from 1 s before it until {args.quiet:g} s after)" if args.quiet else ""
     print(f"\n{args.workers} workers (vllm-flavoured mock engines), policy {args.policy}, a request every "
-          f"{args.period:g} s; the first worker's GPU hangs {args.hang_at:g} s in; requests sent in the "
+          f"{args.period:g} s; the first worker's GPU hangs {args.hang_at:g} s in{idle}; requests sent in the "
           f"{args.observe:g} s after it; logs {tmp}\n")
-    hdr = (f"{'row':<10} | {'out of routing after':>20} | {'requests':>8} | {'failed':>6} | {'p50 s':>6} | "
+    hdr = (f"{'row':<14} | {'out of routing after':>20} | {'requests':>8} | {'failed':>6} | {'p50 s':>6} | "
            f"{'p99 s':>6} | {'max s':>6} | {f'> {args.slow:g} s':>7}")
     print(hdr)
     print("-" * len(hdr))
     for row, r in results.items():
         out = f"{r['taken_out_s']:.1f} s" if r["taken_out_s"] is not None else "never"
-        print(f"{row:<10} | {out:>20} | {r['requests']:>8} | {r['failed']:>6} | {r['p50']:>6.2f} | "
+        print(f"{row:<14} | {out:>20} | {r['requests']:>8} | {r['failed']:>6} | {r['p50']:>6.2f} | "
               f"{r['p99']:>6.2f} | {r['max']:>6.2f} | {r['slow']:>7}")
-    if "canary" in results and "no-canary" in results:
-        c, b = results["canary"], results["no-canary"]
-        print(f"\nno-canary / canary: slow requests {b['slow']} / {c['slow']}"
-              f" = {b['slow'] / c['slow']:.2f}x" if c["slow"] else f"\nno-canary / canary: slow requests {b['slow']} / 0")
-        print(f"no-canary / canary: p99 {b['p99']:.2f} / {c['p99']:.2f} s = {b['p99'] / c['p99']:.2f}x")
+    for baseline in ("no-canary", "no-idle-canary"):
+        if "canary" in results and baseline in results:
+            c, b = results["canary"], results[baseline]
+            ratio = f" = {b['slow'] / c['slow']:.2f}x" if c["slow"] else ""
+            print(f"\n{baseline} / canary: slow requests {b['slow']} / {c['slow']}{ratio}")
+            print(f"{baseline} / canary: p99 {b['p99']:.2f} / {c['p99']:.2f} s = {b['p99'] / c['p99']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -122,6 +122,41 @@ def test_official_openai_sdk(fleet):
         client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=-3)
 
 
+def test_batched_prompts_n_samples_and_logprobs_reach_the_client_as_the_engine_sent_them(fleet):
+    """A completions batch (one choice per prompt), n samples and logprobs, asked through the official SDK:
+    what the engine answers reaches the client whole, streamed or not, and the batch's summed
+    prompt count matches the frontend's own (no token mismatch counted)."""
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0)
+    mismatches = scrape(fleet.url).get("infera_frontend_token_mismatch_total", 0.0)
+    batch = client.completions.create(model=MODEL, prompt=["The sky is", "Rivers flow to the"], max_tokens=4)
+    assert sorted(c.index for c in batch.choices) == [0, 1] and all(c.text for c in batch.choices)
+    singles = [client.completions.create(model=MODEL, prompt=p, max_tokens=1).usage.prompt_tokens
+               for p in ("The sky is", "Rivers flow to the")]
+    assert batch.usage.prompt_tokens == sum(singles) and batch.usage.completion_tokens == 8
+    streamed = list(client.completions.create(model=MODEL, prompt=[[19556, 28], [905, 28, 19556]], max_tokens=3,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert {c.choices[0].index for c in streamed if c.choices} == {0, 1}
+    assert streamed[-1].usage.prompt_tokens == 5
+    answer = client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=5, logprobs=True,
+                                            top_logprobs=2)
+    content = answer.choices[0].logprobs.content
+    assert len(content) == 5 and "".join(t.token for t in content) == answer.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    pieces = list(client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=5, logprobs=True,
+                                                 stream=True))
+    streamed_lp = [t for p in pieces if p.choices and p.choices[0].logprobs for t in p.choices[0].logprobs.content]
+    assert len(streamed_lp) == 5
+    with pytest.raises(openai.BadRequestError):  # the engine's refusal passes through
+        client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=2, top_logprobs=30,
+                                       logprobs=True)
+    samples = client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=6, n=3,
+                                             temperature=0.9, seed=5)
+    assert sorted(c.index for c in samples.choices) == [0, 1, 2]
+    assert len({c.message.content for c in samples.choices}) == 3  # three samples, not one thrice
+    assert samples.usage.prompt_tokens == answer.usage.prompt_tokens and samples.usage.completion_tokens == 18
+    assert scrape(fleet.url).get("infera_frontend_token_mismatch_total", 0.0) == mismatches
+
+
 async def test_round_robin_sends_traffic_to_both_workers(rr_fleet):
     fleet = rr_fleet
     workers = fleet.workers_list()
@@ -164,7 +199,7 @@ async def test_session_affinity_keeps_each_sessions_turns_on_one_worker(rr_fleet
         ("/v1/chat/completions", {**CHAT, "model": "nope"}, 404),
         ("/v1/chat/completions", {**CHAT, "max_tokens": -1}, 400),
         ("/v1/completions", {"model": MODEL}, 400),
-        ("/v1/chat/completions", {**CHAT, "n": 3}, 400),
+        ("/v1/chat/completions", {**CHAT, "n": 0}, 400),
     ],
 )
 async def test_bad_input_gets_openai_error_and_services_stay_up(fleet, path, body, status):

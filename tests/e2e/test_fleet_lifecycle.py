@@ -106,8 +106,10 @@ HANGS = {
 @pytest.mark.parametrize("plane", list(PLANES))
 def test_a_hung_engine_stops_getting_requests_until_it_answers_again(tmp_path, plane, hang):
     stop_sig, resume_sig, extra = HANGS[hang]
+    # on the no-broker plane the router calls the engine, so its agent sees no request in flight, and
+    # a hung engine's gauges stay as they were (idle): there the idle canary finds the hang
     env = env_with(INFERA_HEALTH_CHECK_INTERVAL="0.3", INFERA_HEALTH_CHECK_TIMEOUT="0.5",
-                   INFERA_HEALTH_CHECK_FAILURES="2", INFERA_LOAD_INTERVAL="0.1")
+                   INFERA_HEALTH_CHECK_FAILURES="2", INFERA_LOAD_INTERVAL="0.1", INFERA_ENGINE_IDLE_CANARY_AFTER="1")
     fleet = Fleet(tmp_path, workers=2, env=env, plane=plane, extra=extra).start()
     try:
         victim = fleet.workers_list()[0]

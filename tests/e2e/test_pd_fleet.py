@@ -95,6 +95,21 @@ async def test_a_chat_completion_goes_through_the_pair_and_its_kv_crosses(pd_fle
     await eventually(lambda: router_leases(pd_fleet) == 0)
 
 
+@pytest.mark.parametrize(("path", "extra", "what"), [
+    ("/v1/chat/completions", {"n": 2}, "n=2"),
+    ("/v1/completions", {"prompt": ["one", "two"]}, "a batch of 2 prompts"),
+])
+async def test_a_request_for_several_sequences_is_refused_with_what_to_do(pd_fleet, path, extra, what):
+    body = {**CHAT, **extra}
+    if path == "/v1/completions":
+        body.pop("messages")
+    async with aiohttp.ClientSession() as s, s.post(pd_fleet.url + path, json=body) as r:
+        answer = await r.json()
+    assert r.status == 400, answer
+    assert what in answer["error"]["message"] and "one request per sequence" in answer["error"]["message"]
+    await eventually(lambda: router_leases(pd_fleet) == 0)
+
+
 async def test_killing_the_decode_engine_mid_request_aborts_the_prefill_leg(pd_fleet):
     """(vLLM: the prefill has answered before the decode pulls; the client still gets an error and no
     lease is left.)"""

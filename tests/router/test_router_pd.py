@@ -9,7 +9,7 @@ from infera_common.schemas import PdParams, Role
 
 from infera_router.core import RouterCore
 from infera_router.pd_pairs import Action, PdPairs
-from infera_router.pd_protocol import PdContext
+from infera_router.pd_protocol import PdContext, several_sequences
 from infera_router.pd_sglang import SglangBootstrap, aligned_room
 from infera_router.pd_vllm import VllmMooncake
 from infera_router.policy_round_robin import RoundRobin
@@ -173,3 +173,11 @@ def test_no_decode_placed_abandons_the_prefill_and_a_late_decode_is_stopped():
 def test_unknown_guard_is_refused():
     with pytest.raises(ValueError, match="hold, completion"):
         PdPairs("later")
+
+
+def test_a_pair_serves_one_sequence_per_request():
+    assert several_sequences({"messages": [], "n": 1}) is None
+    assert several_sequences({"prompt": ["only one"]}) is None
+    assert several_sequences({"prompt": [1, 2, 3]}) is None  # token ids: one prompt
+    assert several_sequences({"messages": [], "n": 3}) == "n=3"
+    assert several_sequences({"prompt": [[1, 2], [3]]}) == "a batch of 2 prompts"

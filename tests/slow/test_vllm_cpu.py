@@ -326,5 +326,27 @@ def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cac
             load = parse_engine_metrics(r.read().decode())
         assert load is not None and load.tokens is not None and load.tokens > 0, load
         assert asyncio.run(canary(worker["url"])) is Canary.ANSWERED
+
+        # 5. what the mock engine imitates, from the real one through the fleet: logprobs and a
+        # completions batch (one choice per prompt, usage summed), with no token mismatch
+        status, body = http_json(frontend + "/v1/chat/completions", {
+            "model": MODEL_NAME, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 3,
+            "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 2})
+        assert status == 200, (body, procs.tails())
+        content = body["choices"][0]["logprobs"]["content"]
+        assert len(content) == 3 and all(set(e) >= {"token", "logprob", "bytes", "top_logprobs"} for e in content)
+        assert all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 for e in content), content
+        prompts = ["The sky is", "Rivers flow to the"]
+        status, body = http_json(frontend + "/v1/completions", {
+            "model": MODEL_NAME, "prompt": prompts, "max_tokens": 2, "temperature": 0, "ignore_eos": True})
+        assert status == 200, (body, procs.tails())
+        assert sorted(c["index"] for c in body["choices"]) == [0, 1]
+        tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+        assert body["usage"]["prompt_tokens"] == sum(len(tokenizer.encode(p).ids) for p in prompts), body["usage"]
+        assert total(scrape(frontend), "infera_frontend_token_mismatch_total") == 0
+        # and the stall check's idle canary, which a real vLLM answers as it answers any completion
+        wait_for(lambda: total(scrape(f"http://127.0.0.1:{agent_port}"), "infera_agent_engine_canaries_total",
+                               reason="idle", outcome="answered") >= 1, 40,
+                 "the worker-agent's idle canary to be answered", procs, ["worker-agent"], 0.5)
     finally:
         procs.stop_all()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from infera_worker_agent.liveness import CanaryReason as R
 from infera_worker_agent.liveness import Liveness, StallCheck
 
 
@@ -33,14 +34,59 @@ def test_a_stall_makes_the_engine_unhealthy_at_once_and_one_pass_ends_it():
 
 def test_a_canary_is_due_only_after_a_whole_round_with_work_and_no_token():
     check = StallCheck()
-    assert check.canary_due(2, 100.0) is False  # the first round has nothing to compare with
-    assert check.canary_due(2, 100.0) is True  # work at both rounds, the counters still
-    assert check.canary_due(2, 101.0) is False  # a token counted: progress
-    assert check.canary_due(0, 101.0) is False  # idle: nothing to wait for
-    assert check.canary_due(3, 101.0) is False  # work appeared this round: it has had no time yet
-    assert check.canary_due(3, 101.0) is True
+    assert check.canary_due(2, 100.0, 0) is None  # the first round has nothing to compare with
+    assert check.canary_due(2, 100.0, 10) is R.STALLED  # work at both rounds, the counters still
+    check.canary_done(silent=False, now=10)  # it answered
+    assert check.canary_due(2, 101.0, 20) is None  # a token counted: progress
+    assert check.canary_due(0, 101.0, 30) is None  # idle: nothing to wait for (no idle canaries asked)
+    assert check.canary_due(3, 101.0, 40) is None  # work appeared this round: it has had no time yet
+    assert check.canary_due(3, 101.0, 50) is R.STALLED
 
 
-def test_no_counters_no_canary():
+def test_no_counters_no_stall_canary():
     check = StallCheck()
-    assert [check.canary_due(5, None) for _ in range(4)] == [False] * 4
+    assert [check.canary_due(5, None, t) for t in range(4)] == [None] * 4
+
+
+def test_after_an_unanswered_canary_every_round_tests_the_engine_even_once_it_holds_nothing():
+    """What it held was handed back (and the engine dropped it): holding nothing proves nothing."""
+    check = StallCheck()
+    check.canary_due(2, 100.0, 0)
+    assert check.canary_due(2, 100.0, 10) is R.STALLED
+    check.canary_done(silent=True, now=40)
+    assert check.canary_due(0, 100.0, 50) is R.SUSPECT
+    check.canary_done(silent=True, now=80)
+    assert check.canary_due(0, 100.0, 90) is R.SUSPECT
+    check.canary_done(silent=False, now=90)  # answered at last
+    assert check.canary_due(0, 102.0, 100) is None
+
+
+def test_counters_moving_end_the_suspicion_without_a_canary():
+    check = StallCheck()
+    check.canary_due(2, 100.0, 0)
+    check.canary_due(2, 100.0, 10)
+    check.canary_done(silent=True, now=40)
+    assert check.canary_due(1, 180.0, 50) is None  # tokens counted since: working again
+
+
+def test_an_idle_engine_gets_a_canary_once_idle_for_long_enough():
+    check = StallCheck(idle_after=30)
+    assert check.canary_due(0, 100.0, 0) is None
+    assert check.canary_due(0, 100.0, 20) is None
+    assert check.canary_due(0, 100.0, 30) is R.IDLE
+    check.canary_done(silent=False, now=31)
+    assert check.canary_due(0, 101.0, 40) is None  # the canary's own tokens, seen at this round
+    assert check.canary_due(0, 101.0, 60) is None
+    assert check.canary_due(0, 101.0, 70) is R.IDLE  # 30 s since
+    check.canary_done(silent=False, now=70)
+    assert check.canary_due(4, 102.0, 80) is None  # work arrived
+    assert check.canary_due(0, 109.0, 90) is None  # and made tokens: active until 90
+    assert check.canary_due(0, 109.0, 110) is None
+    assert check.canary_due(0, 109.0, 120) is R.IDLE
+    check.canary_done(silent=True, now=150)  # hung while idle
+    assert check.canary_due(0, 109.0, 160) is R.SUSPECT
+
+
+def test_an_idle_canary_needs_no_counters():
+    check = StallCheck(idle_after=5)
+    assert [check.canary_due(0, None, t) for t in (0, 3, 6)] == [None, None, R.IDLE]

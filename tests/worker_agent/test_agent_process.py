@@ -347,7 +347,7 @@ async def test_a_hung_gpu_behind_a_passing_health_check_is_found_by_the_canary(b
     stalled = agent.event("engine_stalled")
     assert stalled is not None and stalled["requests"] >= 1
     assert bus.watcher.view.active(model) == []
-    assert await agent_metric(metrics_port, 'infera_agent_engine_canaries_total{outcome="silent"}') >= 1
+    assert await agent_metric(metrics_port, 'infera_agent_engine_canaries_total{outcome="silent"') >= 1
     await bus.active("w-stall", timeout=10)  # tokens flow again: routable again
     frames = await bus.frames(sub, timeout=30)  # the stream under way was kept and ends whole
     assert frames[-1].kind == "end"
@@ -373,8 +373,40 @@ async def test_long_requests_on_an_engine_that_counts_tokens_at_the_end_pass_the
     assert frames[-1].kind == "end"
     assert statuses == {WorkerStatus.ACTIVE}
     sent = await agent_metric(metrics_port, "infera_agent_engine_canaries_total")
-    silent = await agent_metric(metrics_port, 'infera_agent_engine_canaries_total{outcome="silent"}')
+    silent = await agent_metric(metrics_port, 'infera_agent_engine_canaries_total{outcome="silent"')
     assert sent >= 1 and silent == 0
+
+
+async def test_a_gpu_that_hangs_while_idle_is_found_before_a_request_meets_it(bus, agents):
+    """An idle engine gets a one-token completion every --engine-idle-canary-after seconds; when it
+    goes unanswered the worker leaves routing with no request having waited on it, and stays out
+    (tested every round) until the engine answers again."""
+    metrics_port = free_port()
+    agent = agents("w-idle", ["--health-check-interval", "0.3", "--health-check-timeout", "1",
+                              "--engine-idle-canary-after", "1", "--load-interval", "0.1",
+                              "--metrics-port", str(metrics_port)], ["--engine-flavor", "vllm"])
+    model = (await bus.active("w-idle")).model
+    idle_answered = 'infera_agent_engine_canaries_total{outcome="answered",reason="idle"}'
+    assert await eventually_async(lambda: agent_metric(metrics_port, idle_answered), lambda n: n >= 1, 10)
+    assert bus.watcher.view.get("w-idle").status == WorkerStatus.ACTIVE
+    engine_pid = agent.engine_pid()
+    os.kill(engine_pid, signal.SIGUSR1)
+    try:
+        assert await eventually(lambda: bus.watcher.view.get("w-idle").status == WorkerStatus.UNHEALTHY, 10)
+        stalled = agent.event("engine_stalled")
+        assert stalled is not None and stalled["reason"] == "idle" and stalled["requests"] == 0
+        statuses = set()
+        for _ in range(40):  # ~6 health rounds: still tested, still out
+            statuses.add(bus.watcher.view.get("w-idle").status)
+            await asyncio.sleep(0.1)
+        assert statuses == {WorkerStatus.UNHEALTHY}
+        assert await agent_metric(metrics_port, 'infera_agent_engine_canaries_total{outcome="silent",reason="suspect"}') >= 1
+    finally:
+        os.kill(engine_pid, signal.SIGUSR2)
+    await bus.active("w-idle", timeout=10)
+    rid, sub = await bus.submit("w-idle", chat(3, stream=False, model=model))
+    frames = await bus.frames(sub)
+    assert frames[-1].final and frames[-1].status == 200
 
 
 async def test_sigkilled_agent_takes_its_engine_along_and_ages_out(bus, agents):

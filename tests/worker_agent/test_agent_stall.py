@@ -40,7 +40,12 @@ async def test_a_hung_gpu_leaves_the_canary_silent_and_the_engine_drops_it(vllm_
     server.engine.hang_gpu()
     assert await send_canary(session, server.url, "smol", 0.5, lambda: False, poll=0.05) is Canary.SILENT
     await asyncio.sleep(0.1)
-    assert server.engine.totals().running + server.engine.totals().waiting == 0  # the canary was aborted
+    held = server.engine.totals()  # the canary and its abort wait for the scheduler, as in vLLM
+    assert held.running + held.waiting == 0 and held.stats.finished == {}
+    server.engine.resume_gpu()
+    await asyncio.sleep(0.1)
+    after = server.engine.totals()  # then the canary is taken and dropped at once
+    assert after.running + after.waiting == 0 and after.stats.finished == {"abort": 1}
 
 
 async def test_progress_elsewhere_passes_the_canary(vllm_engine):
@@ -71,7 +76,7 @@ async def test_health_round_on_an_engine_that_holds_work_and_counts_no_token(vll
 
     probe = engine_stall_probe(session, url, "smol", lambda: last["load"], in_flight=lambda: 0)
     watch = HealthWatch(session, url, interval=0.1, timeout=0.5, failures=3, on_change=on_change, stall=probe,
-                        on_canary=outcomes.append)
+                        on_canary=lambda _reason, outcome: outcomes.append(outcome))
     long = asyncio.create_task(session.post(f"{url}/v1/completions",
                                             json={"model": "smol", "prompt": "tell", "max_tokens": 3000}))
     await asyncio.sleep(0.3)
@@ -105,7 +110,7 @@ async def test_a_refused_canary_counts_as_healthy_and_is_logged_once(vllm_engine
 
     watch = HealthWatch(session, url, interval=0.1, timeout=2, failures=1, on_change=on_change,
                         stall=StallProbe(work=lambda: 1, progress=lambda: 5.0, canary=canary),
-                        on_canary=refused.append)
+                        on_canary=lambda _reason, outcome: refused.append(outcome))
     for _ in range(4):
         await watch.probe_once()
     assert refused == [Canary.REFUSED] * 3 and watch.liveness.healthy  # the first round only takes note

@@ -86,11 +86,9 @@ class _Common(_Open):
 
     @field_validator("n")
     @classmethod
-    def _single_choice(cls, v: int | None) -> int | None:
+    def _at_least_one(cls, v: int | None) -> int | None:
         if v is not None and v < 1:
             raise ValueError("n must be at least 1")
-        if v is not None and v > 1:
-            raise ValueError("n > 1 is not supported; send n separate requests")
         return v
 
 

@@ -1,19 +1,26 @@
 """OpenAI-compatible endpoints as SGLang and vLLM serve them: /v1/chat/completions, /v1/completions.
 
 Streaming is framed `data: {json}\\n\\n` ... `data: [DONE]\\n\\n`; the first chat chunk carries the
-role; with stream_options.include_usage a last chunk with empty choices carries the usage.
+role; with stream_options.include_usage a last chunk with empty choices carries the usage. A
+completions `prompt` may be a batch (a list of texts or of token-id lists), and `n` asks for several
+samples of each prompt: one choice per sample, `index` = prompt's place × n + sample, streamed
+interleaved, usage summed (each prompt counted once). Logprobs when asked (`logprobs.py`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from dataclasses import dataclass
+from collections.abc import Coroutine
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
 
 from infera_mock_engine.engine import Engine, GenerationFailed, GenerationParams, GenerationStream, Output, RequestError
 from infera_mock_engine.errors import stream_error_event
+from infera_mock_engine.logprobs import LogprobBuilder
 from infera_mock_engine.http_common import (
     SseWriter, dumps, engine_of, json_response, parse_body, request_id, require_ready,
 )
@@ -38,22 +45,20 @@ class _Shape:
     def full_object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
-    def delta_choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
+    def delta_choice(self, text: str | None, finish_reason: str | None, role: bool = False,
+                     index: int = 0) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
 
 
 CHAT, COMPLETION = _Shape(chat=True), _Shape(chat=False)
 
 
 def _check_common(engine: Engine, body: _OpenAIRequest) -> None:
-    if body.n != 1:
-        raise RequestError(f"n={body.n} is not supported: the mock engine returns exactly one choice (n=1)",
-                           param="n")
     if engine.config.engine_flavor == "vllm" and body.model and body.model not in engine.config.served_model_names:
         raise RequestError(f"The model `{body.model}` does not exist.", status=404, param="model")
 
@@ -71,12 +76,17 @@ def _params(rid: str, prompt_ids: list[int], body: _OpenAIRequest, limit: int | 
     )
 
 
-def _usage(stream: GenerationStream) -> dict[str, Any]:
+def _usage(streams: list[GenerationStream]) -> dict[str, Any]:
+    """Usage of the whole request, as both engines count it: each prompt once (its first sample's
+    prompt and cached tokens, whatever ``n``), every sample's completion."""
+    firsts = [s for s in streams if s.params.sample == 0]
+    prompt = sum(s.prompt_tokens for s in firsts)
+    completion = sum(s.completion_tokens for s in streams)
     return {
-        "prompt_tokens": stream.prompt_tokens,
-        "completion_tokens": stream.completion_tokens,
-        "total_tokens": stream.prompt_tokens + stream.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": stream.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in firsts)},
     }
 
 
@@ -87,16 +97,30 @@ def _stop_fields(engine: Engine, last: Output) -> dict[str, Any]:
     return {"matched_stop": last.matched_stop}
 
 
-def _prompt_ids(engine: Engine, body: CompletionRequest) -> list[int]:
+def _prompts(engine: Engine, body: CompletionRequest) -> list[list[int]]:
+    """The prompt's token ids; a batch (a list of texts or of id lists) gives one list per prompt."""
     prompt: Any = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise RequestError(f"batched prompts ({len(prompt)}) are not supported: send one prompt per request",
-                               param="prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return engine.tokenizer.encode(prompt, add_special_tokens=True)
-    return list(prompt)
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    return [engine.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in batch]
+
+
+def _echo(engine: Engine, body: CompletionRequest, i: int, prompt_ids: list[int]) -> str:
+    if not body.echo:
+        return ""
+    prompt: Any = body.prompt
+    text = prompt if isinstance(prompt, str) else prompt[i] if isinstance(prompt, list) and prompt and \
+        isinstance(prompt[0], str) else None
+    return text if text is not None else engine.tokenizer.decode(prompt_ids)
+
+
+@dataclass
+class _Choice:
+    """One sample of one prompt within a request: its stream, echo and logprobs."""
+
+    index: int
+    stream: GenerationStream
+    echo: str = ""
+    logprobs: LogprobBuilder | None = None
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -104,12 +128,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     require_ready(engine)
     body = await parse_body(request, ChatCompletionRequest)
     _check_common(engine, body)
+    if body.top_logprobs and not body.logprobs:
+        raise RequestError("when using `top_logprobs`, `logprobs` must be set to true", param="top_logprobs")
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     prompt_ids = engine.tokenizer.chat_ids(
         messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools, extra=body.chat_template_kwargs
     )
     rid = request_id(request, body.rid, body.request_id)
-    return await _respond(request, engine, body, _params(rid, prompt_ids, body, body.token_limit), CHAT, "")
+    params = _params(rid, prompt_ids, body, body.token_limit)
+    params.prompt_param = "messages"
+    return await _respond(request, engine, body, [params], CHAT, [""])
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -117,68 +145,110 @@ async def completions(request: web.Request) -> web.StreamResponse:
     require_ready(engine)
     body = await parse_body(request, CompletionRequest)
     _check_common(engine, body)
-    prompt_ids = _prompt_ids(engine, body)
     rid = request_id(request, body.rid, body.request_id)
-    params = _params(rid, prompt_ids, body, body.token_limit)
-    echo = ""
-    if body.echo:
-        echo = body.prompt if isinstance(body.prompt, str) else engine.tokenizer.decode(prompt_ids)
-    return await _respond(request, engine, body, params, COMPLETION, echo)
+    batch = _prompts(engine, body)
+    params = [_params(rid, ids, body, body.token_limit) for ids in batch]
+    echoes = [_echo(engine, body, i, ids) for i, ids in enumerate(batch)]
+    return await _respond(request, engine, body, params, COMPLETION, echoes)
 
 
-async def _respond(request: web.Request, engine: Engine, body: _OpenAIRequest, params: GenerationParams,
-                   shape: _Shape, echo: str) -> web.StreamResponse:
-    params.routing = routing(body, request.headers, engine.config.engine_flavor, engine.config.disagg)
-    stream = engine.submit(params)  # raises RequestError before anything is sent
+async def _respond(request: web.Request, engine: Engine, body: _OpenAIRequest, batch: list[GenerationParams],
+                   shape: _Shape, echoes: list[str]) -> web.StreamResponse:
+    rid = batch[0].rid
     head = {
-        "id": shape.id_prefix + params.rid,
+        "id": shape.id_prefix + rid,
         "created": int(time.time()),
         "model": body.model or engine.config.served_model_name,
     }
-    async with stream:
+    k = body.logprobs_k
+    async with AsyncExitStack() as held:  # leaving it early aborts every prompt's generation
+        choices = []
+        for i, first in enumerate(batch):
+            for j in range(body.n):  # vLLM's order: prompt by prompt, each prompt's n samples
+                params = replace(first, sample=j)
+                params.routing = routing(body, request.headers, engine.config.engine_flavor, engine.config.disagg)
+                stream = await held.enter_async_context(engine.submit(params))  # RequestError before any byte
+                lp = None if k is None else LogprobBuilder(shape.chat, k, engine.vocab.piece,
+                                                           engine.tokenizer.vocab_size)
+                choices.append(_Choice(i * body.n + j, stream, echoes[i], lp))
         if body.stream:
-            return await _stream(request, engine, body, stream, shape, head, echo)
-        text, _ids, last = await stream.collect()
-        choice: dict[str, Any] = {"index": 0}
+            return await _stream(request, engine, body, choices, shape, head)
+        return json_response(await _whole(engine, choices, shape, head), rid)
+
+
+async def _whole(engine: Engine, choices: list[_Choice], shape: _Shape, head: dict[str, Any]) -> dict[str, Any]:
+    """The non-streaming answer: every prompt run to its end, one choice each."""
+    results = await asyncio.gather(*(c.stream.collect() for c in choices))
+    out = []
+    for c, (text, ids, last) in zip(choices, results):
+        choice: dict[str, Any] = {"index": c.index}
         if shape.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = echo + text
-        choice.update(logprobs=None, finish_reason=last.finish_reason, **_stop_fields(engine, last))
-        payload = {"id": head["id"], "object": shape.full_object, "created": head["created"],
-                   "model": head["model"], "choices": [choice], "usage": _usage(stream)}
-        if engine.config.engine_flavor == "vllm":
-            payload["kv_transfer_params"] = None  # vLLM's field; its Mooncake connector returns none
-        return json_response(payload, params.rid)
+            choice["text"] = c.echo + text
+        logprobs = None
+        if c.logprobs is not None:
+            if c.echo:  # the prompt's tokens first, their offsets before the completion's
+                echoed = c.logprobs.prompt(c.stream.params.prompt_ids, engine.tokenizer.token_text)
+                logprobs = LogprobBuilder.join(echoed, c.logprobs.part(ids))
+            else:
+                logprobs = c.logprobs.part(ids)
+        choice.update(logprobs=logprobs, finish_reason=last.finish_reason, **_stop_fields(engine, last))
+        out.append(choice)
+    payload = {"id": head["id"], "object": shape.full_object, "created": head["created"], "model": head["model"],
+               "choices": out, "usage": _usage([c.stream for c in choices])}
+    if engine.config.engine_flavor == "vllm":
+        payload["kv_transfer_params"] = None  # vLLM's field; its Mooncake connector returns none
+    return payload
 
 
-async def _stream(request: web.Request, engine: Engine, body: _OpenAIRequest, stream: GenerationStream,
-                  shape: _Shape, head: dict[str, Any], echo: str) -> web.StreamResponse:
-    sse = SseWriter(request, stream.params.rid)
+async def _stream(request: web.Request, engine: Engine, body: _OpenAIRequest, choices: list[_Choice],
+                  shape: _Shape, head: dict[str, Any]) -> web.StreamResponse:
+    sse = SseWriter(request, choices[0].stream.params.rid)
     extra = {"usage": None} if body.include_usage else {}
 
     def chunk(choice: dict[str, Any]) -> dict[str, Any]:
         return {"id": head["id"], "object": shape.chunk_object, "created": head["created"],
                 "model": head["model"], "choices": [choice], **extra}
 
-    delta = TextSplice(dumps(chunk(shape.delta_choice(TEXT_SLOT, None))))  # the frame of each text delta
-    try:
-        await sse.start()
+    async def relay(c: _Choice) -> None:
+        """One choice's chunks, tagged with its index (interleaved with the others', as vLLM's are)."""
+        fast = c.logprobs is None  # the common case: each text delta spliced into a fixed frame
+        delta = TextSplice(dumps(chunk(shape.delta_choice(TEXT_SLOT, None, index=c.index)))) if fast else None
         if shape.chat:
-            await sse.send(chunk(shape.delta_choice("", None, role=True)))
-        elif echo:
-            await sse.send_json(delta(echo))
-        async for out in stream:
+            await sse.send(chunk(shape.delta_choice("", None, role=True, index=c.index)))
+        elif c.echo:
+            first = shape.delta_choice(c.echo, None, index=c.index)
+            if c.logprobs is not None:
+                first["logprobs"] = c.logprobs.prompt(c.stream.params.prompt_ids, engine.tokenizer.token_text)
+            await sse.send(chunk(first))
+        async for out in c.stream:
             if out.finish_reason is None:
-                if out.text:
-                    await sse.send_json(delta(out.text))
+                if not out.text and not out.token_ids:
+                    continue
+                if delta is not None:
+                    if out.text:
+                        await sse.send_json(delta(out.text))
+                    continue
+                part = shape.delta_choice(out.text, None, index=c.index)
+                part["logprobs"] = c.logprobs.part(out.token_ids)
+                await sse.send(chunk(part))
                 continue
-            final = shape.delta_choice(out.text or None, out.finish_reason)
+            final = shape.delta_choice(out.text or None, out.finish_reason, index=c.index)
+            if c.logprobs is not None:
+                final["logprobs"] = c.logprobs.part(out.token_ids)
             final.update(_stop_fields(engine, out))
             await sse.send(chunk(final))
+
+    try:
+        await sse.start()
+        if len(choices) == 1:
+            await relay(choices[0])
+        else:
+            await _together([relay(c) for c in choices])
         if body.include_usage:
             await sse.send({"id": head["id"], "object": shape.chunk_object, "created": head["created"],
-                            "model": head["model"], "choices": [], "usage": _usage(stream)})
+                            "model": head["model"], "choices": [], "usage": _usage([c.stream for c in choices])})
         return await sse.done()
     except GenerationFailed as e:  # a failed KV transfer after the stream began: an error event, then [DONE]
         try:
@@ -187,7 +257,18 @@ async def _stream(request: web.Request, engine: Engine, body: _OpenAIRequest, st
         except ConnectionError:
             return sse.response
     except ConnectionError:
-        return sse.response  # client gone: leaving `async with stream` aborts the sequence
+        return sse.response  # client gone: leaving `async with` aborts the sequences
+
+
+async def _together(coros: list[Coroutine[Any, Any, None]]) -> None:
+    """Run them all; the first to fail stops the others, and its exception is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def add_routes(app: web.Application) -> None:

@@ -37,6 +37,8 @@ class GenerationParams:
     ignore_eos: bool = False
     internal: bool = False
     routing: Routing | None = None  # DP rank pin and PD half (pd_request.routing)
+    prompt_param: str = "prompt"  # the body field a refused prompt is blamed on ("messages" for chat)
+    sample: int = 0  # which of the request's n samples of this prompt (OpenAI `n`)
 
 
 @dataclass
@@ -86,7 +88,7 @@ class GenerationStream:
         if self.session is not None:
             self.session.abort(message)
         else:
-            self.rank.scheduler.finish(self.seq, "abort", message)
+            self.rank.scheduler.abort(self.seq, message)
 
     def __aiter__(self) -> GenerationStream:
         return self
@@ -257,7 +259,7 @@ class Engine:
             raise RequestError(f"token id {bad} is out of the vocabulary (size {vocab_size})", param="prompt")
         if n >= ctx:
             raise RequestError(
-                f"the prompt has {n} tokens; this model's context length is {ctx} tokens", param="messages"
+                f"the prompt has {n} tokens; this model's context length is {ctx} tokens", param=params.prompt_param
             )
         if params.max_new_tokens is not None:
             if n + params.max_new_tokens > ctx:
@@ -293,6 +295,8 @@ class Engine:
         limit, reason = self.validate(params)
         rank = self._rank_for(params.routing)
         seed = stream_seed(params.prompt_ids, params.seed, params.temperature, self._ids_text)
+        if params.sample and seed is not None and params.temperature > 0:  # greedy samples all agree
+            seed = hash((seed, params.sample)) & 0xFFFF_FFFF_FFFF_FFFF
         seq = Sequence(
             rid=params.rid,
             prompt_ids=list(params.prompt_ids),

@@ -7,6 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from infera_mock_engine.logprobs import MAX_LOGPROBS
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -64,6 +66,13 @@ class ChatCompletionRequest(_OpenAIRequest):
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def logprobs_k(self) -> int | None:
+        """Alternatives per token when logprobs are asked for, else None."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:
@@ -73,6 +82,11 @@ class ChatCompletionRequest(_OpenAIRequest):
 class CompletionRequest(_OpenAIRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
     @property
     def token_limit(self) -> int | None:

@@ -128,20 +128,43 @@ class Scheduler:
         self._arrived = float("-inf")  # loop time of the latest request added
         self._gpu_answers = asyncio.Event()  # cleared while the simulated GPU hangs (`hang`)
         self._gpu_answers.set()
+        self._held: list[Callable[[], None]] = []  # arrivals and aborts made while hung, in order
         self.outputs = 0  # steps that produced a token or finished a sequence (SGLang's health test)
 
     # ---- a simulated GPU hang ----------------------------------------------------
     def hang(self) -> None:
         """The GPU stops returning steps: the step under way never ends, no token or event goes
-        out, and the gauges keep their last values, while HTTP keeps answering (a wedged kernel or
-        collective: the process lives, its scheduler waits forever)."""
+        out, while HTTP keeps answering (a wedged kernel or collective: the process lives, its
+        scheduler waits forever). Requests that arrive and aborts wait for the scheduler as they
+        do in SGLang and vLLM, which take them in between steps, so the gauges keep their last
+        values: what the engine held stays counted even after its clients left."""
         self._gpu_answers.clear()
 
     def resume(self) -> None:
         self._gpu_answers.set()
+        held, self._held = self._held, []
+        for apply in held:
+            apply()
+
+    @property
+    def hung(self) -> bool:
+        return not self._gpu_answers.is_set()
 
     # ---- requests in and out -------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        if self.hung:
+            self._held.append(lambda: self._add(seq))
+        else:
+            self._add(seq)
+
+    def abort(self, seq: Sequence, message: str) -> None:
+        """A client's abort, taken in between steps (so, while hung, once the hang ends)."""
+        if self.hung:
+            self._held.append(lambda: self.finish(seq, "abort", message))
+        else:
+            self.finish(seq, "abort", message)
+
+    def _add(self, seq: Sequence) -> None:
         try:
             self._arrived = asyncio.get_running_loop().time()
         except RuntimeError:  # no loop: a test driving plan_step/finish_step itself

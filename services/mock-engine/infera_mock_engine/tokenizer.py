@@ -114,6 +114,10 @@ class ModelTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as decoding it alone gives it."""
+        return self.decode([token_id])
+
     def render_chat(
         self,
         messages: Sequence[Mapping[str, Any]],

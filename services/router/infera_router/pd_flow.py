@@ -32,6 +32,7 @@ from infera_router.leases import Lease
 from infera_router.metrics import RouterMetrics
 from infera_router.pd_pairs import Action, PdPairs
 from infera_router.dp_pin import rank_headers
+from infera_router.pd_protocol import several_sequences
 from infera_router.pd_protocols import PROTOCOLS
 from infera_router.state import WorkerState
 
@@ -72,6 +73,10 @@ class PdFlow:
                 raise ValueError("not a JSON object")
         except ValueError as exc:
             await reply(400, f"request body is not a JSON object: {exc}", None, None)
+            return
+        if (several := several_sequences(body)) is not None:
+            await reply(400, f"{several} is not served by disaggregated prefill/decode workers (one KV handover "
+                        "per request): send one request per sequence", None, None)
             return
         full = 0
         for i, prefill in enumerate(plan.order):

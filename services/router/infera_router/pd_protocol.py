@@ -26,6 +26,19 @@ class PdContext:
     transfer_id: str = field(default_factory=lambda: secrets.token_hex(16))
 
 
+def several_sequences(body: dict[str, Any]) -> str | None:
+    """Why a request cannot go to a prefill/decode pair, or None: a pair shares one KV handover (one
+    bootstrap room, one transfer id) per request, so a request that asks for several sequences
+    (``n`` > 1 samples, or a completions batch of several prompts) has no way to name each one's."""
+    n = body.get("n")
+    if isinstance(n, int) and n > 1:
+        return f"n={n}"
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
+        return f"a batch of {len(prompt)} prompts"
+    return None
+
+
 class DisaggProtocol(Protocol):
     """``prefill``/``decode`` are the chosen routing targets: a worker, or one DP rank of it (``rank``)."""
 

@@ -36,7 +36,8 @@ class EngineWatch:
             self.health = HealthWatch(
                 session, local_url, interval=settings.health_check_interval, timeout=settings.health_check_timeout,
                 failures=settings.health_check_failures, on_change=on_health, stall=stall,
-                on_canary=lambda outcome: metrics.canaries.labels(outcome.value).inc(),
+                idle_canary_after=settings.engine_idle_canary_after,
+                on_canary=lambda reason, outcome: metrics.canaries.labels(outcome.value, reason.value).inc(),
             )
 
     def start(self) -> None:

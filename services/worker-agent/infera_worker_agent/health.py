@@ -14,7 +14,7 @@ import aiohttp
 from infera_common.logs import get_logger
 from infera_common.tasks import stop_tasks
 from infera_worker_agent.engine_proc import EngineProcess
-from infera_worker_agent.liveness import Liveness, StallCheck
+from infera_worker_agent.liveness import CanaryReason, Liveness, StallCheck
 from infera_worker_agent.load import EngineLoad
 
 log = get_logger("worker_agent.health")
@@ -102,19 +102,21 @@ class HealthWatch:
     """While the worker serves: probe the engine's /health every ``interval`` seconds (each probe
     given ``timeout``), and call ``on_change(healthy)`` when ``Liveness`` changes its verdict.
 
-    With a ``stall`` probe, a round whose /health passes also asks ``StallCheck`` whether the engine
-    held work through the whole round without counting a token; if so it sends a canary, and one
-    that gets nothing back (nor sees progress) within ``timeout`` makes the engine unhealthy at once.
+    With a ``stall`` probe, a round whose /health passes also asks ``StallCheck`` whether a canary
+    is due (the engine held work through the whole round without counting a token; an earlier
+    canary went unanswered; or, with ``idle_canary_after``, it has been idle that long); one that
+    gets nothing back (nor sees progress) within ``timeout`` makes the engine unhealthy at once.
     """
 
     def __init__(self, session: aiohttp.ClientSession, base_url: str, *, interval: float, timeout: float,
                  failures: int, on_change: Callable[[bool], Awaitable[None]], stall: StallProbe | None = None,
-                 on_canary: Callable[[Canary], None] = lambda _outcome: None) -> None:
+                 idle_canary_after: float = 0.0,
+                 on_canary: Callable[[CanaryReason, Canary], None] = lambda _reason, _outcome: None) -> None:
         self._session, self._url = session, base_url
         self._interval, self._timeout = interval, timeout
         self.liveness = Liveness(failures)
         self._on_change = on_change
-        self._stall, self._check = stall, StallCheck()
+        self._stall, self._check = stall, StallCheck(idle_canary_after)
         self._on_canary = on_canary
         self._told_refused = False
         self._task: asyncio.Task | None = None
@@ -133,18 +135,17 @@ class HealthWatch:
         if not ok or stall is None:
             self.liveness.observe(ok)
             return
+        loop = asyncio.get_running_loop()
         work, mark = stall.work(), stall.progress()
-        if not self._check.canary_due(work, mark):
+        reason = self._check.canary_due(work, mark, loop.time())
+        if reason is None:
             self.liveness.observe(True)
             return
         outcome = await stall.canary(self._timeout, lambda: stall.progress() != mark)
-        self._on_canary(outcome)
+        self._check.canary_done(outcome is Canary.SILENT, loop.time())
+        self._on_canary(reason, outcome)
         if outcome is Canary.SILENT:
-            log.error("engine_stalled", url=self._url, requests=work,
-                      no_token_for_s_at_least=round(self._interval + self._timeout, 1),
-                      hint="the engine holds requests, counts no token and did not answer a one-token completion; "
-                      "a hung GPU or collective looks like this. It gets no new requests until it makes progress "
-                      "again (restart it if it stays so)")
+            self._tell_stalled(reason, work)
             self.liveness.stalled()
             return
         if outcome is Canary.REFUSED and not self._told_refused:  # once, not every round
@@ -153,6 +154,17 @@ class HealthWatch:
                         "with an error status; its /health passed, so it counts as healthy, and the stall check "
                         "cannot tell a hang from work (logged once)")
         self.liveness.observe(outcome is not Canary.FAILED)
+
+    def _tell_stalled(self, reason: CanaryReason, work: int) -> None:
+        if reason is CanaryReason.SUSPECT:  # said when it stalled; the verdict stands, quietly
+            return
+        if reason is CanaryReason.IDLE:
+            what = "the engine held no request and left a one-token completion unanswered"
+        else:
+            what = "the engine holds requests, counts no token and did not answer a one-token completion"
+        log.error("engine_stalled", url=self._url, reason=reason.value, requests=work, canary_timeout_s=self._timeout,
+                  hint=f"{what}; a hung GPU or collective looks like this. It gets no new requests until it makes "
+                  "progress again (restart it if it stays so)")
 
     async def _run(self) -> None:
         told = True  # the verdict the worker's record carries (it went active healthy)

@@ -11,6 +11,8 @@ engine unhealthy at once (``Liveness.stalled``).
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 
 class Liveness:
     __slots__ = ("failures", "healthy", "failed_in_a_row")
@@ -46,26 +48,59 @@ class Liveness:
         return None
 
 
+class CanaryReason(StrEnum):
+    STALLED = "stalled"  # it held work through a whole round and counted no token
+    SUSPECT = "suspect"  # an earlier canary went unanswered: one every round until it makes progress
+    IDLE = "idle"  # it held nothing and counted nothing for ``idle_after`` seconds
+
+
 class StallCheck:
-    """When a health round should send the engine a canary (a one-token completion).
+    """When a health round should send the engine a canary (a one-token completion), and why.
 
     Each round gives the work the engine holds (its running + waiting requests, or the agent's own
-    in flight, whichever is larger) and its progress mark (the token counters summed, ``None`` when
-    the engine has none). A canary is due when the engine held work at this round and at the one
-    before and the mark did not move between them: a whole round with requests in hand and not one
-    token counted. A busy healthy engine moves its counters every round and is never sent one; an
-    engine that counts a request's tokens only when it ends (SGLang) is sent one while long requests
-    run, which it answers within a step. Without counters no canary is ever due.
+    in flight, whichever is larger), its progress mark (the token counters summed, ``None`` when
+    the engine has none) and the time. A canary is due:
+
+    - ``STALLED``: the engine held work at this round and at the one before and the mark did not
+      move between them: a whole round with requests in hand and not one token counted. A busy
+      healthy engine moves its counters every round and is never sent one; an engine that counts a
+      request's tokens only when it ends (SGLang) is sent one while long requests run, which it
+      answers within a step. Without counters this rule never fires.
+    - ``SUSPECT``: every round after a canary went unanswered (``canary_done(silent=True)``), until
+      a canary passes or the mark moves. The engine stays under test even when what it held is
+      gone (handed back, or dropped by an engine that empties its queue on abort), so it does not
+      turn healthy again for holding nothing.
+    - ``IDLE`` (``idle_after`` > 0): the engine held nothing and its mark did not move for
+      ``idle_after`` seconds: a hang is then found before a request meets it, not after.
     """
 
-    __slots__ = ("_last",)
+    __slots__ = ("idle_after", "_last", "_active_at", "suspect")
 
-    def __init__(self) -> None:
+    def __init__(self, idle_after: float = 0.0) -> None:
+        self.idle_after = idle_after
         self._last: tuple[int, float | None] | None = None
+        self._active_at: float | None = None  # when it last held work, moved its mark or passed a canary
+        self.suspect = False
 
-    def canary_due(self, work: int, mark: float | None) -> bool:
+    def canary_due(self, work: int, mark: float | None, now: float) -> CanaryReason | None:
         last, self._last = self._last, (work, mark)
-        if last is None or mark is None or work <= 0:
-            return False
-        last_work, last_mark = last
-        return last_work > 0 and last_mark == mark
+        moved = last is not None and mark is not None and last[1] != mark
+        if self._active_at is None or work > 0 or moved:
+            self._active_at = now
+        if self.suspect:
+            if not moved:
+                return CanaryReason.SUSPECT
+            self.suspect = False  # tokens counted since the last round: it works again
+        if last is None:
+            return None
+        if mark is not None and work > 0 and last[0] > 0 and not moved:
+            return CanaryReason.STALLED
+        if self.idle_after > 0 and work <= 0 and now - self._active_at >= self.idle_after:
+            return CanaryReason.IDLE
+        return None
+
+    def canary_done(self, silent: bool, now: float) -> None:
+        """A canary's verdict: unanswered (``silent``) keeps the engine under test every round."""
+        self.suspect = silent
+        if not silent:
+            self._active_at = now

@@ -42,9 +42,11 @@ class AgentMetrics:
             "--health-check-failures probes in a row) or healthy again.", ["to"], registry=r,
         )
         self.canaries = Counter(
-            "infera_agent_engine_canaries", "One-token completions sent to an engine that held requests and counted "
-            "no token for a whole health round, by outcome (answered|progress|refused|failed|silent; silent: stalled).",
-            ["outcome"], registry=r,
+            "infera_agent_engine_canaries", "One-token completions sent to test the engine (the stall check), by "
+            "outcome (answered|progress|refused|failed|silent; silent: stalled) and reason (stalled: it held requests "
+            "and counted no token for a whole health round; suspect: an earlier one went unanswered; idle: it held "
+            "nothing for --engine-idle-canary-after seconds).",
+            ["outcome", "reason"], registry=r,
         )
         self.kv_batches = Counter(
             "infera_agent_kv_batches_relayed", "Engine KV event batches relayed to JetStream, by DP rank.",

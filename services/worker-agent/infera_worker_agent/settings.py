@@ -89,6 +89,13 @@ class AgentSettings(DrainSettings, PlaneSettings, LogSettings):
         "/health only reports a dead engine core, so a hung GPU or collective passes it. Prefill and decode workers "
         "are not tested this way (a completion needs its pair); --no-engine-stall-check turns it off.",
     )
+    engine_idle_canary_after: float = Field(
+        10.0, ge=0,
+        description="With the stall check on: when the engine has held no request and counted no token for this "
+        "many seconds, the next health round sends it the one-token completion too, so that a GPU that hung while "
+        "idle is found before a request meets it (Dynamo's DYN_CANARY_WAIT_TIME does the same; 0: only engines "
+        "that hold work are tested). Costs an idle engine one one-token request per this many seconds.",
+    )
     engine_stop_timeout: float = Field(
         10.0, ge=0, description="Seconds between SIGTERM and SIGKILL when stopping the engine's process group."
     )
