@@ -156,7 +156,7 @@ def run_row(row: str, args: argparse.Namespace, tmp: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS),
+    ap.add_argument("--rows", nargs="+", choices=list(ROWS), default=["canary", "no-canary"],
                     help="in this order; no-canary is the baseline (no-idle-canary with --quiet)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--policy", default="round-robin")

@@ -97,20 +97,19 @@ def _stop_fields(engine: Engine, last: Output) -> dict[str, Any]:
     return {"matched_stop": last.matched_stop}
 
 
-def _prompts(engine: Engine, body: CompletionRequest) -> list[list[int]]:
-    """The prompt's token ids; a batch (a list of texts or of id lists) gives one list per prompt."""
+def _batch(body: CompletionRequest) -> list[Any]:
+    """The request's prompts: a text or a token-id list each; a batch (a list of either) gives several."""
     prompt: Any = body.prompt
-    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
-    return [engine.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in batch]
+    return prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
 
 
-def _echo(engine: Engine, body: CompletionRequest, i: int, prompt_ids: list[int]) -> str:
-    if not body.echo:
-        return ""
-    prompt: Any = body.prompt
-    text = prompt if isinstance(prompt, str) else prompt[i] if isinstance(prompt, list) and prompt and \
-        isinstance(prompt[0], str) else None
-    return text if text is not None else engine.tokenizer.decode(prompt_ids)
+def _prompt_ids(engine: Engine, prompt: Any) -> list[int]:
+    return engine.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+
+
+def _echo(engine: Engine, prompt: Any, prompt_ids: list[int]) -> str:
+    """What `echo` puts before the completion: the prompt's text as sent, or its ids decoded."""
+    return prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt_ids)
 
 
 @dataclass
@@ -146,9 +145,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, CompletionRequest)
     _check_common(engine, body)
     rid = request_id(request, body.rid, body.request_id)
-    batch = _prompts(engine, body)
+    prompts = _batch(body)
+    batch = [_prompt_ids(engine, p) for p in prompts]
     params = [_params(rid, ids, body, body.token_limit) for ids in batch]
-    echoes = [_echo(engine, body, i, ids) for i, ids in enumerate(batch)]
+    echoes = [_echo(engine, p, ids) if body.echo else "" for p, ids in zip(prompts, batch)]
     return await _respond(request, engine, body, params, COMPLETION, echoes)
 
 
