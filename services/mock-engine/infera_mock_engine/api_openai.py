@@ -178,7 +178,10 @@ async def _respond(request: web.Request, engine: Engine, body: _OpenAIRequest, b
 
 async def _whole(engine: Engine, choices: list[_Choice], shape: _Shape, head: dict[str, Any]) -> dict[str, Any]:
     """The non-streaming answer: every prompt run to its end, one choice each."""
-    results = await asyncio.gather(*(c.stream.collect() for c in choices))
+    if len(choices) == 1:  # the common case, without a task per choice
+        results = [await choices[0].stream.collect()]
+    else:
+        results = await asyncio.gather(*(c.stream.collect() for c in choices))
     out = []
     for c, (text, ids, last) in zip(choices, results):
         choice: dict[str, Any] = {"index": c.index}
