@@ -2,7 +2,9 @@
 
 import pytest
 
-from infera_worker_agent.engine_cmd import EngineArgsError, api_key_problem, flag_value, plan_engine
+from infera_worker_agent.engine_cmd import (
+    EngineArgsError, api_key_problem, flag_value, launch_problems, plan_engine, stats_problem,
+)
 
 PY = "/usr/bin/python3"
 MODEL = "/models/SmolLM2"
@@ -107,3 +109,18 @@ def test_no_key_no_problem_and_the_mock_ignores_the_flag():
     assert api_key_problem("sglang", ["--model-path", "/m"], {"VLLM_API_KEY": "x"}) is None
     assert api_key_problem("vllm", ["--model", "/m"], {}) is None
     assert api_key_problem("mock", ["--api-key", "k"], {}) is None
+
+
+@pytest.mark.parametrize("args", [["--model", "/m", "--disable-log-stats"], ["--model", "/m", "--disable_log_stats"]])
+def test_a_vllm_without_its_metrics_is_refused_with_the_quiet_way_to_keep_them(args):
+    problem = stats_problem("vllm", args)
+    assert problem is not None and "Remove it" in problem and "VLLM_LOGGING_LEVEL=WARNING" in problem
+
+
+def test_stats_are_only_a_problem_for_vllm_and_problems_add_up():
+    assert stats_problem("vllm", ["--model", "/m", "--disable-log-requests"]) is None
+    assert stats_problem("sglang", ["--model-path", "/m", "--disable-log-stats"]) is None  # not SGLang's flag
+    assert stats_problem("mock", ["--disable-log-stats"]) is None
+    both = launch_problems("vllm", ["--model", "/m", "--disable-log-stats", "--api-key", "k"], {})
+    assert len(both) == 2 and "--api-key" in both[0] and "--disable-log-stats" in both[1]
+    assert launch_problems("vllm", ["--model", "/m"], {}) == []

@@ -123,6 +123,12 @@ def test_an_engine_api_key_is_refused_before_launch_and_noted_by_print_command(n
     assert r.returncode == 0 and "launching would be refused" in r.stderr and "--api-key" in r.stderr
 
 
+def test_a_vllm_without_metrics_is_refused_before_launch(nats_server, subprocess_env):
+    r = _run_agent(["--engine", "vllm", "--nats-url", nats_server, "--", "--model", "/m", "--disable-log-stats"],
+                   subprocess_env)
+    assert r.returncode == 2 and "--disable-log-stats" in r.stderr and "engine_spawned" not in r.stderr, r.stderr
+
+
 def test_unreachable_etcd_fails_before_the_engine_starts(nats_server, subprocess_env):
     r = _run_agent(["--engine", "mock", "--nats-url", nats_server, "--discovery-backend", "etcd",
                     "--etcd-endpoint", "127.0.0.1:1", "--metrics-port", "0"], subprocess_env)

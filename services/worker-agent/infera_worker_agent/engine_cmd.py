@@ -193,5 +193,27 @@ def api_key_problem(engine: str, engine_args: Sequence[str], env: Mapping[str, s
             "router sends an API key. Remove it, and check client keys in front of Infera's frontend instead")
 
 
+def stats_problem(engine: str, engine_args: Sequence[str]) -> str | None:
+    """Why a vLLM started with ``--disable-log-stats`` cannot serve behind Infera, or None.
+
+    The flag removes vLLM's stat loggers, the Prometheus one included: its ``/metrics`` then has no
+    ``vllm:`` series at all (checked on vLLM 0.32.0). The worker-agent reads them for its load
+    reports (running and waiting requests, KV usage, which every routing policy weighs) and for
+    the stall check's token counters, so the worker would route blind and a hung GPU behind it
+    would go unnoticed. Runbooks use the flag to quiet vLLM's periodic stats log line, which
+    ``VLLM_LOGGING_LEVEL=WARNING`` also does while keeping the metrics."""
+    if engine != "vllm" or not has_flag(vllm_flag_view(engine_args), "--disable-log-stats"):
+        return None
+    return ("the engine argument --disable-log-stats turns off vLLM's Prometheus metrics, which the worker-agent reads "
+            "for load reports (routing) and hang detection. Remove it; to quiet vLLM's periodic stats log line set "
+            "VLLM_LOGGING_LEVEL=WARNING in the engine's environment instead")
+
+
+def launch_problems(engine: str, engine_args: Sequence[str], env: Mapping[str, str]) -> list[str]:
+    """Engine arguments that would leave the engine unusable behind Infera (refused before launch)."""
+    return [p for p in (api_key_problem(engine, engine_args, env), stats_problem(engine, engine_args))
+            if p is not None]
+
+
 def _no_ports(n: int) -> int:
     raise EngineArgsError("no port finder given for the KV events endpoints")

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from infera_common.models import default_model_path
 from infera_common.ports import free_port, free_port_block
 from infera_common.runtime import configure_observability, event_loop_runner
-from infera_worker_agent.engine_cmd import EngineArgsError, EnginePlan, api_key_problem, plan_engine
+from infera_worker_agent.engine_cmd import EngineArgsError, EnginePlan, launch_problems, plan_engine
 from infera_worker_agent.host_probe import HostFacts, probe_host
 from infera_worker_agent.kv_config import index_block_problem
 from infera_worker_agent.planes import plane_problems
@@ -61,9 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     kv_sources = plan.kv_events.sources if plan.kv_events is not None and plan.kv_events.enabled else ()
     problems = plane_problems(settings, plan.advertise_host, kv_sources)
-    key_problem = api_key_problem(settings.engine, plan.engine_args, os.environ)
-    if key_problem is not None:
-        problems.append(key_problem)
+    problems += launch_problems(settings.engine, plan.engine_args, os.environ)
     index_problem = index_block_problem(settings.engine, settings.kv_index_block_size, plan.engine_args)
     if index_problem is not None and settings.enable_kv_events:
         problems.append(index_problem)
