@@ -3,7 +3,7 @@
 import pytest
 
 from infera_worker_agent.engine_cmd import (
-    EngineArgsError, api_key_problem, flag_value, launch_problems, plan_engine, stats_problem,
+    EngineArgsError, api_key_problem, flag_value, health_generates, launch_problems, plan_engine, stats_problem,
 )
 
 PY = "/usr/bin/python3"
@@ -124,3 +124,17 @@ def test_stats_are_only_a_problem_for_vllm_and_problems_add_up():
     both = launch_problems("vllm", ["--model", "/m", "--disable-log-stats", "--api-key", "k"], {})
     assert len(both) == 2 and "--api-key" in both[0] and "--disable-log-stats" in both[1]
     assert launch_problems("vllm", ["--model", "/m"], {}) == []
+
+
+@pytest.mark.parametrize("engine, args, env, deep", [
+    ("sglang", ["--model-path", "/m"], {}, True),  # SGLang's /health generates by default
+    ("sglang", ["--model-path", "/m"], {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}, False),
+    ("sglang", ["--model-path", "/m"], {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "N"}, False),
+    ("sglang", ["--model-path", "/m"], {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "1"}, True),
+    ("vllm", ["--model", "/m"], {}, False),  # vLLM's only asks whether the engine core lives
+    ("mock", [], {}, True),  # the mock's default flavour is sglang
+    ("mock", ["--engine-flavor", "vllm"], {}, False),
+    ("mock", ["--engine-flavour=sglang"], {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}, False),
+])
+def test_which_engines_test_themselves_on_every_health_probe(engine, args, env, deep):
+    assert health_generates(engine, args, env) is deep

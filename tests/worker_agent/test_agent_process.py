@@ -316,10 +316,12 @@ async def test_a_hung_engine_is_registered_unhealthy_gets_no_work_and_comes_back
     assert await asyncio.to_thread(agent.wait, 20) == 0
 
 
-async def agent_metric(port: int, name: str) -> float:
+async def agent_metric(port: int, name: str, *having: str) -> float:
+    """The sum of the samples whose line starts with ``name`` and holds every one of ``having``."""
     async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/metrics") as resp:
         text = await resp.text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and all(h in line for h in having))
 
 
 async def test_a_hung_gpu_behind_a_passing_health_check_is_found_by_the_canary(bus, agents):
@@ -407,6 +409,18 @@ async def test_a_gpu_that_hangs_while_idle_is_found_before_a_request_meets_it(bu
     rid, sub = await bus.submit("w-idle", chat(3, stream=False, model=model))
     frames = await bus.frames(sub)
     assert frames[-1].final and frames[-1].status == 200
+
+
+async def test_an_engine_whose_health_generates_gets_no_idle_canary(bus, agents):
+    """SGLang's /health runs a generation on every probe (uncounted in its metrics): the probes
+    already test an idle engine, so the agent adds no canary of its own, which would show as traffic."""
+    metrics_port = free_port()
+    agents("w-deep", ["--health-check-interval", "0.2", "--engine-idle-canary-after", "0.3",
+                      "--load-interval", "0.1", "--metrics-port", str(metrics_port)])  # the sglang flavour
+    await bus.active("w-deep")
+    await asyncio.sleep(3.0)  # ~15 idle rounds, each of which would send a vLLM a canary
+    assert await agent_metric(metrics_port, "infera_agent_engine_canaries_total", 'reason="idle"') == 0
+    assert bus.watcher.view.get("w-deep").status == WorkerStatus.ACTIVE
 
 
 async def test_sigkilled_agent_takes_its_engine_along_and_ages_out(bus, agents):

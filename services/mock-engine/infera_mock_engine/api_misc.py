@@ -35,7 +35,7 @@ def health_check_timeout() -> float:
 
 
 def health_generates() -> bool:
-    return os.environ.get(HEALTH_GENERATION_ENV, "true").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get(HEALTH_GENERATION_ENV, "true").strip().lower() not in ("0", "false", "no", "n")  # SGLang's EnvBool
 
 
 async def health(request: web.Request) -> web.Response:

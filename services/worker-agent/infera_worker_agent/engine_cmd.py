@@ -209,6 +209,23 @@ def stats_problem(engine: str, engine_args: Sequence[str]) -> str | None:
             "VLLM_LOGGING_LEVEL=WARNING in the engine's environment instead")
 
 
+#: SGLang's switch for the generation its /health runs (``envs.SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION``)
+HEALTH_GENERATION_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
+
+
+def health_generates(engine: str, engine_args: Sequence[str], env: Mapping[str, str]) -> bool:
+    """Whether the engine's own /health runs a one-token generation on every probe, as SGLang's does
+    (its ``EnvBool`` reads ``false``/``0``/``no``/``n`` as off; default on), so that an idle engine
+    needs no canary of the agent's: a hang already fails its health probes. vLLM's /health only
+    says whether its engine core process lives. The mock follows its ``--engine-flavor``."""
+    flavor = engine
+    if engine == "mock":
+        flavor = flag_value(engine_args, "--engine-flavor", "--engine-flavour") or "sglang"
+    if flavor != "sglang":
+        return False
+    return env.get(HEALTH_GENERATION_ENV, "true").strip().lower() not in ("false", "0", "no", "n")
+
+
 def launch_problems(engine: str, engine_args: Sequence[str], env: Mapping[str, str]) -> list[str]:
     """Engine arguments that would leave the engine unusable behind Infera (refused before launch)."""
     return [p for p in (api_key_problem(engine, engine_args, env), stats_problem(engine, engine_args))

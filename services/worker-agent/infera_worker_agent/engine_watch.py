@@ -20,7 +20,7 @@ class EngineWatch:
     def __init__(self, settings: AgentSettings, session: aiohttp.ClientSession, local_url: str, *, model: str,
                  role: Role, metrics: AgentMetrics, in_flight: Callable[[], int],
                  by_router: Callable[[], dict[str, int]], publish_load: Callable[[LoadReport], Awaitable[None]],
-                 on_health: Callable[[bool], Awaitable[None]]) -> None:
+                 on_health: Callable[[bool], Awaitable[None]], health_generates: bool = False) -> None:
         self._metrics = metrics
         self.reporter: LoadReporter | None = LoadReporter(
             worker_id=settings.worker_id or "", session=session, metrics_url=f"{local_url}/metrics",
@@ -36,7 +36,8 @@ class EngineWatch:
             self.health = HealthWatch(
                 session, local_url, interval=settings.health_check_interval, timeout=settings.health_check_timeout,
                 failures=settings.health_check_failures, on_change=on_health, stall=stall,
-                idle_canary_after=settings.engine_idle_canary_after,
+                # an engine whose /health generates (SGLang's) is tested by every probe, idle or not
+                idle_canary_after=0.0 if health_generates else settings.engine_idle_canary_after,
                 on_canary=lambda reason, outcome: metrics.canaries.labels(outcome.value, reason.value).inc(),
             )
 

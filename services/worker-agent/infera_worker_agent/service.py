@@ -38,7 +38,7 @@ from infera_common.request_runner import ENGINE_UNHEALTHY
 from infera_common.runtime import freeze_startup_heap
 from infera_common.schemas import KvRelay, LoadReport, WorkerRecord, WorkerStatus, encode, encode_sparse
 from infera_common.subjects import kv_event_subject, load_subject
-from infera_worker_agent.engine_cmd import EnginePlan
+from infera_worker_agent.engine_cmd import EnginePlan, health_generates
 from infera_worker_agent.engine_proc import EngineProcess, exit_status
 from infera_worker_agent.engine_watch import EngineWatch
 from infera_worker_agent.health import (
@@ -183,6 +183,8 @@ class Agent:
             in_flight=lambda: self._worker.in_flight if self._worker else 0,
             by_router=lambda: self._worker.in_flight_by_router() if self._worker else {},
             publish_load=self._publish_load, on_health=self._on_health,
+            health_generates=health_generates(self.plan.engine, self.plan.engine_args,
+                                              {**os.environ, **dict(self.plan.env_changes)}),
         )
         self._watch.start()
         log.info("worker_active", worker_id=self.worker_id, model=model, url=self.plan.url, frozen_objects=frozen)

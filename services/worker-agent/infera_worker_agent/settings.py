@@ -94,7 +94,8 @@ class AgentSettings(DrainSettings, PlaneSettings, LogSettings):
         description="With the stall check on: when the engine has held no request and counted no token for this "
         "many seconds, the next health round sends it the one-token completion too, so that a GPU that hung while "
         "idle is found before a request meets it (Dynamo's DYN_CANARY_WAIT_TIME does the same; 0: only engines "
-        "that hold work are tested). Costs an idle engine one one-token request per this many seconds.",
+        "that hold work are tested). Costs an idle engine one one-token request per this many seconds. Not sent to an "
+        "engine whose /health generates itself (SGLang's, unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false).",
     )
     engine_stop_timeout: float = Field(
         10.0, ge=0, description="Seconds between SIGTERM and SIGKILL when stopping the engine's process group."
