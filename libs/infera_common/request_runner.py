@@ -137,6 +137,11 @@ class RequestRunner:
     def in_flight(self) -> int:
         return len(self._inflight)
 
+    @property
+    def in_flight_sequences(self) -> int:
+        """The sequences the requests being handled run in the engine (``n`` x prompts each)."""
+        return sum(entry.envelope.sequences for entry in self._inflight.values())
+
     def in_flight_of(self, worker_id: str) -> int:
         return self._per_worker.get(worker_id, 0)
 

@@ -149,6 +149,8 @@ class RouteRequest(_Msg):
     discovery_backend: DiscoveryBackend | None = None
     #: the W3C trace context of the frontend's span (``tracing``; ``None``: no trace)
     traceparent: str | None = None
+    #: the sequences the engine will run for it: ``n`` samples of each prompt of a completions batch
+    sequences: int = Field(1, ge=1)
 
     @field_validator("tokens")
     @classmethod
@@ -198,6 +200,9 @@ class WorkEnvelope(_Msg):
     lease_id: str
     router_id: str
     headers: dict[str, str] = Field(default_factory=dict)  # extra HTTP headers for the engine (e.g. a DP rank)
+    #: the sequences the engine runs for it (``RouteRequest.sequences``): each shows in its running
+    #: count, so the worker-agent counts them, not requests, against the engine's figures
+    sequences: int = Field(1, ge=1)
 
 
 FrameKind = Literal["head", "data", "end", "error"]

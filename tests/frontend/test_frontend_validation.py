@@ -10,6 +10,7 @@ from infera_common.openai_errors import error_body, normalize_error
 from infera_common.schemas import Endpoint, WorkerRecord, WorkerStatus
 
 from infera_frontend.prepare import ModelTable
+from infera_frontend.prepare import sequences
 from infera_frontend.validation import ApiError, check_request_id, parse_body
 
 CHAT = Endpoint.CHAT
@@ -151,3 +152,15 @@ def test_model_table_follows_discovery():
     assert _status(table, "m") == 503
     table.apply(Change("leave", _rec("a", "m", WorkerStatus.DRAINING)))
     assert _status(table, "m") == 404 and not table.is_known("m")
+
+
+@pytest.mark.parametrize("endpoint, body, expected", [
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}]}, 1),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 3}, 3),
+    (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "n": 2}, 2),
+    (Endpoint.COMPLETIONS, {"model": "m", "prompt": [1, 2, 3], "n": 2}, 2),  # token ids: one prompt
+    (Endpoint.COMPLETIONS, {"model": "m", "prompt": ["a", "b", "c"]}, 3),
+    (Endpoint.COMPLETIONS, {"model": "m", "prompt": [[1], [2]], "n": 4}, 8),
+])
+def test_the_sequences_a_request_runs_in_the_engine(endpoint, body, expected):
+    assert sequences(parse_body(endpoint, json.dumps(body).encode())) == expected

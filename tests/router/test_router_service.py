@@ -104,10 +104,13 @@ async def test_round_robin_alternates_between_workers_streams(bench):
     assert [e.lease_id for e in env_a + env_b] == [replies[i].lease_id for i in (0, 2, 1, 3)]
     env = env_a[0]
     assert env.router_id == "rt1" and env.body == b'{"x":1}' and env.reply_subject == "_INBOX.test.1"
+    assert env.sequences == 1
     assert bench.leases("a") == 2 and bench.leases("b") == 2
     assert bench.metric("infera_router_routed_total", model="m", worker="a", status="200") == 2
     assert bench.metric("infera_router_active_leases", worker="b") == 2
     assert bench.metric("infera_router_live_workers", model="m", status="active") == 2
+    await bench.route(request_id="q4", prompt_tokens=7, sequences=6)  # n samples x prompts, as the frontend says
+    assert [e.sequences for e in await bench.pull("a")] == [6]
 
 
 async def test_unknown_model_404_and_no_active_worker_503(bench):

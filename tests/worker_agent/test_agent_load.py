@@ -115,3 +115,21 @@ async def test_a_request_ending_during_the_scrape_is_not_reported_as_someone_els
     assert (await r.report_once()).engine_unseen == 1  # 3 - max(2, 1)
     # a failed scrape says nothing new: the last consistent figure stays
     assert (await r.report_once()).engine_unseen == 1
+
+
+async def test_the_engine_counts_each_of_n_samples_and_so_does_the_report():
+    """A request for 4 samples runs 4 sequences in the engine: none of them is someone else's."""
+    published = []
+
+    async def publish(report):
+        published.append(report)
+
+    r = LoadReporter(worker_id="w", session=None, metrics_url="http://unused", interval=1.0,
+                     in_flight=lambda: 1, sequences=lambda: 4, publish=publish)
+
+    async def scrape():
+        return EngineLoad(running=4, waiting=1)
+
+    r.scrape = scrape
+    report = await r.report_once()
+    assert (report.in_flight, report.engine_running, report.engine_unseen) == (1, 4, 1)  # the waiting one

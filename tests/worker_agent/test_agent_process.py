@@ -61,14 +61,14 @@ class Client:
         return self.watcher.view.get(worker_id)
 
     async def submit(self, worker_id: str, body: dict, *, endpoint: str = "/v1/chat/completions",
-                     deadline_in: float = 60.0):
+                     deadline_in: float = 60.0, sequences: int = 1):
         self._n += 1
         rid = f"req-{self._n}"
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
         env = WorkEnvelope(request_id=rid, endpoint=endpoint, body=json.dumps(body).encode(),
                            stream=bool(body.get("stream")), reply_subject=inbox, deadline=time.time() + deadline_in,
-                           lease_id=f"lease-{rid}", router_id=ROUTER)
+                           lease_id=f"lease-{rid}", router_id=ROUTER, sequences=sequences)
         await self.js.publish(work_subject(worker_id), encode(env))
         return rid, sub
 
@@ -156,6 +156,23 @@ async def test_registers_serves_streams_releases_and_reports_load(bus, agents):
         text = await resp.text()
     assert 'infera_agent_requests_total{outcome="ok"} 2.0' in text
     assert alive(agent.pid)
+
+
+async def test_a_request_for_n_samples_is_not_reported_as_other_requests(bus, agents):
+    """The engine runs (and counts running) each of n samples; the agent's load report counts them
+    as its own, so the routers see no phantom requests beside it."""
+    agents("w-n", ["--load-interval", "0.1"])
+    await bus.active("w-n")
+    rid, sub = await bus.submit("w-n", {**chat(2000, stream=True), "n": 3}, sequences=3)
+    assert (await bus.frames(sub, n=2))[-1].kind == "data"
+    load_sub = await bus.nc.subscribe(load_subject("w-n"))
+    for _ in range(20):
+        report = decode(LoadReport, (await load_sub.next_msg(timeout=5)).data)
+        if report.engine_running == 3:
+            break
+    assert (report.in_flight, report.engine_running, report.engine_unseen) == (1, 3, 0)
+    await load_sub.unsubscribe()
+    await bus.nc.publish(cancel_subject("w-n"), encode(Cancel(request_id=rid)))
 
 
 async def test_pending_limit_is_enforced_by_the_broker(bus, agents):

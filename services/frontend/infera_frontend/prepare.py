@@ -86,6 +86,17 @@ class Tokens:
     ok: bool = True  # False: the engine's token ids could not be reproduced (token invariant)
 
 
+def sequences(parsed: Parsed) -> int:
+    """The sequences the engine will run for the request: ``n`` samples of each of its prompts (a
+    completions batch has several; validated: a list of texts or of id lists is a batch)."""
+    n = parsed.data.get("n") or 1
+    if parsed.endpoint == Endpoint.CHAT or parsed.prompt_ids is not None:
+        return n
+    prompt = parsed.data["prompt"]
+    batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    return n * (len(prompt) if batch else 1)
+
+
 def prompt_chars(parsed: Parsed) -> int:
     """A cheap size of the text to tokenize, to decide whether to leave the event loop."""
     data = parsed.data

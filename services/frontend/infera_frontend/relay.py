@@ -206,6 +206,7 @@ class Relay:
         exclude: list[str] | None = None,
         session_ids: list[str] | None = None,
         traceparent: str | None = None,
+        sequences: int = 1,
     ) -> Exchange:
         """Ask the router to place the request (on none of ``exclude``); ``ApiError`` when it is not placed.
 
@@ -219,6 +220,7 @@ class Relay:
             tokens=None if token_ids is None else pack_tokens(token_ids),
             deadline=time.time() + self.deadline_in(stream), exclude=list(exclude or ()),
             session_ids=list(session_ids or ()), discovery_backend=self.discovery_backend, traceparent=traceparent,
+            sequences=sequences,
         ))
         if len(data) > self._nc.max_payload:
             self.inbox.release(subject)

@@ -182,7 +182,7 @@ class RoutePath:
             env = WorkEnvelope(
                 request_id=request.request_id, endpoint=request.endpoint, body=pin_bytes(request.body, worker.rank),
                 stream=request.stream, reply_subject=request.reply_subject, deadline=request.deadline,
-                lease_id=lease.lease_id, router_id=self.router_id,
+                lease_id=lease.lease_id, router_id=self.router_id, sequences=request.sequences,
                 headers={**rank_headers(worker.rank), **engine_headers(request.traceparent)},
             )
             assert self._dispatcher is not None, "router stopped"

@@ -18,13 +18,13 @@ from infera_worker_agent.settings import AgentSettings
 
 class EngineWatch:
     def __init__(self, settings: AgentSettings, session: aiohttp.ClientSession, local_url: str, *, model: str,
-                 role: Role, metrics: AgentMetrics, in_flight: Callable[[], int],
+                 role: Role, metrics: AgentMetrics, in_flight: Callable[[], int], sequences: Callable[[], int],
                  by_router: Callable[[], dict[str, int]], publish_load: Callable[[LoadReport], Awaitable[None]],
                  on_health: Callable[[bool], Awaitable[None]], health_generates: bool = False) -> None:
         self._metrics = metrics
         self.reporter: LoadReporter | None = LoadReporter(
             worker_id=settings.worker_id or "", session=session, metrics_url=f"{local_url}/metrics",
-            interval=settings.load_interval, in_flight=in_flight, by_router=by_router,
+            interval=settings.load_interval, in_flight=in_flight, sequences=sequences, by_router=by_router,
             publish=publish_load, on_load=self._on_load,
         )
         self.health: HealthWatch | None = None
@@ -32,7 +32,7 @@ class EngineWatch:
             stall: StallProbe | None = None
             if settings.engine_stall_check and role is Role.AGGREGATED:  # a PD leg's completion needs its pair
                 reporter = self.reporter
-                stall = engine_stall_probe(session, local_url, model, lambda: reporter.last, in_flight)
+                stall = engine_stall_probe(session, local_url, model, lambda: reporter.last, sequences)
             self.health = HealthWatch(
                 session, local_url, interval=settings.health_check_interval, timeout=settings.health_check_timeout,
                 failures=settings.health_check_failures, on_change=on_health, stall=stall,

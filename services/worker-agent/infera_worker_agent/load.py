@@ -75,7 +75,9 @@ def parse_engine_metrics(text: str) -> EngineLoad | None:
 
 def engine_unseen(load: EngineLoad, in_flight_before: int, in_flight_after: int) -> int:
     """Requests the engine holds that did not come through the agent: its running + waiting less
-    the agent's in-flight count, taken before and after the scrape and the larger used. A request
+    the agent's in-flight count, taken before and after the scrape and the larger used. The count
+    is of sequences (a request for ``n`` samples runs ``n`` in the engine, each counted running),
+    else each request with n > 1 would show n - 1 phantom requests to the routers. A request
     that ended while the scrape was under way is still in the engine's figures but no longer in
     the count taken after it; one that started then is in the count taken after. Subtracting the
     count from after the scrape alone turned each such ending into a phantom request that stayed in
@@ -113,12 +115,14 @@ class LoadReporter:
         publish: Callable[[LoadReport], Awaitable[None]],
         by_router: Callable[[], dict[str, int]] = dict,
         on_load: Callable[[EngineLoad], None] = lambda _load: None,
+        sequences: Callable[[], int] | None = None,
     ) -> None:
         self._worker_id = worker_id
         self._session = session
         self._url = metrics_url
         self._interval = interval
         self._in_flight = in_flight
+        self._sequences = sequences or in_flight  # what the engine runs for them: n samples x prompts each
         self._by_router = by_router
         self._publish = publish
         self._on_load = on_load
@@ -138,12 +142,12 @@ class LoadReporter:
         return await scrape_engine(self._session, self._url, max(min(self._interval, 5.0), 0.5))
 
     async def report_once(self) -> LoadReport:
-        before = self._in_flight()
+        before = self._sequences()
         try:
             load = await self.scrape()
             if load is not None:
                 self.last = load
-                self._unseen = engine_unseen(load, before, self._in_flight())
+                self._unseen = engine_unseen(load, before, self._sequences())
                 self._warned = False  # warn again if the engine's metrics go away later
                 self._on_load(load)
             elif not self._warned:

@@ -181,6 +181,7 @@ class Agent:
         self._watch = EngineWatch(
             self.s, self._session, self.plan.local_url, model=model, role=self._pd.role, metrics=self.metrics,
             in_flight=lambda: self._worker.in_flight if self._worker else 0,
+            sequences=lambda: self._worker.in_flight_sequences if self._worker else 0,
             by_router=lambda: self._worker.in_flight_by_router() if self._worker else {},
             publish_load=self._publish_load, on_health=self._on_health,
             health_generates=health_generates(self.plan.engine, self.plan.engine_args,

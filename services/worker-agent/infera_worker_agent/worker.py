@@ -118,6 +118,10 @@ class RequestWorker:
     def in_flight(self) -> int:
         return self._runner.in_flight
 
+    @property
+    def in_flight_sequences(self) -> int:
+        return self._runner.in_flight_sequences
+
     def in_flight_by_router(self) -> dict[str, int]:
         """The requests being handled, counted per router that leased them."""
         return self._runner.in_flight_by_router()
