@@ -328,7 +328,8 @@ def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cac
         assert asyncio.run(canary(worker["url"])) is Canary.ANSWERED
 
         # 5. what the mock engine imitates, from the real one through the fleet: logprobs and a
-        # completions batch (one choice per prompt, usage summed), with no token mismatch
+        # completions batch with n samples (one choice per sample, each prompt counted once in
+        # usage), with no token mismatch
         status, body = http_json(frontend + "/v1/chat/completions", {
             "model": MODEL_NAME, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 3,
             "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 2})
@@ -338,9 +339,11 @@ def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cac
         assert all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 for e in content), content
         prompts = ["The sky is", "Rivers flow to the"]
         status, body = http_json(frontend + "/v1/completions", {
-            "model": MODEL_NAME, "prompt": prompts, "max_tokens": 2, "temperature": 0, "ignore_eos": True})
+            "model": MODEL_NAME, "prompt": prompts, "max_tokens": 2, "temperature": 0.5, "seed": 1, "n": 2,
+            "ignore_eos": True})
         assert status == 200, (body, procs.tails())
-        assert sorted(c["index"] for c in body["choices"]) == [0, 1]
+        assert sorted(c["index"] for c in body["choices"]) == [0, 1, 2, 3]  # prompt x n + sample, as the mock
+        assert body["usage"]["completion_tokens"] == 8
         tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
         assert body["usage"]["prompt_tokens"] == sum(len(tokenizer.encode(p).ids) for p in prompts), body["usage"]
         assert total(scrape(frontend), "infera_frontend_token_mismatch_total") == 0
