@@ -40,6 +40,14 @@ def test_a_complete_pair_is_disaggregated_and_aggregated_workers_serve_otherwise
     assert not plan.disaggregated and [w.worker_id for w in plan.order] == ["agg"]
 
 
+def test_several_sequences_go_to_aggregated_workers_beside_a_pair():
+    c = core(pd_join("p1", Role.PREFILL), pd_join("d1", Role.DECODE), join("agg"))
+    plan = c.plan(route_request(sequences=4))
+    assert not plan.disaggregated and [w.worker_id for w in plan.order] == ["agg"]
+    pair_only = core(pd_join("p1", Role.PREFILL), pd_join("d1", Role.DECODE))
+    assert pair_only.plan(route_request(sequences=4)).disaggregated  # then the pair refuses it, saying why
+
+
 @pytest.mark.parametrize("role,missing", [(Role.PREFILL, "decode"), (Role.DECODE, "prefill")])
 def test_one_pool_without_aggregated_workers_is_503_naming_the_missing_pool(role, missing):
     plan = core(pd_join("x", role)).plan(route_request())

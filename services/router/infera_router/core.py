@@ -107,7 +107,10 @@ class RouterCore:
                 pools[role] = [t for w in allowed.candidates for t in w.targets]  # DP workers: one per rank
                 all_open |= allowed.all_open
         prefill, decode = pools[Role.PREFILL], pools[Role.DECODE]
-        if prefill and decode:  # a complete pair exists: disaggregated serving
+        # a complete pair exists: disaggregated serving, unless the request asks for several sequences
+        # (n samples, a batch), which a pair cannot carry (pd_protocol.several_sequences) and
+        # aggregated workers can
+        if prefill and decode and (request.sequences == 1 or not pools[Role.AGGREGATED]):
             return Plan(200, order=prefill, decode=decode, all_open=all_open)
         if pools[Role.AGGREGATED]:
             return Plan(200, order=pools[Role.AGGREGATED], all_open=all_open)
