@@ -35,7 +35,8 @@ def health_check_timeout() -> float:
 
 
 def health_generates() -> bool:
-    return os.environ.get(HEALTH_GENERATION_ENV, "true").strip().lower() not in ("0", "false", "no", "n")  # SGLang's EnvBool
+    # SGLang's EnvBool: these are false, true/1/yes/y true (anything else stops SGLang at start)
+    return os.environ.get(HEALTH_GENERATION_ENV, "true").strip().lower() not in ("0", "false", "no", "n")
 
 
 async def health(request: web.Request) -> web.Response:
