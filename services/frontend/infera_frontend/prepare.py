@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from infera_common.fleet import Change
+from infera_common.prompts import prompt_count
 from infera_common.schemas import Endpoint, WorkerStatus
 from infera_common.tokenizer import ChatTemplateError, ChatTokenizer
 
@@ -88,13 +89,11 @@ class Tokens:
 
 def sequences(parsed: Parsed) -> int:
     """The sequences the engine will run for the request: ``n`` samples of each of its prompts (a
-    completions batch has several; validated: a list of texts or of id lists is a batch)."""
+    completions batch has several)."""
     n = parsed.data.get("n") or 1
     if parsed.endpoint == Endpoint.CHAT or parsed.prompt_ids is not None:
         return n
-    prompt = parsed.data["prompt"]
-    batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
-    return n * (len(prompt) if batch else 1)
+    return n * prompt_count(parsed.data["prompt"])
 
 
 def prompt_chars(parsed: Parsed) -> int:

@@ -161,12 +161,12 @@ async def _respond(request: web.Request, engine: Engine, body: _OpenAIRequest, b
         "model": body.model or engine.config.served_model_name,
     }
     k = body.logprobs_k
+    pinned = routing(body, request.headers, engine.config.engine_flavor, engine.config.disagg)
     async with AsyncExitStack() as held:  # leaving it early aborts every prompt's generation
         choices = []
         for i, first in enumerate(batch):
             for j in range(body.n):  # vLLM's order: prompt by prompt, each prompt's n samples
-                params = replace(first, sample=j)
-                params.routing = routing(body, request.headers, engine.config.engine_flavor, engine.config.disagg)
+                params = replace(first, sample=j, routing=pinned)
                 stream = await held.enter_async_context(engine.submit(params))  # RequestError before any byte
                 lp = None if k is None else LogprobBuilder(shape.chat, k, engine.vocab.piece,
                                                            engine.tokenizer.vocab_size)

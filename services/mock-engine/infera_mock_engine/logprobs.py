@@ -51,53 +51,54 @@ class LogprobBuilder:
     def prompt(self, prompt_ids: Sequence[int], piece: Piece) -> dict[str, Any]:
         """Completions with ``echo``: the prompt's tokens (``piece``: one token's text, any token of
         the tokenizer's), the first without a logprob."""
-        tokens: list[str] = []
-        offsets: list[int] = []
-        lps: list[float | None] = []
-        tops: list[dict[str, float] | None] = []
+        out = self._columns()
         for i, tid in enumerate(prompt_ids):
-            text = piece(tid)
-            tokens.append(text)
-            offsets.append(self._offset)
-            self._offset += len(text)
-            if i == 0:
-                lps.append(None)
-                tops.append(None)
-            else:
-                lp = token_logprob(tid, -i)
-                lps.append(lp)
-                tops.append({text: lp, **{piece(a): alp for a, alp in alternatives(tid, -i, self.k, self._vocab)}})
-        return {"text_offset": offsets, "token_logprobs": lps, "tokens": tokens, "top_logprobs": tops}
+            self._add_column(out, tid, -i, piece, first=i == 0)
+        return out
 
     def part(self, token_ids: Sequence[int]) -> dict[str, Any]:
         """The logprobs of the next generated tokens."""
         if self.chat:
-            content = []
-            for tid in token_ids:
-                lp = token_logprob(tid, self._position)
-                text = self._piece(tid)
-                tops = [{"token": text, "logprob": lp, "bytes": list(text.encode())}]
-                for alt, alp in alternatives(tid, self._position, self.k, self._vocab)[: max(self.k - 1, 0)]:
-                    alt_text = self._piece(alt)
-                    tops.append({"token": alt_text, "logprob": alp, "bytes": list(alt_text.encode())})
-                content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
-                                "top_logprobs": tops[: self.k]})
-                self._position += 1
+            content = [self._chat_entry(tid, self._position + i) for i, tid in enumerate(token_ids)]
+            self._position += len(token_ids)
             return {"content": content}
-        out: dict[str, list[Any]] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+        out = self._columns()
         for tid in token_ids:
-            lp = token_logprob(tid, self._position)
-            text = self._piece(tid)
-            out["text_offset"].append(self._offset)
-            out["token_logprobs"].append(lp)
-            out["tokens"].append(text)
-            top = {text: lp}
-            for alt, alp in alternatives(tid, self._position, self.k, self._vocab):
-                top.setdefault(self._piece(alt), alp)
-            out["top_logprobs"].append(top)
-            self._offset += len(text)
+            self._add_column(out, tid, self._position, self._piece)
             self._position += 1
         return out
+
+    def _chat_entry(self, tid: int, position: int) -> dict[str, Any]:
+        """One token: itself and its ``k`` most likely (itself first, then ``k`` - 1 alternatives)."""
+        lp = token_logprob(tid, position)
+        text = self._piece(tid)
+        tops = [(text, lp)] + [(self._piece(alt), alp) for alt, alp in alternatives(tid, position, self.k - 1,
+                                                                                   self._vocab)]
+        return {"token": text, "logprob": lp, "bytes": list(text.encode()),
+                "top_logprobs": [{"token": t, "logprob": p, "bytes": list(t.encode())} for t, p in tops[: self.k]]}
+
+    @staticmethod
+    def _columns() -> dict[str, list[Any]]:
+        return {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+
+    def _add_column(self, out: dict[str, list[Any]], tid: int, position: int, piece: Piece,
+                    first: bool = False) -> None:
+        """One token of the completions shape: the sampled one first in its ``top_logprobs``, then its
+        ``k`` alternatives (a prompt's first token has no logprob)."""
+        text = piece(tid)
+        out["tokens"].append(text)
+        out["text_offset"].append(self._offset)
+        self._offset += len(text)
+        if first:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            return
+        lp = token_logprob(tid, position)
+        top = {text: lp}
+        for alt, alp in alternatives(tid, position, self.k, self._vocab):
+            top.setdefault(piece(alt), alp)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append(top)
 
     @staticmethod
     def join(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:

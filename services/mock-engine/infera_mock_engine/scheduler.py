@@ -151,18 +151,19 @@ class Scheduler:
         return not self._gpu_answers.is_set()
 
     # ---- requests in and out -------------------------------------------------
-    def add(self, seq: Sequence) -> None:
+    def _between_steps(self, apply: Callable[[], None]) -> None:
+        """Apply an arrival or an abort now, or, while the GPU hangs, once the hang ends."""
         if self.hung:
-            self._held.append(lambda: self._add(seq))
+            self._held.append(apply)
         else:
-            self._add(seq)
+            apply()
+
+    def add(self, seq: Sequence) -> None:
+        self._between_steps(lambda: self._add(seq))
 
     def abort(self, seq: Sequence, message: str) -> None:
         """A client's abort, taken in between steps (so, while hung, once the hang ends)."""
-        if self.hung:
-            self._held.append(lambda: self.finish(seq, "abort", message))
-        else:
-            self.finish(seq, "abort", message)
+        self._between_steps(lambda: self.finish(seq, "abort", message))
 
     def _add(self, seq: Sequence) -> None:
         try:
@@ -343,7 +344,7 @@ class Scheduler:
                 continue
             due, last = t0 + step.seconds, step.seconds
             await asyncio.sleep(max(0.0, due - loop.time()))
-            if not self._gpu_answers.is_set():
+            if self.hung:
                 await self._gpu_answers.wait()
                 due = None  # the clock starts afresh after a hang
             try:

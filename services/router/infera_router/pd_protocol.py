@@ -13,6 +13,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from infera_common.prompts import prompt_count
 from infera_common.schemas import WorkerRecord
 
 from infera_router.state import WorkerState
@@ -33,10 +34,8 @@ def several_sequences(body: dict[str, Any]) -> str | None:
     n = body.get("n")
     if isinstance(n, int) and n > 1:
         return f"n={n}"
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
-        return f"a batch of {len(prompt)} prompts"
-    return None
+    prompts = prompt_count(body.get("prompt"))
+    return f"a batch of {prompts} prompts" if prompts > 1 else None
 
 
 class DisaggProtocol(Protocol):

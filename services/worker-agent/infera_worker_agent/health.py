@@ -89,8 +89,9 @@ class StallProbe:
 
 def engine_stall_probe(session: aiohttp.ClientSession, base_url: str, model: str,
                        last_load: Callable[[], EngineLoad], in_flight: Callable[[], int]) -> StallProbe:
-    """The stall probe of a serving engine: its load from the latest scrape, the agent's own in-flight
-    count, and canaries to its OpenAI completions endpoint for the model it serves."""
+    """The stall probe of a serving engine: its load from the latest scrape, what the agent has in
+    flight on it (in sequences: ``n`` samples each), and canaries to its OpenAI completions endpoint
+    for the model it serves."""
     return StallProbe(
         work=lambda: max(last_load().work, in_flight()),
         progress=lambda: last_load().tokens,
