@@ -24,8 +24,8 @@ from nats.js.errors import NotFoundError
 from infera.procs import free_port
 from infera_common.discovery_etcd import EtcdWatcher
 from infera_common.kv_wire import END_SEQ, BlockStored, decode_batch, decode_seq, encode_seq, replay_reply
-from infera_common.schemas import WorkerStatus
-from infera_common.subjects import request_stream
+from infera_common.schemas import LoadReport, WorkerStatus, decode
+from infera_common.subjects import load_subject, request_stream
 
 from .agent_proc import AgentProc, alive, group_members
 from .test_agent_kv_process import KvStream
@@ -225,10 +225,26 @@ async def test_engine_death_on_the_no_broker_plane_deregisters_and_exits_with_it
     assert not runbook_worker.trap.dialled()
 
 
+async def a_routers_request_is_not_reported_as_someone_elses(bus, url: str) -> None:
+    """On http a router calls the engine itself and counts the request in its own lease: the agent's
+    load report must not count it again as a request beside the agent (``engine_unseen``)."""
+    load_sub = await bus.nc.subscribe(load_subject("mix-http"))
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "smol", "messages": long_prompt(1), "max_tokens": 2000, "stream": True}
+        async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+            await resp.content.readline()  # the stream is under way
+            for _ in range(50):
+                report = decode(LoadReport, (await load_sub.next_msg(timeout=5)).data)
+                if report.engine_running == 1:
+                    break
+            assert (report.in_flight, report.engine_running, report.engine_unseen) == (0, 1, 0)
+    await load_sub.unsubscribe()
+
+
 async def test_http_requests_with_discovery_and_kv_events_on_nats(bus, nats_server, tmp_path, subprocess_env):
     """A mix: NATS for discovery and the KV relay, requests straight to the engine's HTTP API."""
-    agent = AgentProc(nats_server, tmp_path, subprocess_env, "mix-http", ["--request-transport", "http"],
-                      ["--served-model-name", "smol"]).start()
+    agent = AgentProc(nats_server, tmp_path, subprocess_env, "mix-http",
+                      ["--request-transport", "http", "--load-interval", "0.1"], ["--served-model-name", "smol"]).start()
     try:
         record = await bus.active("mix-http")
         assert (record.discovery_backend, record.request_transport, record.kv_event_transport) == (
@@ -242,6 +258,7 @@ async def test_http_requests_with_discovery_and_kv_events_on_nats(bus, nats_serv
                 assert resp.status == 200, await resp.text()
         assert await eventually(lambda: stream.stored_hashes() != set(), 20), stream.relays
         assert stream.relays[0].kind == "cleared"
+        await a_routers_request_is_not_reported_as_someone_elses(bus, record.url)
         os.kill(agent.pid, signal.SIGTERM)
         assert await asyncio.to_thread(agent.wait, 30) == 0
         statuses = [c.record.status for c in bus.changes if c.record.worker_id == "mix-http"]

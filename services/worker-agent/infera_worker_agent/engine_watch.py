@@ -26,6 +26,7 @@ class EngineWatch:
             worker_id=settings.worker_id or "", session=session, metrics_url=f"{local_url}/metrics",
             interval=settings.load_interval, in_flight=in_flight, sequences=sequences, by_router=by_router,
             publish=publish_load, on_load=self._on_load,
+            counts_unseen=settings.request_transport == "nats",  # on http the routers call the engine
         )
         self.health: HealthWatch | None = None
         if settings.health_check_interval > 0:

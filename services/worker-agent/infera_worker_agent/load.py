@@ -102,6 +102,12 @@ class LoadReporter:
 
     A failed scrape keeps the last known engine figures (the report still carries the agent's
     own in-flight count).
+
+    ``counts_unseen`` False (``--request-transport http``): the routers call the engine themselves
+    and count those requests in their own leases, none of which pass through the agent, so the
+    engine's figures less the agent's count would report every one of them a second time as
+    someone else's. The report then says ``engine_unseen=0``, as the no-broker plane, which sends
+    no reports at all, leaves each router to its own count.
     """
 
     def __init__(
@@ -116,6 +122,7 @@ class LoadReporter:
         by_router: Callable[[], dict[str, int]] = dict,
         on_load: Callable[[EngineLoad], None] = lambda _load: None,
         sequences: Callable[[], int] | None = None,
+        counts_unseen: bool = True,
     ) -> None:
         self._worker_id = worker_id
         self._session = session
@@ -124,6 +131,7 @@ class LoadReporter:
         self._in_flight = in_flight
         self._sequences = sequences or in_flight  # what the engine runs for them: n samples x prompts each
         self._by_router = by_router
+        self._counts_unseen = counts_unseen
         self._publish = publish
         self._on_load = on_load
         self.last = EngineLoad()
@@ -147,7 +155,8 @@ class LoadReporter:
             load = await self.scrape()
             if load is not None:
                 self.last = load
-                self._unseen = engine_unseen(load, before, self._sequences())
+                if self._counts_unseen:
+                    self._unseen = engine_unseen(load, before, self._sequences())
                 self._warned = False  # warn again if the engine's metrics go away later
                 self._on_load(load)
             elif not self._warned:
