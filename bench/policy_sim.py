@@ -43,7 +43,7 @@ from infera_mock_engine.timing import TimingModel  # noqa: E402
 from infera_router.core import RouterCore  # noqa: E402
 from infera_router.kv_view import KvView  # noqa: E402
 from infera_router.policies import POLICY_NAMES, create_policy  # noqa: E402
-from infera_router.policy_kv_aware import DEFAULT_DECODE_WEIGHT, DEFAULT_OVERLAP_WEIGHT  # noqa: E402
+from infera_router.policy_kv_aware import DEFAULT_DECODE_WEIGHT, DEFAULT_EVICT_WEIGHT, DEFAULT_OVERLAP_WEIGHT  # noqa: E402
 from infera_common.fleet import Change  # noqa: E402
 from infera_common.schemas import WorkerRecord  # noqa: E402
 
@@ -78,21 +78,21 @@ def idle_ttft_ms(timing: TimingModel, budget: int, uncached: int) -> float:
     return total
 
 
-def make_policy(name: str, overlap_weight: float, decode_weight: float):
+def make_policy(name: str, overlap_weight: float, decode_weight: float, evict_weight: float = DEFAULT_EVICT_WEIGHT):
     """A router policy by name, or the model of the public sglang-router's cache_aware policy."""
     if name == SglangCacheAwareModel.name:
         return SglangCacheAwareModel()
-    return create_policy(name, overlap_weight, decode_weight)
+    return create_policy(name, overlap_weight, decode_weight, evict_weight)
 
 
 def simulate(policy_name: str, prompts: list[list[int]], outputs: list[int], arrivals_ms: list[float], *,
              workers: int, kv_blocks: int, block_size: int, overlap_weight: float = 1.0,
-             decode_weight: float = 0.25, seed: int = 1, index_lag_ms: float = 0.0, slowdown: float = 1.0,
-             policy: object | None = None) -> dict:
+             decode_weight: float = 0.25, evict_weight: float = DEFAULT_EVICT_WEIGHT, seed: int = 1,
+             index_lag_ms: float = 0.0, slowdown: float = 1.0, policy: object | None = None) -> dict:
     """Replay the window through one policy (``policy``, if given, instead of ``policy_name``: an
     experimental policy object). Returns the summary figures plus per-request TTFT / cache hit /
     worker (``ttft_by``, ``cached_by``, ``worker_of``, keyed by request index) and the policy."""
-    policy = policy if policy is not None else make_policy(policy_name, overlap_weight, decode_weight)
+    policy = policy if policy is not None else make_policy(policy_name, overlap_weight, decode_weight, evict_weight)
     if hasattr(policy, "_rng"):
         policy._rng = random.Random(seed)
     core = RouterCore(policy, "sim", 1e12)
@@ -101,7 +101,7 @@ def simulate(policy_name: str, prompts: list[list[int]], outputs: list[int], arr
         wid = f"w{i}"
         core.apply_change(Change("join", WorkerRecord(
             worker_id=wid, model="m", engine="mock", url="http://sim", advertise_host="sim",
-            status="active", kv_block_size=block_size)))
+            status="active", kv_block_size=block_size, kv_capacity_tokens=kv_blocks * block_size)))
         engines[wid] = Scheduler(SchedulerConfig(), PrefixCache(kv_blocks, block_size), TimingModel(speedup=1.0 / slowdown))
     rng = random.Random(seed)
     # the index: per engine, the external hashes of its cached blocks, as its KV events arrive
@@ -141,7 +141,8 @@ def simulate(policy_name: str, prompts: list[list[int]], outputs: list[int], arr
             chain = chain_hashes(hasher, prompts[i], block_size)
             depth = {wid: prefix_depth(index[wid], chain) for wid in engines}
             router_chain = block_hashes(prompts[i], block_size)  # what the router hashes (the indexer's hash)
-            plan = core.plan(req, KvView(ok=True, depth=depth, hashes={block_size: router_chain}))
+            held = {wid: len(blocks) for wid, blocks in index.items()}  # what the indexer's reply lists
+            plan = core.plan(req, KvView(ok=True, depth=depth, hashes={block_size: router_chain}, held=held))
             worker = plan.order[0]
             best = plan.costs[0] if plan.costs else None
             lease = core.acquire(worker, req, now, best.matched_blocks * block_size if best else 0, router_chain)
@@ -206,11 +207,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES),
                     choices=[*POLICY_NAMES, SglangCacheAwareModel.name],
-                    help="policies to run, in this order (kv-aware: once per overlap x decode weight); "
+                    help="policies to run, in this order (kv-aware: once per overlap x decode x evict weight); "
                          f"{SglangCacheAwareModel.name} is a model of the public sglang-router's cache_aware "
                          "policy with its default thresholds (bench/sglang_cache_aware.py)")
     ap.add_argument("--decode-weights", type=float, nargs="+", default=[DEFAULT_DECODE_WEIGHT])
     ap.add_argument("--overlap-weights", type=float, nargs="+", default=[DEFAULT_OVERLAP_WEIGHT])
+    ap.add_argument("--evict-weights", type=float, nargs="+", default=[DEFAULT_EVICT_WEIGHT])
     ap.add_argument("--load", type=float, default=1.0,
                     help="compress the trace's arrivals by this factor on top of the standard pace (2 = twice the load)")
     ap.add_argument("--index-lag-ms", type=float, default=0.0,
@@ -234,8 +236,10 @@ def main() -> None:
             continue
         for ow in args.overlap_weights:
             for dw in args.decode_weights:
-                runs.append((f"kv-aware o={ow:g} d={dw:g}", simulate(
-                    "kv-aware", prompts, outputs, arrivals_ms, overlap_weight=ow, decode_weight=dw, **common)))
+                for ew in args.evict_weights:
+                    runs.append((f"kv-aware o={ow:g} d={dw:g} e={ew:g}", simulate(
+                        "kv-aware", prompts, outputs, arrivals_ms, overlap_weight=ow, decode_weight=dw,
+                        evict_weight=ew, **common)))
     base = runs[0]
     print(f"policy simulation: Mooncake requests {args.start}-{args.start + args.count - 1}, {args.workers} engines x "
           f"{args.kv_blocks} blocks of {args.block_size}; load x{args.load:g}; index lag {args.index_lag_ms:g} ms; "

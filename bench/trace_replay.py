@@ -294,7 +294,8 @@ def router_counters(metrics_url: str) -> dict[str, float]:
 
 def run_infera(row: str, engine_args: list[str], trace, prompts, offsets, args) -> dict:
     """One Infera row: ``policy``, ``policy@no-broker`` (etcd, HTTP requests, ZMQ events, infera.server) or
-    ``policy@local-index`` (the NATS plane with the router on ``--kv-index local``)."""
+    ``policy@local-index`` (the NATS plane with the router on ``--kv-index local``) or ``policy@no-evict``
+    (the NATS plane with ``--kv-evict-weight 0``)."""
     policy, _, variant = row.partition("@")
     if variant not in INFERA_VARIANTS:
         raise SystemExit(f"unknown row {row!r}: after '@' give one of {', '.join(INFERA_VARIANTS)}")
@@ -303,7 +304,7 @@ def run_infera(row: str, engine_args: list[str], trace, prompts, offsets, args) 
     ports = [free_port() for _ in range(args.workers + 2)]
     procs, url, _ = start_fleet(tmp, workers=args.workers, policy=policy, engine_args=engine_args,
                                 need_block_size=True, metrics_ports=ports, plane=plane,
-                                env={"INFERA_KV_INDEX": "local"} if variant == "local-index" else None)
+                                env=VARIANT_ENV.get(variant))
     try:
         result = measure(one_completion, url, fleet_engines(url), trace, prompts, offsets, args)
         result["router"] = router_counters(f"{url}/metrics" if plane == "no-broker"
@@ -314,7 +315,9 @@ def run_infera(row: str, engine_args: list[str], trace, prompts, offsets, args) 
 
 
 #: What may follow an Infera row's policy after '@' ('': the default NATS-plane fleet).
-INFERA_VARIANTS = ("", "no-broker", "local-index")
+INFERA_VARIANTS = ("", "no-broker", "local-index", "no-evict")
+#: The environment a variant's processes get (the same flags as settings, ``INFERA_*``).
+VARIANT_ENV = {"local-index": {"INFERA_KV_INDEX": "local"}, "no-evict": {"INFERA_KV_EVICT_WEIGHT": "0"}}
 
 
 def sglang_policy(row: str) -> str:
@@ -408,7 +411,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256, help="cap on the trace's output lengths")
     ap.add_argument("--policies", nargs="+", default=["round-robin", "least-loaded", "kv-aware", SGLANG_ROW],
                     help=f"rows to run, in order: Infera --router-policy names (NAME@no-broker: on etcd, HTTP and "
-                    f"ZMQ with one infera.server; NAME@local-index: the router on --kv-index local), and {SGLANG_ROW} (or {SGLANG_ROW}@round_robin, ...: another of its policies) "
+                    f"ZMQ with one infera.server; NAME@local-index: the router on --kv-index local; NAME@no-evict: --kv-evict-weight 0), and {SGLANG_ROW} (or {SGLANG_ROW}@round_robin, ...: another of its policies) "
                     "(the public sglang-router, policy cache_aware, in front of bare mock engines)")
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--dump-dir", type=Path, default=None,

@@ -78,6 +78,9 @@ class WorkerRecord(_Msg):
     #: the size its KV events are indexed at, which the router hashes requests at: a multiple of
     #: ``kv_block_size`` its pages are folded into (None: ``kv_block_size`` itself); see ``index_block_size``
     kv_index_block_size: int | None = None
+    #: the KV cache of each DP rank, in tokens (None: the engine did not say); with the index's
+    #: blocks held there, how full it is: what placing a new prompt there evicts (policy_kv_aware)
+    kv_capacity_tokens: int | None = None
     kv_events_endpoints: list[str] = Field(default_factory=list)  # the engine's ZMQ PUB per DP rank, advertised
     #: the replay ROUTER endpoint of each ``kv_events_endpoints`` entry, same order ('' where there is none)
     kv_replay_endpoints: list[str] = Field(default_factory=list)
@@ -347,11 +350,16 @@ class WorkerOverlap(_Msg):
 
 
 class OverlapReply(_Msg):
-    """kv-indexer -> router: matched prefix depth per worker (and DP rank); absent means 0."""
+    """kv-indexer -> router: matched prefix depth per worker (and DP rank); absent means 0. And how
+    many blocks each of them holds."""
 
     overlaps: list[WorkerOverlap] = Field(default_factory=list)
     #: workers of the model whose events the index has never seen (their depth is unknown, not 0)
     unseen: list[str] = Field(default_factory=list)
+    #: blocks each target of the asked workers holds in the index, depth or not (``blocks`` = its
+    #: whole holding): with the record's ``kv_capacity_tokens``, how full its cache is (older
+    #: indexers send none: nothing is known)
+    held: list[WorkerOverlap] = Field(default_factory=list)
 
 
 M = TypeVar("M", bound=BaseModel)

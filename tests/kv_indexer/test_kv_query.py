@@ -8,11 +8,13 @@ import random
 import msgpack
 import pytest
 
-from infera_common.schemas import KvRelay, OverlapQuery, encode
+from infera_common.schemas import KvRelay, OverlapQuery, OverlapReply, decode, encode
+from infera_common.kv_index.held import MAX_AGE as HELD_MAX_AGE
+from infera_common.kv_index.held import HeldCache
 from infera_common.kv_index.index import KvIndex
 from infera_common.kv_index.ingest import decode_relay
 from infera_common.kv_index.prefix import PrefixIndex
-from infera_kv_indexer.query import EMPTY_REPLY, answer
+from infera_kv_indexer.query import EMPTY_REPLY, answer, held_sections
 from tests.kv_indexer.kv_fakes import MODEL, FakeEngine, query, tokens
 from tests.kv_indexer.test_kv_index import feed
 
@@ -43,6 +45,8 @@ def fleet() -> KvIndex:
 def test_the_answer_is_exactly_the_schemas_encoding_of_the_reply(fleet, q):
     assert answer(fleet, encode(q)) == encode(fleet.overlap(q))
     assert answer(fleet, encode(q)) == encode(fleet.overlap(q))  # again, from the packed-target cache
+    holdings = held_sections(fleet, lambda: 0.0)
+    assert answer(fleet, encode(q), holdings) == answer(fleet, encode(q), holdings) == encode(fleet.overlap(q))
 
 
 def test_queries_the_schema_coerces_are_answered_as_the_schema_reads_them(fleet):
@@ -60,7 +64,17 @@ def test_queries_the_schema_coerces_are_answered_as_the_schema_reads_them(fleet)
 def test_a_malformed_query_raises_value_error(fleet, data):
     with pytest.raises(ValueError):
         answer(fleet, data)
-    assert msgpack.unpackb(EMPTY_REPLY) == {"overlaps": [], "unseen": []}
+    assert msgpack.unpackb(EMPTY_REPLY) == {"overlaps": [], "unseen": [], "held": []}
+
+
+def test_the_reply_says_how_many_blocks_each_asked_worker_holds_matched_or_not(fleet):
+    """With the record's capacity, how full each candidate's cache is: asked of every candidate,
+    including those that hold none of this prompt; a worker without events is unknown, not empty."""
+    q = query(tokens(4), workers=["w03", "w04", "w16", "quiet-b"])  # one block: nobody's prefix beyond it
+    reply = decode(OverlapReply, answer(fleet, encode(q)))
+    # w03 stored 16 tokens (4 blocks of 4) on rank 0, w04 20 on rank 1, w16 68 on rank 1
+    assert [(h.worker_id, h.dp_rank, h.blocks) for h in reply.held] == [("w03", 0, 4), ("w04", 1, 5), ("w16", 1, 17)]
+    assert reply.unseen == ["quiet-b"]
 
 
 def test_the_relay_envelope_reads_as_the_schema_does():
@@ -145,3 +159,18 @@ def _depth(chain: list[int], holds: set[int]) -> int:
     while d < len(chain) and chain[d] in holds:
         d += 1
     return d
+
+
+def test_holdings_are_reused_for_a_moment_per_model_and_asked_workers():
+    index = KvIndex()
+    index.worker_joined("a", MODEL)
+    engine = FakeEngine("a")
+    feed(index, engine, engine.stored(tokens(8)))
+    now = [0.0]
+    cache = HeldCache(index, list, lambda: now[0])
+    assert cache.get(MODEL, ["a"]) == [("a", 0, 2)]
+    feed(index, engine, engine.stored(tokens(16)))  # two more blocks: not seen until the listing ages
+    assert cache.get(MODEL, ["a"]) == [("a", 0, 2)]
+    assert cache.get(MODEL, None) == [("a", 0, 4)]  # other asked workers: listed on their own
+    now[0] = HELD_MAX_AGE
+    assert cache.get(MODEL, ["a"]) == [("a", 0, 4)]

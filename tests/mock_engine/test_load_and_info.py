@@ -25,9 +25,13 @@ async def test_sglang_metric_names_and_counters(engine):
 
 
 async def test_vllm_metric_names_and_endpoints(start_engine):
-    client = await start_engine("--engine-flavor", "vllm", "--speedup", "10", "--served-model-name", "smol")
+    client = await start_engine("--engine-flavor", "vllm", "--speedup", "10", "--served-model-name", "smol",
+                                "--num-kv-blocks", "300", "--block-size", "32")
     await client.post("/v1/completions", {"prompt": [1, 2, 3, 4], "max_tokens": 2})
     text = await client.metrics()
+    # vLLM's cache configuration as an info gauge: the KV capacity a worker-agent registers
+    assert ('vllm:cache_config_info{block_size="32",engine="0",kv_cache_size_tokens="9600",num_gpu_blocks="300"} 1.0'
+            in text)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:gpu_cache_usage_perc"):
         assert metric_value(text, name) == 0

@@ -9,7 +9,7 @@ from infera_common.schemas import LoadReport, OverlapReply, WorkerOverlap
 
 from infera_router.core import RouterCore
 from infera_router.kv_view import KvView, kv_query, kv_view, without_index
-from infera_router.policy_kv_aware import KvAware
+from infera_router.policy_kv_aware import KvAware, cache_fill
 from infera_router.state import WorkerState
 
 from router_helpers import join, load, record, route_request
@@ -165,6 +165,56 @@ def test_reply_is_read_per_worker_and_pinned_dp_rank():
                          unseen=["q"])
     v = kv_view(ws, reply)
     assert v.ok and v.depth == {"a": 5, "b": 3} and v.unseen == {"q"}
+    assert v.held == {}  # an indexer that says nothing of holdings: unknown, not empty
+
+
+def test_held_blocks_are_read_per_rank_target_and_summed_for_a_whole_worker():
+    c = RouterCore(KvAware(rng=random.Random(1)), "r", 100.0)
+    c.apply_change(join("dp", kv_block_size=64, dp_size=2))  # routed per rank: dp#0, dp#1
+    c.apply_change(join("pinned", kv_block_size=64, dp_rank=1))
+    # a worker taken as one target (the engine places requests on its ranks) spans its ranks' caches
+    whole = worker("whole", dp_size=2, kv_capacity_tokens=64 * 100)
+    targets = [t for w in c.fleet.workers() for t in w.targets] + [whole]
+    held = [WorkerOverlap(worker_id=w, dp_rank=r, blocks=b)
+            for w, r, b in (("dp", 0, 10), ("dp", 1, 20), ("whole", 0, 30), ("whole", 1, 40), ("pinned", 1, 7))]
+    v = kv_view(targets, OverlapReply(held=held))
+    assert v.held == {"dp#0": 10, "dp#1": 20, "pinned": 7, "whole": 70}
+    assert cache_fill(whole, v) == 70 / 200  # capacity per rank x 2 ranks
+
+
+def full(wid: str, capacity_blocks: int = 100) -> WorkerState:
+    """A worker whose engine said its KV cache holds ``capacity_blocks`` blocks of 64."""
+    return worker(wid, kv_capacity_tokens=capacity_blocks * 64)
+
+
+def test_a_fresh_prompt_goes_where_storing_it_evicts_nothing():
+    """``a`` holds the fleet's common first block and a full cache; ``b`` an empty one. Storing the
+    other 9 blocks on ``a`` would evict 9 blocks of reusable prefixes."""
+    ws = [full("a"), full("b")]
+    kv = KvView(ok=True, depth={"a": 1}, held={"a": 100, "b": 0})
+    assert KvAware(2.0, evict_weight=0.0).rank(ws, request(), kv)[0] == "a"  # 2 x 9 = 18 < 2 x 10
+    costs = {c.worker_id: c for c in KvAware(2.0, evict_weight=0.25).explain(ws, request(), kv)}
+    assert (costs["a"].fill, costs["b"].fill) == (1.0, 0.0)
+    assert (costs["a"].cost, costs["b"].cost) == (2.25 * 9, 20)  # b wins
+    # half full: half the penalty (2.125 x 9 = 19.1 < 20: a again)
+    kv.held["a"] = 50
+    assert KvAware(2.0, evict_weight=0.25).rank(ws, request(), kv)[0] == "a"
+
+
+def test_a_continuing_conversation_still_goes_to_its_cache_however_full():
+    ws = [full("a"), full("b")]
+    kv = KvView(ok=True, depth={"a": 8}, held={"a": 100, "b": 0})
+    assert KvAware(2.0, evict_weight=0.25).rank(ws, request(), kv)[0] == "a"  # 2.25 x 2 against 2 x 10
+
+
+def test_no_eviction_term_when_the_capacity_or_the_holding_is_unknown():
+    kv = KvView(ok=True, depth={"a": 1}, held={"a": 100})
+    for ws in ([worker("a"), worker("b")],  # records without kv_capacity_tokens
+               [full("a"), full("b")]):  # b's holding not in the reply: a's fill is known, b's 0
+        costs = {c.worker_id: c for c in KvAware(2.0, evict_weight=0.25).explain(ws, request(), kv)}
+        assert costs["b"].fill == 0.0
+    assert costs["a"].fill == 1.0
+    assert [c.fill for c in KvAware(2.0).explain([worker("a")], request(), kv)] == [0.0]  # no capacity
 
 
 def test_core_plans_with_costs_and_asks_only_for_kv_aware():

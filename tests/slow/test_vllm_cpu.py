@@ -241,6 +241,9 @@ def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cac
         startup_s = time.monotonic() - started
         assert worker["model"] == MODEL_NAME
         assert worker.get("kv_block_size") == BLOCK_SIZE
+        # its KV pool as vLLM reports it (vllm:cache_config_info): what the routers' eviction term divides by
+        capacity = worker.get("kv_capacity_tokens")
+        assert isinstance(capacity, int) and capacity >= 1024 and capacity % BLOCK_SIZE == 0, capacity
         print(f"vLLM worker active after {startup_s:.1f}s: {json.dumps(worker)}")
         # the relay listens where the engine really publishes: vLLM's own report of its publishers
         # (0.32: a map {dp_rank: KVEventsConfig}; earlier: a list) names the registered port

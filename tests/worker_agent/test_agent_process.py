@@ -128,6 +128,7 @@ async def test_registers_serves_streams_releases_and_reports_load(bus, agents):
     assert seen[0] == WorkerStatus.STARTING  # announced, not routable, before health
     assert record.model == "smol"  # the engine's own /v1/models
     assert (record.engine, record.max_pending, record.ttl) == ("mock", 7, 2.0)
+    assert record.kv_capacity_tokens == 16384 * 64  # the engine's KV pool, for the routers' eviction term
     assert record.url.startswith("http://127.0.0.1:")
     active = agent.event("worker_active", timeout=5)  # its start-up heap is out of the collector's way
     assert active is not None and active["frozen_objects"] > 10_000

@@ -283,6 +283,8 @@ class KvIndex:
         return OverlapReply(
             overlaps=[WorkerOverlap(worker_id=wid, dp_rank=rank, blocks=blocks) for wid, rank, blocks in overlaps],
             unseen=unseen,
+            held=[WorkerOverlap(worker_id=wid, dp_rank=rank, blocks=blocks)
+                  for wid, rank, blocks in self.held(query.model, query.workers)],
         )
 
     def depths(self, model: str, hashes: dict[int, list[int]],
@@ -298,6 +300,20 @@ class KvIndex:
         seen = self._workers
         unseen = sorted(w for w in fleet if w not in seen and (wanted is None or w in wanted))
         return overlaps, unseen
+
+    def held(self, model: str, workers: list[str] | None = None) -> list[tuple[str, int, int]]:
+        """Blocks each target of the model's workers holds (all block sizes), ``[(worker_id, dp_rank,
+        blocks)]`` sorted: with the record's capacity, how full its cache is. Workers whose events
+        never arrived are absent (unknown, not empty)."""
+        wanted = None if workers is None else set(workers)
+        out = []
+        for wid in self._by_model.get(model, ()):
+            worker = self._workers.get(wid)
+            if worker is None or (wanted is not None and wid not in wanted):
+                continue
+            out.extend((wid, rank, sum(map(len, t.held.values()))) for rank, t in worker.targets.items())
+        out.sort()
+        return out
 
     def worker_blocks(self, worker_id: str) -> int:
         """Blocks the worker holds (all ranks and block sizes; 0 when unknown)."""

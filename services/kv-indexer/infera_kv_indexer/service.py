@@ -42,7 +42,7 @@ from infera_common.tracing import SpanKind, finish, start_span
 from infera_common.kv_index.index import KvIndex
 from infera_common.kv_index.ingest import Ingested, ingest, ingest_batch
 from infera_kv_indexer.metrics import KvIndexerMetrics
-from infera_kv_indexer.query import EMPTY_REPLY, decode_query, encode_reply
+from infera_kv_indexer.query import EMPTY_REPLY, decode_query, held_sections, reply_for
 from infera_kv_indexer.settings import KvIndexerSettings
 from infera_common.kv_index.stream import StreamFollower
 from infera_kv_indexer.zmq_follow import ZmqFollower
@@ -63,6 +63,7 @@ class KvIndexerService:
         self.settings = settings
         self.metrics = metrics or KvIndexerMetrics()
         self.index = KvIndex()
+        self._holdings = held_sections(self.index, time.monotonic)  # each worker's holding, reused a moment
         self.nc: Any | None = nc
         self._owns_nc = nc is None
         self._watcher: FleetWatcher | None = None
@@ -258,8 +259,7 @@ class KvIndexerService:
             reply, outcome = EMPTY_REPLY, "malformed"
         else:
             try:  # query.answer's work, with a malformed query told apart from a failure
-                overlaps, unseen = self.index.depths(model, hashes, workers)
-                reply = encode_reply(overlaps, unseen)
+                reply, overlaps, unseen = reply_for(self.index, model, hashes, workers, self._holdings)
                 self._query_ok.inc()
                 if span is not None:
                     span.set_attributes({"infera.model": model, "infera.kv.workers_matched": len(overlaps),

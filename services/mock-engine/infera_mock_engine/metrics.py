@@ -6,7 +6,9 @@ sglang: sglang:num_running_reqs, sglang:num_queue_reqs, sglang:token_usage, sgla
 vllm:   vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc,
         vllm:gpu_cache_usage_perc (older name), vllm:prompt_tokens_total, vllm:generation_tokens_total,
         vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total, vllm:num_preemptions_total,
-        vllm:request_success_total{finished_reason}
+        vllm:request_success_total{finished_reason}, vllm:cache_config_info (an info gauge, 1, one
+        sample per DP rank labelled engine=<rank>, whose labels carry the cache configuration:
+        block_size, num_gpu_blocks and kv_cache_size_tokens, as vLLM 0.32 writes them)
 Every sample is labelled model_name (vLLM also engine="0", as vLLM V1 does). Usage gauges are
 fractions 0..1 in both engines. With DP ranks the samples are sums over the ranks (usage: used over
 total blocks of all ranks).
@@ -81,7 +83,12 @@ class EngineCollector:
         for reason in ("stop", "length", "abort"):
             done.add_metric([*values, reason], st.finished.get(reason, 0))
         yield done
-
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=["block_size", "num_gpu_blocks", "kv_cache_size_tokens", "engine"])
+        for rank in self.engine.ranks:
+            kv = rank.kv
+            info.add_metric([str(kv.block_size), str(kv.num_blocks), str(kv.capacity_tokens), str(rank.dp_rank)], 1)
+        yield info
 
     def _pd(self) -> Iterator[Metric]:
         pd = self.engine.pd

@@ -182,7 +182,7 @@ class RouterCore:
                 pending = self.inflight.depth(w.worker_id, chain)
                 if pending > depth.get(w.worker_id, 0):
                     depth[w.worker_id] = pending
-        return KvView(ok=True, depth=depth, unseen=kv.unseen, hashes=kv.hashes)
+        return KvView(ok=True, depth=depth, unseen=kv.unseen, hashes=kv.hashes, held=kv.held)
 
     # --- leases --------------------------------------------------------------------------
     def acquire(self, worker: WorkerState, request: RouteRequest, now: float, cached_tokens: int = 0,

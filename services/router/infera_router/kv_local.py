@@ -16,6 +16,7 @@ import time
 from nats.js.client import JetStreamContext
 
 from infera_common.fleet import Change
+from infera_common.kv_index.held import HeldCache
 from infera_common.kv_index.index import KvIndex
 from infera_common.kv_index.ingest import ingest
 from infera_common.kv_index.stream import StreamFollower
@@ -38,6 +39,7 @@ class LocalKvIndex:
 
     def __init__(self, metrics: RouterMetrics) -> None:
         self.index = KvIndex()
+        self._held = HeldCache(self.index, list, time.monotonic)  # each worker's holding, reused a moment
         self.metrics = metrics
         self._stream: StreamFollower | None = None
 
@@ -71,7 +73,7 @@ class LocalKvIndex:
 
     def answer(self, query: OverlapQuery, candidates: list[WorkerState]) -> KvView:
         overlaps, unseen = self.index.depths(query.model, query.hashes, query.workers)
-        view = depth_view(candidates, overlaps, unseen)
+        view = depth_view(candidates, overlaps, unseen, self._held.get(query.model, query.workers))
         view.hashes = query.hashes
         return view
 

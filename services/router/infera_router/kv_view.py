@@ -24,7 +24,9 @@ class KvView:
     ``ok`` False means there is no cache information at all (no token ids, no worker with a known
     block size, indexer timeout or absent): the kv-aware policy then ranks by load only.
     ``depth`` holds matched prefix blocks per worker id (absent = 0); ``unseen`` the workers whose
-    depth is unknown (the indexer never saw their events).
+    depth is unknown (the indexer never saw their events); ``held`` the blocks the index lists for each
+    target, matched or not (absent: not known), which with the record's capacity is how full its
+    cache is.
     """
 
     ok: bool
@@ -33,6 +35,7 @@ class KvView:
     failure: str = ""  # why ok is False: no_tokens, no_block_size, timeout, no_indexer, error, bad_reply
     hashes: dict[int, list[int]] = field(default_factory=dict)  # the request's block hashes per block size
     asked: bool = True  # False: answered without the indexer (``without_index``), so ``unseen`` is not known
+    held: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def failed(cls, reason: str) -> KvView:
@@ -64,25 +67,38 @@ def without_index(query: OverlapQuery) -> KvView | None:
 
 def kv_view(candidates: list[WorkerState], reply: OverlapReply) -> KvView:
     """Read the kv-indexer's reply as depth per routing target (``depth_view``)."""
-    return depth_view(candidates, [(o.worker_id, o.dp_rank, o.blocks) for o in reply.overlaps], reply.unseen)
+    return depth_view(candidates, [(o.worker_id, o.dp_rank, o.blocks) for o in reply.overlaps], reply.unseen,
+                      [(h.worker_id, h.dp_rank, h.blocks) for h in reply.held])
 
 
-def depth_view(candidates: list[WorkerState], overlaps: Iterable[tuple[str, int | None, int]],
-               unseen: Iterable[str]) -> KvView:
-    """Matched depths ``(worker_id, dp_rank, blocks)`` as depth per routing target.
+Entry = tuple[str, "int | None", int]  # (worker_id, dp_rank, blocks)
 
-    A per-rank target of a DP worker (``rank`` set) takes its own rank's depth; a worker that pins
+
+def depth_view(candidates: list[WorkerState], overlaps: Iterable[Entry], unseen: Iterable[str],
+               held: Iterable[Entry] = ()) -> KvView:
+    """Matched depths and held blocks ``(worker_id, dp_rank, blocks)`` per routing target.
+
+    A per-rank target of a DP worker (``rank`` set) takes its own rank's figures; a worker that pins
     one rank in its record (``record.dp_rank``) takes that rank's; any other worker the deepest
-    rank's (its engine places the request itself).
+    rank's depth (its engine places the request itself) and the blocks of all its ranks.
     """
     targets: dict[str, list[WorkerState]] = {}
     for w in candidates:
         targets.setdefault(w.base_id, []).append(w)
     depth: dict[str, int] = {}
-    for worker_id, dp_rank, blocks in overlaps:
+    for w, blocks in _per_target(targets, overlaps):
+        depth[w.worker_id] = max(depth.get(w.worker_id, 0), blocks)
+    holding: dict[str, int] = {}
+    for w, blocks in _per_target(targets, held):
+        holding[w.worker_id] = holding.get(w.worker_id, 0) + blocks
+    return KvView(ok=True, depth=depth, unseen=frozenset(unseen), held=holding)
+
+
+def _per_target(targets: dict[str, list[WorkerState]], entries: Iterable[Entry]):
+    """Each entry with every routing target it describes."""
+    for worker_id, dp_rank, blocks in entries:
         for w in targets.get(worker_id, ()):
             rank = w.rank if w.rank is not None else w.record.dp_rank
             if rank is not None and dp_rank is not None and dp_rank != rank:
                 continue
-            depth[w.worker_id] = max(depth.get(w.worker_id, 0), blocks)
-    return KvView(ok=True, depth=depth, unseen=frozenset(unseen))
+            yield w, blocks

@@ -9,7 +9,8 @@ work, roughly tokens / bs):
                                                     on w still waiting for (or in) their prefill
                + kv_decode_weight * decoding(w) / bs   KV blocks of its requests now decoding
                + others(w) * ceil(T / bs)           requests it cannot see, sized like this one
-    cost(w)    = kv_overlap_weight * prefill(w) + load(w)
+    fill(w)    = blocks the index lists on w / w's KV capacity in blocks, at most 1 (0: unknown)
+    cost(w)    = (kv_overlap_weight + kv_evict_weight * fill(w)) * prefill(w) + load(w)
 
 ``matched(w)`` is the indexer's prefix depth for ``w`` (full blocks of the request's token ids
 hashed at ``bs``). A request this router sent stays ``prefilling`` until the worker-agent reports
@@ -41,6 +42,21 @@ and 0.146 at twice the load, against 0.122 for (1, 1) and 0.146/0.141 for (1, 0.
 request split within 1.04x of even; ``kv_decode_weight`` 0 piles decodes onto one engine (1.79x
 share). The figures and their commands: docs/benchmarks.md.
 
+Why ``kv_evict_weight`` (default DEFAULT_EVICT_WEIGHT = 0.75): the blocks a request stores are
+free on a worker whose cache has room, but on a full one they evict as many blocks of reusable
+prefixes (LRU). Without the term every fresh prompt prefers the workers that already hold the
+fleet's common first blocks (a system prompt; the Mooncake trace's shared first 512 tokens) however
+full their caches are, and a worker that missed the first requests never gets one while the others
+keep up. With long outputs the decode load spreads requests anyway; with short ones (prefill-heavy
+traffic) it does not: in the simulator (``bench/policy_sim.py``, the Mooncake window) one output
+token per request sent all 1,000 requests to two of four engines, hit ratio 0.088 (round-robin
+0.084), and 16 output tokens gave 0.109 with a 1.58 share; with the term, 0.148 and 0.149 with all
+four engines in use (the fleet-sized LRU reference is 0.152). At the standard settings it changes
+nothing (0.150 either way; at twice the load 0.146 either way). 0.25, 0.5 and 1.0 do about as well
+(0.144-0.150 across those runs), 0.75 was never below 0. ``fill`` comes from the record's
+``kv_capacity_tokens`` (the engine's own figure, per DP rank) and the blocks the index holds for the
+worker (``KvView.held``); either unknown: 0, no term. 0 turns it off.
+
 When the cache information is missing:
 - for the whole request (``KvView.ok`` False: no token ids, indexer absent or too slow) the cost is
   ``load(w)`` only — the caller counts these requests;
@@ -67,6 +83,8 @@ DEFAULT_BLOCK_SIZE = 64
 DEFAULT_OVERLAP_WEIGHT = 2.0
 #: What one KV block of a decoding request weighs against one block of pending prefill (module doc).
 DEFAULT_DECODE_WEIGHT = 0.1
+#: What storing one block on a full cache costs (it evicts a block of reusable prefix; module doc).
+DEFAULT_EVICT_WEIGHT = 0.75
 
 
 @dataclass(slots=True, frozen=True)
@@ -81,6 +99,7 @@ class WorkerCost:
     load_blocks: float
     block_size: int
     cache_info: str  # "ok", "unknown_block_size", "unseen", or the request-wide failure reason
+    fill: float = 0.0  # how full the worker's cache is, 0..1 (0 also when unknown)
 
 
 def request_tokens(request: RouteRequest) -> int:
@@ -105,8 +124,21 @@ def worker_load(worker: WorkerState, bs: int, req_blocks: int, decode_weight: fl
     return (worker.prefill_tokens + decode_weight * worker.decode_tokens) / bs + unseen_requests(worker) * req_blocks
 
 
+def cache_fill(worker: WorkerState, kv: KvView) -> float:
+    """How full the worker's KV cache is, 0..1: the blocks the index lists there over its capacity
+    (the record's ``kv_capacity_tokens`` per DP rank, times the ranks a whole-worker target spans);
+    0 when either is unknown."""
+    rec = worker.record
+    bs, held = rec.index_block_size, kv.held.get(worker.worker_id)
+    if not rec.kv_capacity_tokens or not bs or held is None:
+        return 0.0
+    ranks = 1 if worker.rank is not None or rec.dp_rank is not None else max(1, rec.dp_size)
+    capacity = rec.kv_capacity_tokens * ranks // bs
+    return min(1.0, held / capacity) if capacity > 0 else 0.0
+
+
 def worker_cost(worker: WorkerState, tokens: int, kv: KvView, weight: float,
-                decode_weight: float = DEFAULT_DECODE_WEIGHT) -> WorkerCost:
+                decode_weight: float = DEFAULT_DECODE_WEIGHT, evict_weight: float = 0.0) -> WorkerCost:
     rec = worker.record
     bs = rec.index_block_size or DEFAULT_BLOCK_SIZE
     req_blocks = -(-tokens // bs)
@@ -121,7 +153,9 @@ def worker_cost(worker: WorkerState, tokens: int, kv: KvView, weight: float,
         info = "ok"
     matched = min(kv.depth.get(worker.worker_id, 0), req_blocks) if info == "ok" else 0
     prefill = req_blocks - matched
-    return WorkerCost(worker.worker_id, weight * prefill + load, prefill, matched, req_blocks, load, bs, info)
+    fill = cache_fill(worker, kv) if evict_weight else 0.0
+    cost = (weight + evict_weight * fill) * prefill + load
+    return WorkerCost(worker.worker_id, cost, prefill, matched, req_blocks, load, bs, info, fill)
 
 
 class KvAware:
@@ -129,13 +163,13 @@ class KvAware:
     needs_kv = True
 
     def __init__(self, overlap_weight: float = DEFAULT_OVERLAP_WEIGHT, rng: random.Random | None = None,
-                 decode_weight: float = DEFAULT_DECODE_WEIGHT) -> None:
-        if overlap_weight < 0:
-            raise ValueError(f"kv overlap weight must be >= 0, got {overlap_weight}")
-        if decode_weight < 0:
-            raise ValueError(f"kv decode weight must be >= 0, got {decode_weight}")
+                 decode_weight: float = DEFAULT_DECODE_WEIGHT, evict_weight: float = DEFAULT_EVICT_WEIGHT) -> None:
+        for what, value in (("overlap", overlap_weight), ("decode", decode_weight), ("evict", evict_weight)):
+            if value < 0:
+                raise ValueError(f"kv {what} weight must be >= 0, got {value}")
         self.overlap_weight = overlap_weight
         self.decode_weight = decode_weight
+        self.evict_weight = evict_weight
         self._rng = rng or random.Random()
 
     def explain(self, candidates: list[WorkerState], request: RouteRequest, kv: KvView | None) -> list[WorkerCost]:
@@ -143,7 +177,8 @@ class KvAware:
         view = kv if kv is not None else KvView.failed("none")
         tokens = request_tokens(request)
         rnd = self._rng.random
-        costs = [worker_cost(w, tokens, view, self.overlap_weight, self.decode_weight) for w in candidates]
+        costs = [worker_cost(w, tokens, view, self.overlap_weight, self.decode_weight, self.evict_weight)
+                 for w in candidates]
         keyed = sorted(((c.cost, c.load_blocks, rnd(), i) for i, c in enumerate(costs)))
         return [costs[i] for *_, i in keyed]
 

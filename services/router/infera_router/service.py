@@ -66,7 +66,8 @@ class RouterService(RoutePath):
         self.router_id = settings.resolved_router_id()
         self.release_subject = router_release_subject(self.router_id)
         self.metrics = metrics or RouterMetrics()
-        policy = create_policy(settings.router_policy, settings.kv_overlap_weight, settings.kv_decode_weight)
+        policy = create_policy(settings.router_policy, settings.kv_overlap_weight, settings.kv_decode_weight,
+                               settings.kv_evict_weight)
         self.discovery = discovery_for(settings)
         self.core = RouterCore(policy, self.router_id, settings.lease_max_age,
                                SessionTable(settings.session_affinity, settings.session_affinity_ttl_seconds),

@@ -15,7 +15,7 @@ from infera_common.subjects import TOKEN_RE
 from infera_router.breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD, DEFAULT_MAX_COOLDOWN_S
 from infera_router.pd_pairs import GuardRelease
 from infera_router.policies import DEFAULT_POLICY, POLICY_NAMES
-from infera_router.policy_kv_aware import DEFAULT_DECODE_WEIGHT, DEFAULT_OVERLAP_WEIGHT
+from infera_router.policy_kv_aware import DEFAULT_DECODE_WEIGHT, DEFAULT_EVICT_WEIGHT, DEFAULT_OVERLAP_WEIGHT
 from infera_router.sessions import DEFAULT_AFFINITY_MODE, DEFAULT_TTL_S, MAX_TTL_S, MIN_TTL_S, AffinityMode
 
 PolicyName = Literal[POLICY_NAMES]  # type: ignore[valid-type]  # the registry's names
@@ -39,6 +39,13 @@ class RouterSettings(DrainSettings, PlaneSettings, LogSettings):
         description="kv-aware: what one KV block held by a request that is already decoding weighs "
         "against one block of prompt still to prefill on that worker (decode slows a new request's "
         "first token far less than a queued prefill; 0 = ignore decoding requests).",
+    )
+    kv_evict_weight: float = Field(
+        DEFAULT_EVICT_WEIGHT, ge=0,
+        description="kv-aware: what storing one uncached prompt block on a worker whose KV cache is full "
+        "costs, against a cached block's --kv-overlap-weight (it evicts a block of reusable prefix; "
+        "scaled by how full the cache is, so a cache with room costs nothing): keeps fresh prompts from "
+        "piling onto the workers that hold the fleet's common first blocks. 0 = ignore eviction.",
     )
     kv_index: Literal["remote", "local"] = Field(
         "remote",

@@ -241,6 +241,19 @@ async def engine_json(session: aiohttp.ClientSession, url: str) -> object | None
         return None
 
 
+async def engine_text(session: aiohttp.ClientSession, url: str) -> str | None:
+    """GET ``url`` as text (e.g. the engine's /metrics); None when it cannot be read."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            if resp.status != 200:
+                log.info("engine_info_unavailable", url=url, status=resp.status)
+                return None
+            return await resp.text()
+    except (aiohttp.ClientError, OSError, TimeoutError, UnicodeDecodeError) as exc:
+        log.info("engine_info_failed", url=url, error=str(exc) or type(exc).__name__)
+        return None
+
+
 async def bootstrap_ranks(session: aiohttp.ClientSession, url: str, attempts: int = 10,
                           interval: float = 0.5) -> dict | None:
     """vLLM's Mooncake bootstrap ``GET /query``: ``{dp_rank: {engine_id, worker_addr}}``.

@@ -42,9 +42,10 @@ from infera_worker_agent.engine_cmd import EnginePlan, health_generates
 from infera_worker_agent.engine_proc import EngineProcess, exit_status
 from infera_worker_agent.engine_watch import EngineWatch
 from infera_worker_agent.health import (
-    Startup, bootstrap_ranks, engine_json, served_model, wait_healthy,
+    Startup, bootstrap_ranks, engine_json, engine_text, served_model, wait_healthy,
 )
 from infera_worker_agent.engine_drain import drain_engine
+from infera_worker_agent.kv_capacity import capacity_tokens
 from infera_worker_agent.kv_config import (
     KvSource,
     advertised_endpoint,
@@ -102,6 +103,7 @@ class Agent:
         self._started_at = time.time()
         self._kv_block_size: int | None = None  # the engine's page size
         self._kv_index_block_size: int | None = None  # what the router hashes at (a multiple of the page)
+        self._kv_capacity_tokens: int | None = None  # the KV cache of each DP rank, in tokens
         self._kv_sources: tuple[KvSource, ...] = ()
         self._kv_relayer: KvRelayer | KvBlockSizeProbe | None = None
         assert plan.pd is not None, "plan_engine reads the role from the engine's flags"
@@ -278,6 +280,7 @@ class Agent:
             kv_event_transport=self.s.kv_event_transport, status=status, max_pending=self.s.max_pending,
             version=_version(), ttl=self.s.discovery_ttl, started_at=self._started_at,
             kv_block_size=self._kv_block_size, kv_index_block_size=self._kv_index_block_size,
+            kv_capacity_tokens=self._kv_capacity_tokens,
             kv_events_endpoints=[advertised_endpoint(s.endpoint, self.plan.advertise_host) for s in self._kv_sources],
             kv_replay_endpoints=[advertised_endpoint(s.replay_endpoint, self.plan.advertise_host)
                                  if s.replay_endpoint else "" for s in self._kv_sources],
@@ -285,10 +288,15 @@ class Agent:
 
     # --- KV events -----------------------------------------------------------------------------
     async def _learn_kv(self, info: dict | None) -> None:
-        """The engine's resolved block size and the KV-event publishers it actually bound."""
+        """The engine's resolved block size, its KV capacity and the KV-event publishers it actually bound."""
         assert self._session is not None
         base = self.plan.local_url
         self._set_block_size(block_size(self.s.engine, info, self.plan.engine_args))
+        metrics = await engine_text(self._session, f"{base}/metrics") if self.s.engine == "vllm" else None
+        self._kv_capacity_tokens = capacity_tokens(self.s.engine, info, metrics)
+        if self._kv_capacity_tokens is None:
+            log.warning("kv_capacity_unknown", engine=self.s.engine,
+                        note="routers will not weigh what placing a prompt here evicts (kv-aware)")
         kv = self.plan.kv_events
         if kv is None or not kv.enabled:
             return
@@ -297,6 +305,7 @@ class Agent:
             event_sources = await engine_json(self._session, f"{base}/kv_event_sources")
         self._kv_sources = resolve_sources(kv.sources, event_sources, info)
         log.info("kv_events_found", block_size=self._kv_block_size, index_block_size=self._kv_index_block_size,
+                 capacity_tokens=self._kv_capacity_tokens,
                  sources=[(s.dp_rank, s.endpoint, s.replay_endpoint) for s in self._kv_sources])
         self._note_block_size()
 

@@ -1,0 +1,41 @@
+"""The engine's KV capacity per DP rank, as the worker-agent reads it for the record (pure)."""
+
+from infera_worker_agent.kv_capacity import capacity_tokens
+
+#: vLLM 0.32's info gauge: every CacheConfig field as a label (a few of them here), per DP engine.
+VLLM_METRICS = """\
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching="True",engine="1",kv_cache_size_tokens="8000",num_gpu_blocks="250"} 1.0
+vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching="True",engine="0",kv_cache_size_tokens="12320",num_gpu_blocks="385"} 1.0
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 0.0
+"""
+
+
+def test_sglang_and_the_mock_say_it_in_server_info():
+    info = {"page_size": 1, "max_total_num_tokens": 812_345, "internal_states": []}
+    assert capacity_tokens("sglang", info, None) == 812_345
+    assert capacity_tokens("mock", {"max_total_num_tokens": 4096}, None) == 4096
+    for bad in (None, {}, {"max_total_num_tokens": 0}, {"max_total_num_tokens": True},
+                {"max_total_num_tokens": "4096"}):
+        assert capacity_tokens("sglang", bad, None) is None
+
+
+def test_vllm_says_it_in_its_cache_config_info_gauge_engine_0_first():
+    assert capacity_tokens("vllm", None, VLLM_METRICS) == 12_320
+
+
+def test_vllm_without_kv_cache_size_tokens_is_blocks_times_block_size():
+    older = VLLM_METRICS.replace('kv_cache_size_tokens="12320",', 'kv_cache_size_tokens="None",')
+    assert capacity_tokens("vllm", None, older) == 385 * 32
+    none = older.replace('num_gpu_blocks="385"', 'num_gpu_blocks="None"').replace('engine="1"', 'engine="2"')
+    none = none.replace('kv_cache_size_tokens="8000"', 'kv_cache_size_tokens="None"')
+    assert capacity_tokens("vllm", None, none) == 250 * 32  # engine 0 says nothing: the next one
+
+
+def test_vllm_without_the_gauge_or_with_garbage_is_unknown():
+    assert capacity_tokens("vllm", {"max_total_num_tokens": 5}, None) is None  # vLLM has no /server_info
+    assert capacity_tokens("vllm", None, 'vllm:num_requests_running{engine="0"} 0.0\n') is None
+    assert capacity_tokens("vllm", None, "not { prometheus") is None
