@@ -24,12 +24,12 @@ from nats.js.errors import NotFoundError
 from infera.procs import free_port
 from infera_common.discovery_etcd import EtcdWatcher
 from infera_common.kv_wire import END_SEQ, BlockStored, decode_batch, decode_seq, encode_seq, replay_reply
-from infera_common.schemas import LoadReport, WorkerStatus, decode
+from infera_common.schemas import WorkerStatus
 from infera_common.subjects import load_subject, request_stream
 
 from .agent_proc import AgentProc, alive, group_members
 from .test_agent_kv_process import KvStream
-from .test_agent_process import bus, eventually  # noqa: F401  (fixture)
+from .test_agent_process import bus, eventually, report_running  # noqa: F401  (fixture)
 
 
 class NatsTrap:
@@ -233,10 +233,7 @@ async def a_routers_request_is_not_reported_as_someone_elses(bus, url: str) -> N
         body = {"model": "smol", "messages": long_prompt(1), "max_tokens": 2000, "stream": True}
         async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
             await resp.content.readline()  # the stream is under way
-            for _ in range(50):
-                report = decode(LoadReport, (await load_sub.next_msg(timeout=5)).data)
-                if report.engine_running == 1:
-                    break
+            report = await report_running(load_sub, 1)
             assert (report.in_flight, report.engine_running, report.engine_unseen) == (0, 1, 0)
     await load_sub.unsubscribe()
 

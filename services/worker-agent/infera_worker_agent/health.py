@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import aiohttp
 
@@ -230,26 +231,23 @@ async def served_model(session: aiohttp.ClientSession, base_url: str, attempts: 
 
 async def engine_json(session: aiohttp.ClientSession, url: str) -> object | None:
     """GET ``url`` as JSON; None when the engine does not serve it (e.g. real vLLM's /server_info)."""
-    try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-            if resp.status != 200:
-                log.info("engine_info_unavailable", url=url, status=resp.status)
-                return None
-            return await resp.json(content_type=None)
-    except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
-        log.info("engine_info_failed", url=url, error=str(exc) or type(exc).__name__)
-        return None
+    return await _engine_get(session, url, lambda resp: resp.json(content_type=None))
 
 
 async def engine_text(session: aiohttp.ClientSession, url: str) -> str | None:
     """GET ``url`` as text (e.g. the engine's /metrics); None when it cannot be read."""
+    return await _engine_get(session, url, aiohttp.ClientResponse.text)
+
+
+async def _engine_get(session: aiohttp.ClientSession, url: str,
+                      read: Callable[[aiohttp.ClientResponse], Awaitable[Any]]) -> Any:
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
             if resp.status != 200:
                 log.info("engine_info_unavailable", url=url, status=resp.status)
                 return None
-            return await resp.text()
-    except (aiohttp.ClientError, OSError, TimeoutError, UnicodeDecodeError) as exc:
+            return await read(resp)
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:  # UnicodeDecodeError is one
         log.info("engine_info_failed", url=url, error=str(exc) or type(exc).__name__)
         return None
 
