@@ -8,7 +8,7 @@ in ``kv_local.py``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from infera_common.block_hash import block_hashes
@@ -71,7 +71,7 @@ def kv_view(candidates: list[WorkerState], reply: OverlapReply) -> KvView:
                       [(h.worker_id, h.dp_rank, h.blocks) for h in reply.held])
 
 
-Entry = tuple[str, "int | None", int]  # (worker_id, dp_rank, blocks)
+Entry = tuple[str, int | None, int]  # (worker_id, dp_rank, blocks)
 
 
 def depth_view(candidates: list[WorkerState], overlaps: Iterable[Entry], unseen: Iterable[str],
@@ -94,7 +94,7 @@ def depth_view(candidates: list[WorkerState], overlaps: Iterable[Entry], unseen:
     return KvView(ok=True, depth=depth, unseen=frozenset(unseen), held=holding)
 
 
-def _per_target(targets: dict[str, list[WorkerState]], entries: Iterable[Entry]):
+def _per_target(targets: dict[str, list[WorkerState]], entries: Iterable[Entry]) -> Iterator[tuple[WorkerState, int]]:
     """Each entry with every routing target it describes."""
     for worker_id, dp_rank, blocks in entries:
         for w in targets.get(worker_id, ()):
