@@ -3,9 +3,10 @@
 A query's reply says how many blocks each asked worker holds, which with the worker's capacity is
 how full its cache is (the router's eviction term). Listing them walks every worker of the model:
 with 64 workers that cost more than the prefix walk itself (a throwaway profile of
-``bench/indexer.py``: ~130 µs to list, ~115 µs to pack, against ~170 µs for the walk). How full a
-cache is barely moves within a quarter of a second, so each (model, asked workers) is listed once
-per ``max_age`` seconds and ``build`` (the reply's encoding, or nothing) applied once.
+``bench/indexer.py``: ~130 µs to list, ~115 µs to pack, against ~170 µs for the walk and its list
+of depths). How full a cache is barely moves within a quarter of a second, so each (model, asked
+workers) is listed once per ``max_age`` seconds and ``build`` (the reply's encoding, or nothing)
+applied once.
 """
 
 from __future__ import annotations
