@@ -115,6 +115,9 @@ class LoadReport(_Msg):
     #: after reading them, so a request that ended or started during the read is not counted
     #: (``None``: not said, an older agent; a router then subtracts ``in_flight`` itself)
     engine_unseen: int | None = None
+    #: the sequences the engine runs for ``in_flight`` (``n`` samples x prompts each; ``None``: not
+    #: said, an older agent): what a least-loaded router compares with its own leases' sequences
+    in_flight_sequences: int | None = None
     #: the served model and where the worker is registered: a service whose discovery does not list
     #: a worker that reports load can then say which plane it is on (``None``: not said)
     model: str = ""
@@ -154,6 +157,9 @@ class RouteRequest(_Msg):
     traceparent: str | None = None
     #: the sequences the engine will run for it: ``n`` samples of each prompt of a completions batch
     sequences: int = Field(1, ge=1)
+    #: ``n``, the samples of each prompt: each decodes over its prompt's context, so a request's
+    #: decode load is ``prompt_tokens`` x ``samples`` (its prefill, shared by the samples, is not)
+    samples: int = Field(1, ge=1)
 
     @field_validator("tokens")
     @classmethod

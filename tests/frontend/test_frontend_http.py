@@ -90,9 +90,10 @@ async def test_completions_with_text_and_token_prompts(frontend, fleet):
     status, _, body = await post(frontend, "/v1/completions", {"model": MODEL, "prompt": [9, 8, 7], "stream": True})
     assert status == 200 and sse_payloads(body)[-1] == b"[DONE]"
     assert list(fleet.routed[-1].token_ids) == [9, 8, 7] and fleet.routed[-1].prompt_tokens == 3
-    assert fleet.routed[-1].sequences == 1
+    assert (fleet.routed[-1].sequences, fleet.routed[-1].samples) == (1, 1)
     status, _, _ = await post(frontend, "/v1/completions", {"model": MODEL, "prompt": ["a", "b"], "n": 2})
     assert status == 200 and fleet.routed[-1].sequences == 4  # the router hands the engine's count on
+    assert fleet.routed[-1].samples == 2  # each sample decodes over its own prompt: the router's decode load
 
 
 async def test_openai_sdk_streams_through_the_frontend(frontend, fleet):

@@ -71,6 +71,20 @@ def test_leases_count_on_the_worker_and_are_released():
     assert c.leases.get(l2.lease_id).request_id == "r"
 
 
+def test_a_request_for_several_samples_counts_each_of_them():
+    """n = 4 samples of a 100-token prompt: the engine runs 4 sequences and, once they decode, each
+    reads the prompt's context every step; the prefill is computed once."""
+    c = core()
+    c.apply_change(join("a"))
+    worker = c.fleet.get("a")
+    lease = c.acquire(worker, route_request(prompt_tokens=100, samples=4, sequences=4), now=1.0)
+    assert (worker.in_flight, worker.in_flight_sequences, worker.prefill_tokens) == (1, 4, 100)
+    c.prefilled(lease.lease_id)
+    assert (worker.prefill_tokens, worker.decode_tokens) == (0, 400)
+    c.release(lease.lease_id)
+    assert (worker.in_flight, worker.in_flight_sequences, worker.decode_tokens) == (0, 0, 0)
+
+
 def test_leaving_worker_takes_its_leases_and_load_with_it():
     c = core()
     c.apply_change(join("a"))
@@ -133,9 +147,14 @@ def test_counters_match_leases_after_many_mixed_operations():
         elif op < 0.6:
             plan = c.plan(route_request(prompt_tokens=rng.randrange(50)))
             if plan.status == 200:
-                c.acquire(plan.order[0], route_request(prompt_tokens=rng.randrange(50)), now)
+                n = rng.choice((1, 1, 4))
+                c.acquire(plan.order[0], route_request(prompt_tokens=rng.randrange(50), samples=n,
+                                                       sequences=n * rng.choice((1, 3))), now)
             else:
                 assert plan.status in (404, 503)
+        elif op < 0.7 and len(c.leases):
+            counts = c.leases.counts()
+            c.prefilled(rng.choice(c.leases.held(rng.choice(list(counts)))).lease_id)
         elif op < 0.9 and len(c.leases):
             counts = c.leases.counts()
             victim = rng.choice(list(counts))
@@ -148,6 +167,9 @@ def test_counters_match_leases_after_many_mixed_operations():
             held = c.leases.held(w.worker_id)
             assert w.in_flight == len(held) == counts.get(w.worker_id, 0)
             assert w.in_flight_tokens == sum(x.prompt_tokens for x in held)
+            assert w.in_flight_sequences == sum(x.sequences for x in held)
+            assert w.decode_tokens == sum(x.prompt_tokens * x.samples for x in held if x.prefilled)
+            assert w.prefill_tokens == sum(x.prefill_tokens for x in held if not x.prefilled)
         assert set(counts) <= {w.worker_id for w in c.fleet.workers()}
     for w in c.fleet.workers():
         c.apply_change(leave(w.worker_id))

@@ -1,6 +1,7 @@
 import random
 from collections import Counter
 
+from infera_common.schemas import LoadReport
 from infera_router.policies import POLICY_NAMES, create_policy
 from infera_router.policy_least_loaded import LeastLoaded
 from infera_router.policy_round_robin import RoundRobin
@@ -50,22 +51,33 @@ def test_round_robin_survives_fleet_shrinking():
 
 def test_least_loaded_prefers_fewer_router_leases():
     cands = workers("a", "b", "c")
-    cands[0].in_flight, cands[1].in_flight, cands[2].in_flight = 3, 1, 2
+    cands[0].in_flight_sequences, cands[1].in_flight_sequences, cands[2].in_flight_sequences = 3, 1, 2
     assert LeastLoaded(random.Random(1)).rank(cands, route_request()) == ["b", "c", "a"]
 
 
 def test_least_loaded_uses_reported_in_flight_and_engine_queue():
     cands = workers("a", "b", "c")
-    cands[0].in_flight = 2                 # our leases: 2, nobody else's
+    cands[0].in_flight_sequences = 2        # our leases: 2 sequences, nobody else's
     cands[1].load = load("b", in_flight=5)  # other routers keep b busier
     cands[2].load = load("c", in_flight=1, waiting=2)  # 1 + 2 waiting = 3
     assert LeastLoaded(random.Random(1)).rank(cands, route_request()) == ["a", "c", "b"]
 
 
+def test_least_loaded_counts_sequences_not_requests():
+    """One request for 8 samples keeps an engine busier than three single ones: the engine runs 8."""
+    cands = workers("a", "b")
+    cands[0].load = LoadReport(worker_id="a", in_flight=1, in_flight_sequences=8)
+    cands[1].load = LoadReport(worker_id="b", in_flight=3, in_flight_sequences=3)
+    assert LeastLoaded(random.Random(1)).rank(cands, route_request()) == ["b", "a"]
+    # an agent too old to say its sequences: its requests are all there is to go by
+    cands[0].load = LoadReport(worker_id="a", in_flight=1)
+    assert LeastLoaded(random.Random(1)).rank(cands, route_request()) == ["a", "b"]
+
+
 def test_least_loaded_breaks_equal_counts_by_prompt_tokens_then_kv_usage():
     cands = workers("a", "b", "c")
     for w in cands:
-        w.in_flight = 1
+        w.in_flight = w.in_flight_sequences = 1
     cands[0].in_flight_tokens = 900
     cands[1].in_flight_tokens = 100
     cands[2].in_flight_tokens = 100

@@ -133,3 +133,4 @@ async def test_the_engine_counts_each_of_n_samples_and_so_does_the_report():
     r.scrape = scrape
     report = await r.report_once()
     assert (report.in_flight, report.engine_running, report.engine_unseen) == (1, 4, 1)  # the waiting one
+    assert report.in_flight_sequences == 4  # what a least-loaded router weighs the worker by

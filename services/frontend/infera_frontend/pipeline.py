@@ -18,7 +18,7 @@ from infera_common.tokenizer import ChatTokenizer
 from infera_frontend.exchange import Exchange
 from infera_frontend.failover import Attempts, engine_status_reason, retry_reason
 from infera_frontend.metrics import UNKNOWN_MODEL, FrontendMetrics
-from infera_frontend.prepare import OFFLOAD_CHARS, ModelTable, Tokens, prompt_chars, sequences, tokenize
+from infera_frontend.prepare import OFFLOAD_CHARS, ModelTable, Tokens, prompt_chars, samples, sequences, tokenize
 from infera_frontend.relay import Relay
 from infera_frontend.validation import ApiError, Parsed, check_request_id, parse_body
 
@@ -94,7 +94,7 @@ class Pipeline:
                     request_id=request_id, endpoint=parsed.endpoint, model=parsed.model, body=body,
                     stream=parsed.stream, token_ids=tokens.token_ids, prompt_tokens=tokens.prompt_tokens,
                     exclude=attempts.tried, session_ids=session_ids, traceparent=traceparent,
-                    sequences=sequences(parsed),
+                    sequences=sequences(parsed), samples=samples(parsed),
                 )
             except ApiError as err:
                 if failed is not None:

@@ -87,10 +87,15 @@ class Tokens:
     ok: bool = True  # False: the engine's token ids could not be reproduced (token invariant)
 
 
+def samples(parsed: Parsed) -> int:
+    """``n``: the samples the engine generates for each of the request's prompts."""
+    return parsed.data.get("n") or 1
+
+
 def sequences(parsed: Parsed) -> int:
     """The sequences the engine will run for the request: ``n`` samples of each of its prompts (a
     completions batch has several)."""
-    n = parsed.data.get("n") or 1
+    n = samples(parsed)
     if parsed.endpoint == Endpoint.CHAT or parsed.prompt_ids is not None:
         return n
     return n * prompt_count(parsed.data["prompt"])

@@ -207,6 +207,7 @@ class Relay:
         session_ids: list[str] | None = None,
         traceparent: str | None = None,
         sequences: int = 1,
+        samples: int = 1,
     ) -> Exchange:
         """Ask the router to place the request (on none of ``exclude``); ``ApiError`` when it is not placed.
 
@@ -220,7 +221,7 @@ class Relay:
             tokens=None if token_ids is None else pack_tokens(token_ids),
             deadline=time.time() + self.deadline_in(stream), exclude=list(exclude or ()),
             session_ids=list(session_ids or ()), discovery_backend=self.discovery_backend, traceparent=traceparent,
-            sequences=sequences,
+            sequences=sequences, samples=samples,
         ))
         if len(data) > self._nc.max_payload:
             self.inbox.release(subject)

@@ -195,6 +195,7 @@ class RouterCore:
         prefill = max(0, request.prompt_tokens - cached_tokens)
         lease = self.leases.acquire(worker.base_id, request.request_id, request.prompt_tokens, now, prefill)
         lease.dp_rank = worker.rank
+        lease.sequences, lease.samples = request.sequences, request.samples
         lease.ticket = self.breaker.begin(worker.base_id, now)
         if plan is not None and plan.session is not None:
             role = worker.record.role
@@ -205,6 +206,7 @@ class RouterCore:
         for counted in self._counted(lease):
             counted.in_flight += 1
             counted.in_flight_tokens += lease.prompt_tokens
+            counted.in_flight_sequences += lease.sequences
             counted.prefill_tokens += lease.prefill_tokens
         return lease
 
@@ -226,7 +228,7 @@ class RouterCore:
         lease.prefilled = True
         for counted in self._counted(lease):
             counted.prefill_tokens -= lease.prefill_tokens
-            counted.decode_tokens += lease.prompt_tokens
+            counted.decode_tokens += lease.decode_tokens
         return lease
 
     def release(self, lease_id: str, outcome: str | None = None) -> Lease | None:
@@ -261,8 +263,9 @@ class RouterCore:
         for worker in self._counted(lease):
             worker.in_flight -= 1
             worker.in_flight_tokens -= lease.prompt_tokens
+            worker.in_flight_sequences -= lease.sequences
             if lease.prefilled:
-                worker.decode_tokens -= lease.prompt_tokens
+                worker.decode_tokens -= lease.decode_tokens
             else:
                 worker.prefill_tokens -= lease.prefill_tokens
 

@@ -19,11 +19,19 @@ class Lease:
     prompt_tokens: int = 0
     prefill_tokens: int = 0  # of those, the ones not cached on the worker when it was picked
     prefilled: bool = False  # the worker said its first token went out: it only decodes now
+    sequences: int = 1  # what the engine runs for it: ``n`` samples of each of its prompts
+    samples: int = 1  # ``n``: each sample decodes over its prompt's context
     hashes: list[int] = field(default_factory=list)  # the prompt's block hashes at the worker's block size
     binding: object | None = None  # the session binding this leg holds (sessions.Binding), if any
     ticket: object | None = None  # the worker's circuit-breaker ticket (breaker.Ticket) until the lease ends
     dp_rank: int | None = None  # the DP rank the request is pinned to (a per-rank target), if any
     requester: str = ""  # where the worker answers the client (its frame subject); "" for a prefill leg
+
+    @property
+    def decode_tokens(self) -> int:
+        """The context its decoding reads per step: the prompt once per sample (the shared prefill is
+        computed once, but every sample attends to it)."""
+        return self.prompt_tokens * self.samples
 
     @property
     def target_id(self) -> str:

@@ -7,7 +7,8 @@ work, roughly tokens / bs):
     prefill(w) = ceil(T / bs) - matched(w)          blocks the engine must still compute
     load(w)    = prefilling(w) / bs                 uncached prompt blocks of this router's requests
                                                     on w still waiting for (or in) their prefill
-               + kv_decode_weight * decoding(w) / bs   KV blocks of its requests now decoding
+               + kv_decode_weight * decoding(w) / bs   KV blocks its decoding requests read per step
+                                                    (each prompt once per sample: ``n``)
                + others(w) * ceil(T / bs)           requests it cannot see, sized like this one
     fill(w)    = blocks the index lists on w / w's KV capacity in blocks, at most 1 (0: unknown)
     cost(w)    = (kv_overlap_weight + kv_evict_weight * fill(w)) * prefill(w) + load(w)
@@ -23,7 +24,7 @@ full size keeps a busy conversation away from the worker that holds its cache.
 ``others(w)`` = the requests other routers leased on ``w`` (the agent's load report splits its
 in-flight count by router; older reports: agent in-flight - this router's leases) + the report's
 ``engine_unseen`` (clients going straight to the engine; older reports: ``max(0, engine running +
-waiting - agent in-flight)``): requests whose sizes this router does not know, counted at this
+waiting - agent in-flight sequences)``): requests whose sizes this router does not know, counted at this
 request's size. Each weighs as much as the whole request being placed, so both counts are taken
 where they cannot go stale. The split by router: a report is up to a second old, and subtracting
 this router's current leases from it would count each of its requests that finished since as
@@ -75,7 +76,7 @@ from dataclasses import dataclass
 from infera_common.schemas import RouteRequest
 
 from infera_router.kv_view import KvView
-from infera_router.state import WorkerState
+from infera_router.state import WorkerState, reported_sequences
 
 #: Block size assumed for a worker that does not publish its own (the mock engine's default page).
 DEFAULT_BLOCK_SIZE = 64
@@ -114,7 +115,7 @@ def unseen_requests(worker: WorkerState) -> int:
     if report.engine_unseen is not None:  # counted by the agent around its scrape (LoadReport)
         beside_agent = report.engine_unseen
     else:
-        beside_agent = max(0, report.engine_running + report.engine_waiting - report.in_flight)
+        beside_agent = max(0, report.engine_running + report.engine_waiting - reported_sequences(report))
     if worker.others is not None:  # the agent said which requests are other routers'
         return worker.others + beside_agent
     return max(0, report.in_flight - worker.in_flight) + beside_agent

@@ -13,6 +13,12 @@ from infera_common.fleet import Change
 from infera_common.schemas import LoadReport, WorkerRecord, WorkerStatus
 
 
+def reported_sequences(report: LoadReport) -> int:
+    """The sequences the agent's in-flight requests run on the engine (its requests, from an agent
+    too old to say): the engine's running and waiting figures count sequences, not requests."""
+    return report.in_flight if report.in_flight_sequences is None else report.in_flight_sequences
+
+
 @dataclass(slots=True, eq=False)
 class WorkerState:
     """One worker as the router sees it, or one DP rank of it (a routing target).
@@ -28,8 +34,9 @@ class WorkerState:
     load: LoadReport | None = None  # the latest load report, if any arrived
     in_flight: int = 0  # leases this router holds on the worker (or rank)
     in_flight_tokens: int = 0  # prompt tokens of those leases
+    in_flight_sequences: int = 0  # the sequences those leases run on the engine (``n`` x prompts each)
     prefill_tokens: int = 0  # uncached prompt tokens of the leases whose prefill is not known to be done
-    decode_tokens: int = 0  # prompt tokens of the leases past their first token
+    decode_tokens: int = 0  # prompt tokens, times their samples, of the leases past their first token
     others: int | None = None  # requests on it other routers leased (from its load report), when known
     rank: int | None = None  # the DP rank this target pins (None: the whole worker)
     ranks: list[WorkerState] = field(default_factory=list)  # per-rank targets of a DP worker

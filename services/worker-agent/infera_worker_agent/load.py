@@ -169,6 +169,7 @@ class LoadReporter:
         report = LoadReport(
             worker_id=self._worker_id,
             in_flight=self._in_flight(),
+            in_flight_sequences=self._sequences(),
             by_router=self._by_router(),
             engine_running=self.last.running,
             engine_waiting=self.last.waiting,
