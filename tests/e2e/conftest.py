@@ -21,3 +21,13 @@ def rr_fleet(tmp_path_factory, request):
               env=env_with(INFERA_DISCOVERY_TTL="2", INFERA_SESSION_AFFINITY="both")).start()
     yield f
     f.stop()
+
+
+@pytest.fixture(scope="module", params=list(PLANES))
+def ll_fleet(tmp_path_factory, request):
+    """The same fleet with --router-policy least-loaded."""
+    f = Fleet(tmp_path_factory.mktemp("ll-fleet"), workers=2, plane=request.param,
+              extra=["--engine-arg=--speedup 20", "--router-policy", "least-loaded"],
+              env=env_with(INFERA_DISCOVERY_TTL="2")).start()
+    yield f
+    f.stop()

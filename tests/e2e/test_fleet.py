@@ -326,3 +326,27 @@ async def test_engine_events_reach_the_index_and_route_to_the_engine_that_cached
         status, _, raw = await _post(fleet, "/v1/completions", {"model": MODEL, "prompt": prompt + [7], "max_tokens": 1})
         assert status == 200, raw
         assert json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"] == 10 * block
+
+
+async def test_least_loaded_weighs_a_request_by_its_samples(ll_fleet):
+    """A request for 4 samples runs 4 sequences on its engine: the next three single requests all
+    go to the other worker, which then runs 3 (counting requests, the second would tie at 1 against
+    1 and the third go to the busy one)."""
+    workers = ll_fleet.workers_list()
+    body = {**CHAT, "max_tokens": 4000, "stream": True}
+
+    def running() -> list[float]:
+        return sorted(scrape(w["url"]).get("sglang:num_running_reqs", 0) for w in workers)
+
+    async with aiohttp.ClientSession() as s:
+        streams = []
+        try:
+            for extra in ({"n": 4}, {}, {}, {}):  # one at a time: each placed after the last one started
+                resp = await s.post(ll_fleet.url + "/v1/chat/completions", json={**body, **extra})
+                streams.append(resp)
+                assert resp.status == 200, await resp.text()
+                await resp.content.readline()  # its stream has started
+            assert running() == [3, 4]
+        finally:
+            for resp in streams:
+                resp.close()
