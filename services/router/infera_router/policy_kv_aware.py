@@ -138,8 +138,8 @@ def cache_fill(worker: WorkerState, kv: KvView) -> float:
     return min(1.0, held / capacity) if capacity > 0 else 0.0
 
 
-def worker_cost(worker: WorkerState, tokens: int, kv: KvView, weight: float,
-                decode_weight: float = DEFAULT_DECODE_WEIGHT, evict_weight: float = 0.0) -> WorkerCost:
+def worker_cost(worker: WorkerState, tokens: int, kv: KvView, weight: float, decode_weight: float,
+                evict_weight: float) -> WorkerCost:
     rec = worker.record
     bs = rec.index_block_size or DEFAULT_BLOCK_SIZE
     req_blocks = -(-tokens // bs)
