@@ -110,17 +110,17 @@ def main() -> None:
                     base_of[SGLANG] = DIRECT_GENERATE
             for n in args.tokens:
                 ttfts = asyncio.run(drive(paths, n, args.seconds, args.slice, seed=n))
-                rows.append((plane, n, ttfts))
+                rows.append((plane, n, ttfts, base_of))
         finally:
             stop_fleet(procs)
     page = f"page size {args.page_size}" if args.page_size is not None else "its default page size"
     print(f"\nTTFT of fresh token-id prompts, max_tokens 1, concurrency 1; mock engine speedup {args.speedup:g}, "
           f"{page}; {args.seconds:g} s per path and length, in {args.slice:g}-s slices; wall ms; logs {tmp}\n")
-    width = max(24, *(len(name) for _, _, ttfts in rows for name in ttfts))
+    width = max(24, *(len(name) for _, _, ttfts, _ in rows for name in ttfts))
     hdr = f"{'plane':<9} {'tokens':>6} {'path':<{width}} {'n':>5} {'p50':>8} {'p90':>8} | {'added p50':>9} {'p90':>7}"
     print(hdr)
     print("-" * len(hdr))
-    for plane, n, ttfts in rows:
+    for plane, n, ttfts, base_of in rows:  # each plane's paths against its own fleet's engine
         for name, values in ttfts.items():
             p50, p90 = 1000 * statistics.median(values), 1000 * quantile(values, 0.9)
             added = ""

@@ -20,7 +20,7 @@ from infera_mock_engine.prefix_cache import PrefixCache
 from infera_mock_engine.ranks import EngineRank, Totals, pick_rank, totals
 from infera_mock_engine.scheduler import Finished, Scheduler, SchedulerConfig, Sequence
 from infera_mock_engine.stops import StopMatcher
-from infera_mock_engine.textgen import DecimalIds, TokenStream, WordVocab, stream_seed
+from infera_mock_engine.textgen import TokenStream, WordVocab, stream_seed
 from infera_mock_engine.timing import TimingModel
 from infera_mock_engine.tokenizer import ModelTokenizer
 
@@ -154,7 +154,6 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab = WordVocab(tokenizer.vocab, tokenizer.decode)
-        self._ids_text = DecimalIds(tokenizer.vocab_size)
         eos = tokenizer.special.get("eos_token")
         self.eos_token_id = tokenizer.tokenizer.token_to_id(eos) if eos else None
         self.timing = TimingModel(speedup=config.speedup)
@@ -254,7 +253,10 @@ class Engine:
         if n == 0:
             raise RequestError("the prompt is empty", param="prompt")
         vocab_size = self.tokenizer.vocab_size
-        bad = next((t for t in params.prompt_ids if not 0 <= t < vocab_size), None)
+        ids = params.prompt_ids
+        bad = None  # min and max in C first: a 16k-token prompt's ids checked one by one took ~0.8 ms
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
         if bad is not None:
             raise RequestError(f"token id {bad} is out of the vocabulary (size {vocab_size})", param="prompt")
         if n >= ctx:
@@ -294,7 +296,7 @@ class Engine:
         """Queue a generation (raises RequestError if invalid); use the result as `async with`."""
         limit, reason = self.validate(params)
         rank = self._rank_for(params.routing)
-        seed = stream_seed(params.prompt_ids, params.seed, params.temperature, self._ids_text)
+        seed = stream_seed(params.prompt_ids, params.seed, params.temperature)
         if params.sample and seed is not None and params.temperature > 0:  # greedy samples all agree
             seed = hash((seed, params.sample)) & 0xFFFF_FFFF_FFFF_FFFF
         seq = Sequence(

@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import random
 import re
+import sys
+from array import array
 from collections.abc import Callable, Mapping, Sequence
 
 _WORD = re.compile(r"^[Ġ▁][a-z]{2,10}$")
@@ -41,36 +43,31 @@ class WordVocab:
 
 
 def ids_text(prompt_ids: Sequence[int]) -> str:
-    """The ids in decimal, comma-separated: what `stream_seed` hashes."""
+    """The ids in decimal, comma-separated: what `stream_seed` hashes for ids that are not all 32-bit."""
     return ",".join(map(str, prompt_ids))
 
 
-class DecimalIds:
-    """`ids_text` by table lookup for ids in [0, size): formatting every int of a long prompt was
-    most of the cost of a deterministic request's seed; other ids are formatted as usual."""
-
-    def __init__(self, size: int) -> None:
-        self._text = [str(i) for i in range(size)]
-
-    def __call__(self, prompt_ids: Sequence[int]) -> str:
-        if not prompt_ids or min(prompt_ids) < 0:  # a negative index would pick a wrong entry
-            return ids_text(prompt_ids)
-        try:
-            return ",".join(map(self._text.__getitem__, prompt_ids))
-        except (IndexError, TypeError):  # an id >= size, or not an int
-            return ids_text(prompt_ids)
+def ids_bytes(prompt_ids: Sequence[int]) -> bytes:
+    """What `stream_seed` hashes of a prompt: its ids as little-endian unsigned 32-bit words, made in
+    one C pass (~0.1 ms for 16k ids, where their decimal text took ~1.4 ms); ids outside
+    0..2**32-1 (never past the engine's vocabulary check) as their decimal text, tagged apart."""
+    try:
+        words = array("I", prompt_ids)
+    except (OverflowError, TypeError):
+        return b"dec:" + ids_text(prompt_ids).encode()
+    if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
+        words.byteswap()
+    return b"u32:" + words.tobytes()
 
 
-def stream_seed(prompt_ids: Sequence[int], seed: int | None, temperature: float,
-                text_of: Callable[[Sequence[int]], str] = ids_text) -> int | None:
-    """The RNG seed of an output stream; None means nondeterministic. `text_of` is `ids_text` or a
-    faster equivalent (`DecimalIds`)."""
+def stream_seed(prompt_ids: Sequence[int], seed: int | None, temperature: float) -> int | None:
+    """The RNG seed of an output stream; None means nondeterministic."""
     if seed is None and temperature > 0:
         return None
     h = hashlib.blake2b(digest_size=8)
     h.update(repr(seed).encode())
     h.update(b"|")
-    h.update(text_of(prompt_ids).encode())
+    h.update(ids_bytes(prompt_ids))
     return int.from_bytes(h.digest(), "big")
 
 
