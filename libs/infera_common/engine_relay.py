@@ -56,6 +56,7 @@ class FrameSink:
         self.seq = 0
         self.closed = False  # an end, error or final head frame was sent
         self.data_sent = False  # a data frame was sent: the client may have bytes of the answer
+        self.last_sent = time.monotonic()  # when a frame (alive ones included) last went out
         self._kept: deque[bytes] | None = deque(maxlen=keep) if keep else None
 
     def kept_from(self, seq: int) -> list[bytes] | None:
@@ -84,6 +85,7 @@ class FrameSink:
             self.closed = True
         elif kind == "data":
             self.data_sent = True
+        self.last_sent = time.monotonic()
         await self._publish(self._subject, data)
         if kind == "data" and self._on_first_data is not None:
             first, self._on_first_data = self._on_first_data, None
@@ -91,6 +93,17 @@ class FrameSink:
 
     async def error(self, status: int, message: str) -> None:
         await self.send("error", status=status, message=message)
+
+    @property
+    def answer_begun(self) -> bool:
+        """Whether the requester has part of the answer (a data frame) or all of it."""
+        return self.data_sent or self.closed
+
+    async def alive(self) -> None:
+        """Tell the requester the engine still holds the request: an ``alive`` frame, numbered as the
+        next frame will be (it takes no number and is not kept: a lost one is not sent again)."""
+        self.last_sent = time.monotonic()
+        await self._publish(self._subject, encode_frame("alive", self.seq))
 
 
 class Relay:

@@ -12,6 +12,14 @@ one ``Release`` to the lease's router:
   gets its reason's ``error`` frame (unless the answer already ended) and the engine an abort.
 
 A streamed request's first data frame also sends ``Prefilled`` to its router (its prefill is done).
+An envelope with ``keepalive`` gets an ``alive`` frame whenever its requester has had nothing for
+that long while the engine holds it and no part of the answer went out (a non-streaming answer
+is one frame at the end, however long the engine takes; a stream's first token may wait behind a
+long queue): so the requester's own timeout measures silence of the worker, not the engine's
+pace. Only for engines whose hang would be found (``vouch``: the agent's health probes generate,
+or its stall check runs), which then hands such requests back; otherwise the requester's timeout
+is the only guard against a hung engine and nothing restarts it. Mid-stream silence gets none:
+an engine that stops between tokens shows as such.
 Requests are keyed by (worker id, request id): a retry of a request on another worker is another
 request. ``frames_sent`` says how many frames a request running or recently finished has sent, so
 that a requester that lost its connection to the broker can tell whether frames were lost, and
@@ -47,6 +55,8 @@ FINISHED_REMEMBERED = 50_000
 KEPT_FRAMES = 1024
 REPLAY_MEMORY = 30.0
 REPLAY_REMEMBERED = 2000
+#: The shortest wait between two looks for requests due an ``alive`` frame (seconds).
+KEEPALIVE_MIN_TICK = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,9 +129,10 @@ class InFlight:
 
 
 class RequestRunner:
-    def __init__(self, publish: Publish, hooks: RunnerHooks) -> None:
+    def __init__(self, publish: Publish, hooks: RunnerHooks, vouch: Callable[[str], bool]) -> None:
         self._publish = publish
         self._hooks = hooks
+        self._vouch = vouch  # worker id -> whether a hang of its engine would be found (then alive frames)
         self._inflight: dict[tuple[str, str], InFlight] = {}
         self._per_worker: Counter[str] = Counter()
         self._handlers: set[asyncio.Task] = set()
@@ -131,6 +142,7 @@ class RequestRunner:
         self._refusal: StopReason | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+        self._keepalive: asyncio.Task | None = None  # runs while some request may need alive frames
 
     # --- state ---------------------------------------------------------------------------------
     @property
@@ -214,6 +226,10 @@ class RequestRunner:
         self.stop_all(reason)
         if self._handlers:
             await asyncio.gather(*list(self._handlers), return_exceptions=True)
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            await asyncio.gather(self._keepalive, return_exceptions=True)
+            self._keepalive = None
 
     # --- submit --------------------------------------------------------------------------------
     async def submit(self, worker_id: str, env: WorkEnvelope, engine: Engine, on_done: Done | None = None) -> None:
@@ -251,6 +267,22 @@ class RequestRunner:
         entry.task = task = asyncio.create_task(self._serve(entry), name=f"request-{env.request_id}")
         self._handlers.add(task)
         task.add_done_callback(self._handler_done)
+        if env.keepalive and (self._keepalive is None or self._keepalive.done()):
+            self._keepalive = asyncio.create_task(self._keep_alive(), name="request-keepalive")
+
+    async def _keep_alive(self) -> None:
+        """Send ``alive`` frames to the requests that asked for them and are due one; ends when no
+        request in flight may need one any more."""
+        while True:
+            waiting = [e for e in self._inflight.values() if e.envelope.keepalive and e.stop is None
+                       and not e.sink.answer_begun and self._vouch(e.worker_id)]
+            if not waiting:
+                return
+            now = time.monotonic()
+            for entry in waiting:
+                if now - entry.sink.last_sent >= entry.envelope.keepalive:  # type: ignore[operator]
+                    await quietly(entry.sink.alive(), "alive_frame", entry.envelope.request_id)
+            await asyncio.sleep(max(KEEPALIVE_MIN_TICK, min(e.envelope.keepalive for e in waiting) / 2))  # type: ignore[type-var]
 
     def _handler_done(self, task: asyncio.Task) -> None:
         self._handlers.discard(task)

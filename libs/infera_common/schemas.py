@@ -85,6 +85,10 @@ class WorkerRecord(_Msg):
     #: the replay ROUTER endpoint of each ``kv_events_endpoints`` entry, same order ('' where there is none)
     kv_replay_endpoints: list[str] = Field(default_factory=list)
     pd: PdParams | None = None
+    #: its agent takes the engine out of routing when it hangs with requests (health probes that
+    #: generate, or the stall check): a router calling the engine itself (``--request-transport
+    #: http``) then sends ``alive`` frames for the requests waiting there (False: an older agent)
+    finds_hangs: bool = False
     status: WorkerStatus = WorkerStatus.STARTING
     max_pending: int = 0  # broker-enforced pending limit (0 = unknown)
     version: str = ""
@@ -160,6 +164,10 @@ class RouteRequest(_Msg):
     #: ``n``, the samples of each prompt: each decodes over its prompt's context, so a request's
     #: decode load is ``prompt_tokens`` x ``samples`` (its prefill, shared by the samples, is not)
     samples: int = Field(1, ge=1)
+    #: seconds: while the engine holds the request and the requester has had no data frame (nor the
+    #: final answer), the worker sends an ``alive`` frame whenever it has sent nothing for this long
+    #: (``None``: never, as before; the router copies it into the ``WorkEnvelope``)
+    keepalive: float | None = Field(None, gt=0)
 
     @field_validator("tokens")
     @classmethod
@@ -212,9 +220,11 @@ class WorkEnvelope(_Msg):
     #: the sequences the engine runs for it (``RouteRequest.sequences``): each shows in its running
     #: count, so the worker-agent counts them, not requests, against the engine's figures
     sequences: int = Field(1, ge=1)
+    #: ``RouteRequest.keepalive``: send ``alive`` frames while the answer has not begun
+    keepalive: float | None = Field(None, gt=0)
 
 
-FrameKind = Literal["head", "data", "end", "error"]
+FrameKind = Literal["head", "data", "end", "error", "alive"]
 
 
 class Frame(_Msg):
@@ -223,6 +233,9 @@ class Frame(_Msg):
     ``head`` carries the engine's HTTP status (and, for a non-streaming answer, the whole body);
     ``data`` one SSE event payload (JSON bytes, without ``data: `` framing); ``end`` closes the
     response; ``error`` is an agent-side failure with an HTTP-like status and message.
+    ``alive`` says the engine still holds the request (sent only to a requester that asked, by
+    ``keepalive``, while nothing of the answer was sent): it carries no part of the response and
+    no number of its own (its ``seq`` is the number the next frame will have).
 
     A non-streaming answer is ONE frame: ``head`` with ``final=True`` and the whole body (which
     may be empty); no ``end`` follows it. A stream is ``head`` (``final=False``), ``data``...,

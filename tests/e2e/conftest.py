@@ -32,3 +32,14 @@ def ll_fleet(tmp_path_factory, request):
               env=env_with(INFERA_DISCOVERY_TTL="2")).start()
     yield f
     f.stop()
+
+
+@pytest.fixture(scope="module", params=list(PLANES))
+def slow_fleet(tmp_path_factory, request):
+    """Two mock workers at speedup 2 behind a frontend whose --upstream-timeout is 3 s: a 2,500-token
+    answer takes ~7 s there."""
+    f = Fleet(tmp_path_factory.mktemp("slow-fleet"), workers=2, plane=request.param,
+              extra=["--engine-arg=--speedup 2"],
+              env=env_with(INFERA_DISCOVERY_TTL="2", INFERA_UPSTREAM_TIMEOUT="3")).start()
+    yield f
+    f.stop()

@@ -353,3 +353,14 @@ async def test_least_loaded_weighs_a_request_by_its_samples(ll_fleet):
         finally:
             for resp in streams:
                 resp.close()
+
+
+async def test_a_non_streaming_answer_longer_than_the_upstream_timeout_arrives_whole(slow_fleet):
+    # the worker says every second that the engine still works on it; before, the frontend gave up
+    # after --upstream-timeout (504), tried the other worker, and gave up there too
+    body = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 2500}
+    started = time.monotonic()
+    status, _, raw = await _post(slow_fleet, "/v1/completions", body)
+    assert status == 200, raw
+    assert json.loads(raw)["usage"]["completion_tokens"] == 2500
+    assert time.monotonic() - started > 3  # (it did outlast the timeout)

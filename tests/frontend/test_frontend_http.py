@@ -54,8 +54,9 @@ async def test_non_streaming_chat_returns_engine_body_verbatim(frontend, fleet, 
     assert req.request_id == rid and req.model == MODEL and req.endpoint == Endpoint.CHAT and not req.stream
     assert req.body == raw  # the client's bytes, never re-serialised
     assert list(req.token_ids) == tok_ids_1plus1 and req.prompt_tokens == 35
-    # a non-streaming answer is awaited for --route-timeout + --upstream-timeout (1 + 2 s here)
-    assert time.time() < req.deadline < time.time() + 3.5
+    # the worker abandons it after --request-timeout (3600 s); the frontend waits while the worker
+    # speaks, and asks it to say every third of --upstream-timeout (2 s here) that the engine works
+    assert time.time() + 3500 < req.deadline < time.time() + 3600.5 and req.keepalive == 2.0 / 3
 
 
 async def test_request_id_is_echoed_and_forwarded(frontend, fleet):

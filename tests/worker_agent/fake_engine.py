@@ -47,6 +47,7 @@ class FakeEngine:
         n = int(body.get("events", 3))
         delay = float(body.get("delay", 0.0))
         if mode == "json":
+            await asyncio.sleep(delay)  # a long generation: nothing is sent until the whole answer
             return web.json_response({"id": rid, "choices": [{"text": "hello"}]})
         if mode == "status":
             return web.json_response({"error": {"message": "nope"}}, status=int(body["status"]))

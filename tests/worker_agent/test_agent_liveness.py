@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from infera_common.schemas import Role
+from infera_worker_agent.engine_watch import finds_hangs
 from infera_worker_agent.liveness import CanaryReason as R
 from infera_worker_agent.liveness import Liveness, StallCheck
+from infera_worker_agent.settings import parse_agent_cli
 
 
 def test_unhealthy_after_the_given_failures_in_a_row_and_healthy_again_after_one_pass():
@@ -90,3 +93,17 @@ def test_an_idle_engine_gets_a_canary_once_idle_for_long_enough():
 def test_an_idle_canary_needs_no_counters():
     check = StallCheck(idle_after=5)
     assert [check.canary_due(0, None, t) for t in (0, 3, 6)] == [None, None, R.IDLE]
+
+
+@pytest.mark.parametrize("flags, role, generates, finds", [
+    ([], "aggregated", False, True),  # the stall check (vLLM's /health does not generate)
+    ([], "aggregated", True, True),  # SGLang's generating /health
+    (["--no-engine-stall-check"], "aggregated", False, False),  # nothing would find a hang
+    (["--no-engine-stall-check"], "aggregated", True, True),
+    (["--health-check-interval", "0"], "aggregated", True, False),  # no probes at all
+    ([], "decode", True, False),  # a disaggregated leg: no canary, and its /health is not relied on
+    ([], "prefill", False, False),
+])
+def test_requests_are_said_alive_only_where_a_hung_engine_would_be_found(flags, role, generates, finds):
+    settings, _ = parse_agent_cli(["--engine", "mock", *flags])
+    assert finds_hangs(settings, Role(role), generates) is finds

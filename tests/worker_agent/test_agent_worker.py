@@ -45,7 +45,8 @@ class Harness:
         await self.nc.subscribe(router_release_subject(ROUTER), cb=on_release)
         await self.nc.subscribe(router_prefilled_subject(ROUTER), cb=on_prefilled)
 
-    async def submit(self, body: dict, *, stream: bool = True, deadline_in: float = 30.0, rid: str | None = None):
+    async def submit(self, body: dict, *, stream: bool = True, deadline_in: float = 30.0, rid: str | None = None,
+                     keepalive: float | None = None):
         """Publish an envelope; returns (request_id, frame subscription)."""
         self._n += 1
         rid = rid or f"req-{self._n}"
@@ -53,7 +54,7 @@ class Harness:
         sub = await self.nc.subscribe(inbox)
         env = WorkEnvelope(request_id=rid, endpoint="/v1/completions", body=json.dumps(body).encode(), stream=stream,
                            reply_subject=inbox, deadline=time.time() + deadline_in, lease_id=f"lease-{rid}",
-                           router_id=ROUTER)
+                           router_id=ROUTER, keepalive=keepalive)
         await self.js.publish(work_subject(WID), encode(env))
         return rid, sub
 
@@ -79,7 +80,7 @@ class Harness:
         return (await self.js.stream_info(request_stream(WID))).state.messages
 
 
-async def make_harness(nats_url: str, *, max_pending: int = 16, ack_wait: float = 30.0):
+async def make_harness(nats_url: str, *, max_pending: int = 16, ack_wait: float = 30.0, finds_hangs: bool = True):
     nc = await connect(nats_url, "test")
     engine = await FakeEngine().start()
     session = aiohttp.ClientSession()
@@ -87,7 +88,7 @@ async def make_harness(nats_url: str, *, max_pending: int = 16, ack_wait: float 
     await ensure_request_stream(nc.jetstream(), WID, max_pending, 60.0)
     worker = RequestWorker(nc=nc, js=nc.jetstream(), worker_id=WID, max_pending=max_pending,
                            relay=Relay(session, engine.url), abort=EngineAborter(session, engine.url, "/abort_request"),
-                           metrics=metrics, ack_wait=ack_wait)
+                           metrics=metrics, finds_hangs=finds_hangs, ack_wait=ack_wait)
     h = Harness(nc, engine, worker, metrics, session)
     await h.start()  # listen for releases before the worker takes work already queued
     await nc.flush()
@@ -363,3 +364,28 @@ async def test_requests_with_nothing_answered_yet_are_handed_back_and_started_on
         await started.next_msg(timeout=0.3)  # the client has part of this answer: it goes on
     assert h.worker.in_flight == 1
     h.worker.stop_all(reason)
+
+
+async def test_a_request_waiting_on_its_engine_is_said_alive_until_its_answer_begins(h):
+    rid, unary = await h.submit({"mode": "json", "delay": 1.5}, stream=False, keepalive=0.2)
+    frames = await h.frames(unary)
+    assert [f.kind for f in frames[-1:]] == ["head"] and frames[-1].final
+    alive = frames[:-1]
+    assert len(alive) >= 3 and {(f.kind, f.seq) for f in alive} == {("alive", 0)}  # numbered as the head
+    rid, stream = await h.submit({"stream": True, "events": 2, "delay": 1.0}, keepalive=0.2)
+    kinds = [(f.kind, f.seq) for f in await h.frames(stream)]
+    first_data = kinds.index(("data", 1))
+    assert kinds[0] == ("head", 0) and kinds[first_data:] == [("data", 1), ("data", 2), ("end", 3)]
+    # alive frames take no number (data and end are 1..3) and none come once a token went out
+    assert len(kinds[1:first_data]) >= 2 and set(kinds[1:first_data]) == {("alive", 1)}
+    rid, quiet = await h.submit({"mode": "json", "delay": 0.8}, stream=False)  # not asked: none
+    assert [f.kind for f in await h.frames(quiet)] == ["head"]
+
+
+async def test_no_alive_frames_for_an_engine_whose_hang_the_agent_would_not_find(nats_server):
+    h = await make_harness(nats_server, finds_hangs=False)  # e.g. --no-engine-stall-check on vLLM
+    try:
+        rid, unary = await h.submit({"mode": "json", "delay": 0.8}, stream=False, keepalive=0.1)
+        assert [f.kind for f in await h.frames(unary)] == ["head"]  # the requester's timeout stays the guard
+    finally:
+        await close_harness(h)

@@ -56,7 +56,7 @@ class Exchange:
     """One placed request: its frames, in order, until ``end``, ``error`` or a final ``head``."""
 
     __slots__ = ("_relay", "request_id", "worker_id", "_subject", "_box", "stream", "endpoint", "done",
-                 "_closed", "_cancelled", "_error", "_expected_tokens", "status", "body", "_first", "_seq",
+                 "_closed", "_cancelled", "_error", "_expected_tokens", "status", "body", "_first", "_seq", "_alive",
                  "_lost", "_lost_reason", "_ahead", "_replay_from", "lease", "frames_router", "sender_known")
 
     def __init__(
@@ -87,6 +87,7 @@ class Exchange:
         self.body: bytes | None = None  # the whole answer once started, None for a stream
         self._first: list[bytes] = []  # a stream's first payloads, read by start()
         self._seq = 0  # the number the next frame must carry
+        self._alive = 0  # alive frames read (the sender is on the bus: sender_watch)
         self._lost = ""  # why frames are lost for good, once known
         self._lost_reason = FRAMES_LOST  # the retry reason that goes with it
         self._ahead: dict[int, FrameWire] = {}  # frames that came after a gap, by number
@@ -119,6 +120,11 @@ class Exchange:
     def progress(self) -> int:
         """How many frames have arrived so far (read, held back after a gap, or waiting to be read)."""
         return self._seq + len(self._ahead) + len(self._box)
+
+    @property
+    def heard(self) -> int:
+        """``progress`` and the ``alive`` frames read: whether its sender was heard from lately."""
+        return self.progress + self._alive
 
     def lose(self, why: str, reason: str = FRAMES_LOST) -> None:
         """Frames of this request will never arrive: the reader ends it with ``why`` (retried, while
@@ -153,11 +159,17 @@ class Exchange:
             self._relay.publish_cancel(self.worker_id, self.request_id, reason)
 
     async def _next(self) -> FrameWire:
-        """The next frame in number order (``error`` frames at once)."""
+        """The next frame in number order (``error`` frames at once; ``alive`` frames only restart the
+        wait, and show a gap when the worker sent more frames than arrived)."""
         while True:
             frame = self._ahead.pop(self._seq, None) if self._ahead else None
             if frame is None:
                 frame = await self._receive()
+                if frame.kind == "alive":  # (one sender's frames arrive in order: fewer than it sent are lost)
+                    self._alive += 1
+                    if frame.seq > self._seq:
+                        self.fill_gap()
+                    continue
                 if frame.seq != self._seq and frame.kind != "error":
                     if frame.seq > self._seq:  # a gap: hold it back until the missing frames come again
                         self._ahead[frame.seq] = frame

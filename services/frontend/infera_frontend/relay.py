@@ -63,6 +63,8 @@ RESYNC_RETRY = 0.5
 RESYNC_ATTEMPTS = 20
 #: Seconds between route requests while NATS says no router is subscribed (within --route-timeout).
 NO_ROUTER_PAUSE = 0.25
+#: ``alive`` frames a worker is asked for per ``--upstream-timeout`` while an answer has not begun.
+KEEPALIVES_PER_TIMEOUT = 3
 #: Frames a worker says it sent may still be on their way here: how long they get before they count as lost.
 IN_TRANSIT_GRACE = 0.5
 #: A placed request that received no frame for this long has its sender asked whether it is still
@@ -219,9 +221,9 @@ class Relay:
             request_id=request_id, model=model, endpoint=endpoint, body=body, stream=stream,
             reply_subject=subject, prompt_tokens=prompt_tokens,
             tokens=None if token_ids is None else pack_tokens(token_ids),
-            deadline=time.time() + self.deadline_in(stream), exclude=list(exclude or ()),
+            deadline=time.time() + self.deadline_in(), exclude=list(exclude or ()),
             session_ids=list(session_ids or ()), discovery_backend=self.discovery_backend, traceparent=traceparent,
-            sequences=sequences, samples=samples,
+            sequences=sequences, samples=samples, keepalive=self.keepalive,
         ))
         if len(data) > self._nc.max_payload:
             self.inbox.release(subject)
@@ -326,7 +328,7 @@ class Relay:
             return
         open_now = [e for e in self._open if not e.ended and e.sender_known]
         self.watch.forget_except(open_now)
-        silent = by_sender(e for e in open_now if self.watch.silent(e, e.progress, now))
+        silent = by_sender(e for e in open_now if self.watch.silent(e, e.heard, now))
         for sender, exchanges in silent.items():
             if sender not in self._asking:
                 self._asking.add(sender)
@@ -408,12 +410,17 @@ class Relay:
                 return None
         return None
 
-    def deadline_in(self, stream: bool) -> float:
-        """Seconds until nobody waits for the answer: a non-streaming answer is the head the frontend
-        waits for (route + upstream timeouts); a stream lives while frames flow, up to the request timeout."""
-        if stream:
-            return max(self.request_timeout, self.route_timeout + self.upstream_timeout)
-        return self.route_timeout + self.upstream_timeout
+    def deadline_in(self) -> float:
+        """Seconds until nobody waits for the answer: a request lives while its worker keeps speaking
+        (frames, or ``alive`` frames until the answer begins), up to the request timeout."""
+        return max(self.request_timeout, self.route_timeout + self.upstream_timeout)
+
+    @property
+    def keepalive(self) -> float:
+        """How often a worker is asked to say that the engine still holds a request whose answer has
+        not begun (``alive`` frames): three times per ``--upstream-timeout``, so that a late or lost
+        one does not end a request the engine is working on."""
+        return self.upstream_timeout / KEEPALIVES_PER_TIMEOUT
 
     async def _place(self, data: bytes, subject: str, box: Mailbox) -> tuple[RouteReply, list[Msg]]:
         """Send the route request; while no router is subscribed (e.g. the routers are still

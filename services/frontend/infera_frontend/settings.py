@@ -30,14 +30,15 @@ class FrontendSettings(DrainSettings, PlaneSettings, LogSettings):
     )
     upstream_timeout: float = Field(
         60.0, gt=0,
-        description="Seconds to wait for the engine's first response frame, and between frames of a "
-        "stream; then the request is cancelled and the client gets 504.",
+        description="Seconds to wait for word from the worker: its response frames, and until the answer "
+        "begins (a non-streaming answer, a stream's first token) the frames by which it says three times "
+        "per timeout that the engine still holds the request; then the request is cancelled and the "
+        "client gets 504. Mid-stream, the longest wait between two frames.",
     )
     request_timeout: float = Field(
         3600.0, gt=0,
-        description="Longest a streaming request may run end to end: sent as the request's deadline, after "
-        "which the worker abandons it. A non-streaming request's deadline is --route-timeout + "
-        "--upstream-timeout (its whole answer is the head the frontend waits for).",
+        description="Longest a request may run end to end, streaming or not: sent as the request's "
+        "deadline, after which the worker abandons it.",
     )
     route_timeout: float = Field(
         5.0, gt=0, description="Seconds to wait for the router's answer; then the client gets 503 'router unavailable'."

@@ -115,11 +115,18 @@ class HttpDispatcher:
         self._drain_timeout = drain_timeout  # what the router's own engine calls get to finish when it stops
         self._record_of = record_of
         self._runner = RequestRunner(nc.publish, SeriesHooks(metrics.http_requests, metrics.http_in_flight,
-                                                             metrics.http_cancels, metrics.bad_messages.labels("cancel")))
+                                                             metrics.http_cancels, metrics.bad_messages.labels("cancel")),
+                                     self._finds_hangs)
         self._answers = FramesAnswers(self._runner, metrics.http_frames_queries, metrics.http_frames_replays)
         self._session: aiohttp.ClientSession | None = None
         self._engines: dict[str, tuple[str, Engine]] = {}  # worker id -> (url, engine)
         self._subs: list[Any] = []
+
+    def _finds_hangs(self, worker_id: str) -> bool:
+        """Whether the worker's agent would take its engine out of routing if it hung (then the
+        requests waiting there are handed back: ``alive`` frames may be sent for them)."""
+        record = self._record_of(worker_id)
+        return record is not None and record.finds_hangs
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(

@@ -137,7 +137,8 @@ class PdFlow:
             env = WorkEnvelope(
                 request_id=request.request_id, endpoint=request.endpoint, body=body(worker), stream=request.stream,
                 reply_subject=request.reply_subject, deadline=request.deadline, lease_id=lease.lease_id,
-                router_id=self._router_id, headers={**rank_headers(worker.rank), **engine_headers(request.traceparent)},
+                router_id=self._router_id, keepalive=request.keepalive,
+                headers={**rank_headers(worker.rank), **engine_headers(request.traceparent)},
             )
             result = await self._publish(worker, env)
             if result.kind == "stored":

@@ -16,6 +16,18 @@ from infera_worker_agent.metrics import AgentMetrics
 from infera_worker_agent.settings import AgentSettings
 
 
+def finds_hangs(settings: AgentSettings, role: Role, health_generates: bool) -> bool:
+    """Whether the agent takes an engine that hangs while it holds requests out of routing (and hands
+    those requests back): its health probes run, and either they generate (SGLang's ``/health``) or
+    the stall check tests an engine that holds work and counts no token. Only then may requests that
+    wait on the engine be said to be alive (``RequestRunner``'s ``alive`` frames). A disaggregated
+    leg is not said to: it gets no stall check (a completion there needs its pair), and whether
+    SGLang's ``/health`` generates in disaggregation mode is not relied on."""
+    if role is not Role.AGGREGATED or settings.health_check_interval <= 0:
+        return False
+    return health_generates or settings.engine_stall_check
+
+
 class EngineWatch:
     def __init__(self, settings: AgentSettings, session: aiohttp.ClientSession, local_url: str, *, model: str,
                  role: Role, metrics: AgentMetrics, in_flight: Callable[[], int], sequences: Callable[[], int],

@@ -40,7 +40,7 @@ from infera_common.schemas import KvRelay, LoadReport, WorkerRecord, WorkerStatu
 from infera_common.subjects import kv_event_subject, load_subject
 from infera_worker_agent.engine_cmd import EnginePlan, health_generates
 from infera_worker_agent.engine_proc import EngineProcess, exit_status
-from infera_worker_agent.engine_watch import EngineWatch
+from infera_worker_agent.engine_watch import EngineWatch, finds_hangs
 from infera_worker_agent.health import (
     Startup, bootstrap_ranks, engine_json, engine_text, served_model, wait_healthy,
 )
@@ -185,9 +185,7 @@ class Agent:
             in_flight=lambda: self._worker.in_flight if self._worker else 0,
             sequences=lambda: self._worker.in_flight_sequences if self._worker else 0,
             by_router=lambda: self._worker.in_flight_by_router() if self._worker else {},
-            publish_load=self._publish_load, on_health=self._on_health,
-            health_generates=health_generates(self.plan.engine, self.plan.engine_args,
-                                              {**os.environ, **dict(self.plan.env_changes)}),
+            publish_load=self._publish_load, on_health=self._on_health, health_generates=self._health_generates(),
         )
         self._watch.start()
         log.info("worker_active", worker_id=self.worker_id, model=model, url=self.plan.url, frozen_objects=frozen)
@@ -237,9 +235,15 @@ class Agent:
             nc=self._nc, js=js, worker_id=self.worker_id, max_pending=self.s.max_pending,
             relay=Relay(self._session, self.plan.local_url),
             abort=EngineAborter(self._session, self.plan.local_url, self.plan.abort_path),
-            metrics=self.metrics,
+            metrics=self.metrics, finds_hangs=self._finds_hangs(),
         )
         await self._worker.start()
+
+    def _health_generates(self) -> bool:
+        return health_generates(self.plan.engine, self.plan.engine_args, {**os.environ, **dict(self.plan.env_changes)})
+
+    def _finds_hangs(self) -> bool:
+        return finds_hangs(self.s, self._pd.role, self._health_generates())
 
     async def _on_health(self, healthy: bool) -> None:
         """The engine failed its probes (or passes again): routers stop (or resume) sending it work."""
@@ -278,6 +282,7 @@ class Agent:
             url=self.plan.url, advertise_host=self.plan.advertise_host,
             discovery_backend=self.s.discovery_backend, request_transport=self.s.request_transport,
             kv_event_transport=self.s.kv_event_transport, status=status, max_pending=self.s.max_pending,
+            finds_hangs=self._finds_hangs(),
             version=_version(), ttl=self.s.discovery_ttl, started_at=self._started_at,
             kv_block_size=self._kv_block_size, kv_index_block_size=self._kv_index_block_size,
             kv_capacity_tokens=self._kv_capacity_tokens,

@@ -75,6 +75,7 @@ class RequestWorker:
         relay: Relay,
         abort: Abort,
         metrics: AgentMetrics,
+        finds_hangs: bool,
         ack_wait: float = ACK_WAIT,
     ) -> None:
         self._nc = nc
@@ -85,7 +86,7 @@ class RequestWorker:
         self._metrics = metrics
         self._ack_wait = ack_wait
         self._runner = RequestRunner(nc.publish, SeriesHooks(metrics.requests, metrics.in_flight, metrics.cancels,
-                                                             metrics.bad_cancels))
+                                                             metrics.bad_cancels), lambda _: finds_hangs)
         self._answers = FramesAnswers(self._runner, metrics.frames_queries, metrics.frames_replays)
         self._work_sub = None
         self._cancel_sub = None
