@@ -168,6 +168,10 @@ class RouteRequest(_Msg):
     #: final answer), the worker sends an ``alive`` frame whenever it has sent nothing for this long
     #: (``None``: never, as before; the router copies it into the ``WorkEnvelope``)
     keepalive: float | None = Field(None, gt=0)
+    #: seconds: the requester's ``--upstream-timeout``, the longest it waits for word from a worker
+    #: (``None``: not said). A router that waits on a worker's answer before it can reply (the
+    #: prefill leg of a sequential pair) waits no longer, sending ``alive`` frames meanwhile
+    upstream_timeout: float | None = Field(None, gt=0)
 
     @field_validator("tokens")
     @classmethod

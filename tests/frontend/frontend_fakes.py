@@ -166,6 +166,7 @@ class MultiFleet:
     asked: list[tuple[str, str | None]] = field(default_factory=list)  # (subject, worker id) of each question
     query_subs: dict[str, object] = field(default_factory=dict)  # sender -> its FramesQuery subscription
     tasks: set = field(default_factory=set)
+    before_reply: Script | None = None  # what the router does before it replies (say, wait on a prefill)
 
     async def frame(self, req: RouteRequest, frame: Frame, *, lost: bool = False) -> None:
         """Send a frame (``lost``: count and keep it as sent, but it never reaches the frontend)."""
@@ -206,6 +207,8 @@ class MultiFleet:
             return
         worker = left[0]
         self.placed.append(worker)
+        if self.before_reply is not None:
+            await self.before_reply(self, req)
         await msg.respond(encode(RouteReply(status=200, worker_id=worker, lease_id=f"lease-{len(self.placed)}",
                                             router_id="r1", frames_from=self.frames_from)))
         script = self.scripts.get(worker, script_ok)

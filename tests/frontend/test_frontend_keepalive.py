@@ -13,6 +13,7 @@ from tests.frontend.frontend_fakes import (
 )
 
 UPSTREAM = 0.5  # the frontend's --upstream-timeout in these tests
+ROUTE = 0.5  # and its --route-timeout
 WORKING = 4 * UPSTREAM  # how long the "engine" takes before its answer begins
 
 
@@ -100,3 +101,23 @@ async def test_a_request_kept_alive_is_not_taken_for_a_silent_one(start_frontend
     multi.scripts[W1] = long_but_alive
     assert await post(fe, chat_body()) == (200, completion_json())
     assert multi.asked == []  # its sender spoke: no question whether it is still on the bus
+
+
+async def test_a_router_waiting_on_a_prefill_is_given_the_upstream_timeout_not_the_route_timeout(start_frontend, multi):
+    # vLLM's pairs: the router names the decode worker only once the prefill answered
+    async def long_prefill(f, req):  # as the router does: an alive frame at once, then every keepalive
+        for _ in range(4):
+            await f.nc.publish(req.reply_subject, encode(Frame(kind="alive", seq=0)))
+            await asyncio.sleep(ROUTE)
+
+    fe = await start_frontend(route_timeout=ROUTE, upstream_timeout=30, request_max_retries=0)
+    multi.before_reply = long_prefill
+    assert await post(fe, chat_body()) == (200, completion_json())
+    assert multi.routed[0].upstream_timeout == 30
+
+    async def silent_router(f, req):
+        await asyncio.sleep(4 * ROUTE)
+
+    multi.before_reply = silent_router  # the route timeout is still what a router that says nothing gets
+    status, raw = await post(fe, chat_body())
+    assert status == 503 and "router" in json.loads(raw)["error"]["message"]

@@ -139,6 +139,42 @@ async def test_vllm_pairs_send_the_decode_only_after_the_prefill_answered(bench)
     assert params["transfer_id"] == body(pre)["kv_transfer_params"]["transfer_id"] and body(dec)["max_tokens"] == 9
 
 
+async def test_a_long_vllm_prefill_keeps_its_requester_waiting_up_to_its_upstream_timeout(bench):
+    # the route reply needs the prefill's answer (it names the decode worker): a prefill longer than
+    # the requester's route timeout is said to be alive, and waited for up to its upstream timeout
+    vllm = PdParams(protocol="vllm-mooncake", bootstrap_host="10.1.1.1", bootstrap_port=8998, engine_id="e-p1")
+    await pd_fleet(bench, vllm)
+    heard: list[Frame] = []
+
+    async def hear(msg):
+        heard.append(decode(Frame, msg.data))
+
+    sub = await bench.nc.subscribe("_INBOX.test.1", cb=hear)
+    await flush_all(bench.nc)
+    pending = asyncio.create_task(bench.route(request_id="q1", prompt_tokens=10, body=b'{"prompt": "hi"}',
+                                              keepalive=0.1, upstream_timeout=30))
+    await eventually(lambda: len(heard) >= 3)  # ~0.3 s of prefill
+    assert {(f.kind, f.seq) for f in heard} == {("alive", 0)} and not pending.done()
+    [pre] = await bench.pull("p1")
+    await bench.nc.publish(pre.reply_subject, encode(Frame(kind="head", seq=0, status=200, body=b"{}", final=True)))
+    reply = await pending
+    assert reply.status == 200 and reply.worker_id == "d1"
+    count = len(heard)
+    await asyncio.sleep(0.3)
+    assert len(heard) == count  # no more once the prefill answered
+    await release(bench, pre.lease_id, "p1", "ok")
+    await release(bench, reply.lease_id, "d1", "ok")
+    await eventually(lambda: bench.leases("p1") == 0 and bench.leases("d1") == 0)
+
+    gone = await cancels(bench, "p1")
+    reply = await bench.route(request_id="q2", prompt_tokens=10, body=b'{"prompt": "hi"}',
+                              keepalive=0.1, upstream_timeout=0.5)  # the prefill never answers
+    assert reply.status == 504 and "no prefill answer within 0.5s" in reply.message
+    await eventually(lambda: gone == ["q2"])  # its prefill leg is stopped, its lease given back
+    await eventually(lambda: bench.leases("p1") == 0 and bench.leases("d1") == 0)
+    await sub.unsubscribe()
+
+
 # --- session affinity ----------------------------------------------------------------------------
 BOTH = {"session_affinity": "both"}
 

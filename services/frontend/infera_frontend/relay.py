@@ -223,7 +223,7 @@ class Relay:
             tokens=None if token_ids is None else pack_tokens(token_ids),
             deadline=time.time() + self.deadline_in(), exclude=list(exclude or ()),
             session_ids=list(session_ids or ()), discovery_backend=self.discovery_backend, traceparent=traceparent,
-            sequences=sequences, samples=samples, keepalive=self.keepalive,
+            sequences=sequences, samples=samples, keepalive=self.keepalive, upstream_timeout=self.upstream_timeout,
         ))
         if len(data) > self._nc.max_payload:
             self.inbox.release(subject)
@@ -439,7 +439,9 @@ class Relay:
 
     async def _route_reply(self, box: Mailbox, deadline: float | None = None) -> tuple[RouteReply, list[Msg]]:
         """The router's reply (by ``deadline``, on the loop's clock; default ``--route-timeout`` from
-        now), and any frames that arrived before it (kept in order)."""
+        now), and any frames that arrived before it (kept in order). An ``alive`` frame (a router
+        waiting on a prefill before it can name the decode worker) moves the deadline to
+        ``--upstream-timeout`` from then: the router has answered, the engine's pace is what is left."""
         loop = asyncio.get_running_loop()
         if deadline is None:
             deadline = loop.time() + self.route_timeout
@@ -456,6 +458,9 @@ class Relay:
             except Exception as exc:  # msgpack raises several unrelated types
                 raise ValueError(f"not msgpack: {exc}") from exc
             if isinstance(raw, dict) and "kind" in raw:  # a worker's frame overtook the router's reply
+                if raw["kind"] == "alive":
+                    deadline = max(deadline, loop.time() + self.upstream_timeout)
+                    continue
                 early.append(msg)
                 continue
             return RouteReply.model_validate(raw), early

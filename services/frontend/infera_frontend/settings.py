@@ -41,7 +41,9 @@ class FrontendSettings(DrainSettings, PlaneSettings, LogSettings):
         "deadline, after which the worker abandons it.",
     )
     route_timeout: float = Field(
-        5.0, gt=0, description="Seconds to wait for the router's answer; then the client gets 503 'router unavailable'."
+        5.0, gt=0, description="Seconds to wait for the router's answer; then the client gets 503 'router "
+        "unavailable'. A router that must wait on a prefill before it answers (vLLM's disaggregated pairs) "
+        "says so, and --upstream-timeout applies from then.",
     )
     request_max_retries: int = Field(
         1, ge=0, le=10,

@@ -21,7 +21,7 @@ from nats.aio.subscription import Subscription
 
 from infera_common.logs import get_logger
 from infera_common.nats_conn import unsubscribe_quietly
-from infera_common.schemas import Cancel, RouteRequest, WorkEnvelope, decode_frame, encode
+from infera_common.schemas import Cancel, RouteRequest, WorkEnvelope, decode_frame, encode, encode_frame
 from infera_common.subjects import cancel_subject, router_pd_subject, router_pd_subjects
 from infera_common.tracing import engine_headers
 
@@ -110,7 +110,7 @@ class PdFlow:
                 full += result.kind == "full"
                 continue
             if waiter is not None:
-                drained = await self._await_prefill(lease, waiter, request.deadline)
+                drained = await self._await_prefill(lease, waiter, request)
                 if not drained.ok:
                     await reply(drained.status, f"prefill worker {prefill.base_id} failed: {drained.message}",
                                 None, None)
@@ -172,14 +172,37 @@ class PdFlow:
             self._metrics.publish_refused.labels(worker.base_id, result.kind if result.kind in ("full", "gone") else "error").inc()
         return result
 
-    async def _await_prefill(self, lease: Lease, waiter: asyncio.Future[Drained], deadline: float) -> Drained:
+    async def _await_prefill(self, lease: Lease, waiter: asyncio.Future[Drained], request: RouteRequest) -> Drained:
+        """The prefill leg's answer, before the route reply can name the decode worker. The requester
+        hears ``alive`` frames meanwhile (when it asked for them), so that its route timeout, meant for
+        a router that does not answer, does not end a long prefill; the wait is then its upstream
+        timeout, as for any answer the requester waits for."""
+        wait = max(0.0, request.deadline - time.time())
+        if request.upstream_timeout is not None:
+            wait = min(wait, request.upstream_timeout)
+        alive = None
+        if request.keepalive is not None:
+            alive = asyncio.create_task(self._say_alive(request.reply_subject, request.keepalive))
         try:
-            return await asyncio.wait_for(waiter, max(0.0, deadline - time.time()))
+            return await asyncio.wait_for(waiter, wait)
         except TimeoutError:
             await self.execute(self.pairs.abandon(lease.lease_id))
-            return Drained(False, 504, "no prefill answer before the request's deadline")
+            return Drained(False, 504, f"no prefill answer within {wait:g}s")
         finally:
             self._waiters.pop(lease.lease_id, None)
+            if alive is not None:
+                alive.cancel()
+
+    async def _say_alive(self, subject: str, every: float) -> None:
+        """An ``alive`` frame now and every ``every`` seconds (cancelled when the prefill answered)."""
+        frame = encode_frame("alive", 0)
+        while True:
+            try:
+                await self._nc.publish(subject, frame)
+            except Exception as exc:  # the connection is closing: the route's own reply fails too
+                log.warning("alive_frame_failed", subject=subject, error=str(exc) or type(exc).__name__)
+                return
+            await asyncio.sleep(every)
 
     def _drop_pair(self, lease: Lease) -> None:
         self.pairs.abandon(lease.lease_id)  # nothing was published: nothing to cancel
