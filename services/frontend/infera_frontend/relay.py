@@ -1,6 +1,6 @@
 """Routing one attempt of a request; the same for HTTP and NATS clients.
 
-``Relay.open`` publishes a ``RouteRequest`` on ``ROUTER_ROUTE`` with the attempt's own inbox
+``Relay.open`` publishes a ``RouteRequest`` (``placement.py``) with the attempt's own inbox
 subject (``inbox.py``) both as the NATS reply subject (for the router's ``RouteReply``) and as
 ``reply_subject`` (for the worker's ``Frame``s). Frames that overtake the router's reply are kept.
 It returns an ``Exchange`` (``exchange.py``) that reads the worker's frames. Router refusals and
@@ -28,20 +28,18 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
-import msgpack
 import nats.errors
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from pydantic import BaseModel
 
 from infera_common.block_hash import pack_tokens
 from infera_common.logs import get_logger
 from infera_common.schemas import (
     Cancel, DiscoveryBackend, Endpoint, FramesQuery, FramesReplay, FramesReplayed, FramesSent, M, Release,
-    RouteReply, RouteRequest, decode, encode,
+    RouteRequest, decode, encode,
 )
 from infera_common.subjects import (
-    ROUTER_ROUTE, cancel_subject, frames_query_subject, frames_replay_subject, router_frames_query_subject,
+    cancel_subject, frames_query_subject, frames_replay_subject, router_frames_query_subject,
     router_frames_replay_subject, router_release_subject,
 )
 from infera_common.tasks import stop_tasks
@@ -50,6 +48,7 @@ from infera_frontend.exchange import Exchange
 from infera_frontend.failover import NO_ROUTER, SENDER_GONE, UPSTREAM_TIMEOUT, RetryableError
 from infera_frontend.inbox import Inbox, Mailbox
 from infera_frontend.metrics import FrontendMetrics
+from infera_frontend.placement import NoRouter, Placement, router_error, router_unavailable
 from infera_frontend.sender_watch import SenderWatch
 from infera_frontend.token_check import TokenChecker, reported_prompt_tokens
 from infera_frontend.validation import ApiError
@@ -61,8 +60,6 @@ log = get_logger("frontend.relay")
 FRAMES_QUERY_TIMEOUT = 2.0
 RESYNC_RETRY = 0.5
 RESYNC_ATTEMPTS = 20
-#: Seconds between route requests while NATS says no router is subscribed (within --route-timeout).
-NO_ROUTER_PAUSE = 0.25
 #: ``alive`` frames a worker is asked for per ``--upstream-timeout`` while an answer has not begun.
 KEEPALIVES_PER_TIMEOUT = 3
 #: Frames a worker says it sent may still be on their way here: how long they get before they count as lost.
@@ -75,26 +72,6 @@ SILENT_AFTER = 2.0
 SENDER_CHECK_EVERY = 1.0
 SENDER_QUESTION_TIMEOUT = 1.0
 SENDER_GONE_AFTER = 3.0
-
-_ROUTER_ERROR_TYPES = {
-    400: ("invalid_request_error", None),
-    404: ("invalid_request_error", "model_not_found"),
-    429: ("rate_limit_error", None),
-    503: ("service_unavailable_error", None),
-}
-
-
-def router_error(reply: RouteReply) -> ApiError:
-    """The client's error for a router refusal (its status is passed through)."""
-    status = reply.status if 400 <= reply.status < 600 else 500
-    etype, code = _ROUTER_ERROR_TYPES.get(status, ("internal_server_error" if status >= 500 else None, None))
-    message = reply.message or {
-        404: "The model does not exist.",
-        429: "Every worker for this model is at its pending limit; retry later.",
-        503: "No active worker for this model.",
-    }.get(status, f"the router could not place the request (status {reply.status})")
-    param = "model" if status == 404 else None
-    return ApiError(status, message, type=etype, param=param, code=code)
 
 
 def frames_subjects(router_id: str | None, worker_id: str) -> tuple[str, str]:
@@ -119,18 +96,6 @@ def by_sender(exchanges: Iterable[Exchange]) -> dict[tuple[str | None, str], lis
     return groups
 
 
-def router_unavailable() -> ApiError:
-    return ApiError(503, "router unavailable", type="service_unavailable_error")
-
-
-class _NoRouter(Exception):
-    """NATS answered the route request with 'no responders': no router is subscribed."""
-
-
-def _is_no_responders(msg: Msg) -> bool:
-    return not msg.data and bool(msg.headers) and msg.headers.get("Status") == "503"
-
-
 class Relay:
     def __init__(
         self, nc: NATS, inbox: Inbox, metrics: FrontendMetrics, *, route_timeout: float, upstream_timeout: float,
@@ -143,6 +108,7 @@ class Relay:
         self.route_timeout = route_timeout
         self.upstream_timeout = upstream_timeout
         self.request_timeout = request_timeout
+        self._placement = Placement(nc, route_timeout, upstream_timeout)
         self._background: set[asyncio.Task] = set()
         self._open: set[Exchange] = set()  # placed requests whose exchange is not closed yet
         self.token_checker = TokenChecker()
@@ -234,11 +200,11 @@ class Relay:
                 type="invalid_request_error", code="request_too_large",
             )
         try:
-            reply, early = await self._place(data, subject, box)
+            reply, early = await self._placement.place(data, subject, box)
         except asyncio.CancelledError:  # the client left while the router decides: cancel once placed
             self.spawn(self._cancel_when_routed(subject, box, request_id))
             raise
-        except _NoRouter:  # nobody received the request: trying again cannot run it twice
+        except NoRouter:  # nobody received the request: trying again cannot run it twice
             self.inbox.release(subject)
             self.metrics.route_errors.labels("503").inc()
             log.warning("router_unavailable", request_id=request_id, error="no responders")
@@ -422,52 +388,9 @@ class Relay:
         one does not end a request the engine is working on."""
         return self.upstream_timeout / KEEPALIVES_PER_TIMEOUT
 
-    async def _place(self, data: bytes, subject: str, box: Mailbox) -> tuple[RouteReply, list[Msg]]:
-        """Send the route request; while no router is subscribed (e.g. the routers are still
-        reconnecting after a broker restart) send it again every ``NO_ROUTER_PAUSE`` seconds, up to
-        ``--route-timeout``: nobody received it, so it cannot be placed twice."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.route_timeout
-        while True:
-            await self._nc.publish(ROUTER_ROUTE, data, reply=subject)
-            try:
-                return await self._route_reply(box, deadline)
-            except _NoRouter:
-                if loop.time() + NO_ROUTER_PAUSE >= deadline:
-                    raise
-            await asyncio.sleep(NO_ROUTER_PAUSE)
-
-    async def _route_reply(self, box: Mailbox, deadline: float | None = None) -> tuple[RouteReply, list[Msg]]:
-        """The router's reply (by ``deadline``, on the loop's clock; default ``--route-timeout`` from
-        now), and any frames that arrived before it (kept in order). An ``alive`` frame (a router
-        waiting on a prefill before it can name the decode worker) moves the deadline to
-        ``--upstream-timeout`` from then: the router has answered, the engine's pace is what is left."""
-        loop = asyncio.get_running_loop()
-        if deadline is None:
-            deadline = loop.time() + self.route_timeout
-        early: list[Msg] = []
-        while True:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise TimeoutError
-            msg = await box.get(remaining)
-            if _is_no_responders(msg):
-                raise _NoRouter
-            try:
-                raw = msgpack.unpackb(msg.data, raw=False)
-            except Exception as exc:  # msgpack raises several unrelated types
-                raise ValueError(f"not msgpack: {exc}") from exc
-            if isinstance(raw, dict) and "kind" in raw:  # a worker's frame overtook the router's reply
-                if raw["kind"] == "alive":
-                    deadline = max(deadline, loop.time() + self.upstream_timeout)
-                    continue
-                early.append(msg)
-                continue
-            return RouteReply.model_validate(raw), early
-
     async def _cancel_when_routed(self, subject: str, box: Mailbox, request_id: str) -> None:
         try:
-            reply, _ = await self._route_reply(box)
+            reply, _ = await self._placement.reply(box)
         except Exception:  # never placed (or unreadable): nothing to cancel
             return
         finally:
