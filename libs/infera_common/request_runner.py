@@ -267,7 +267,7 @@ class RequestRunner:
         entry.task = task = asyncio.create_task(self._serve(entry), name=f"request-{env.request_id}")
         self._handlers.add(task)
         task.add_done_callback(self._handler_done)
-        if env.keepalive and (self._keepalive is None or self._keepalive.done()):
+        if env.keepalive and self._vouch(worker_id) and (self._keepalive is None or self._keepalive.done()):
             self._keepalive = asyncio.create_task(self._keep_alive(), name="request-keepalive")
 
     async def _keep_alive(self) -> None:

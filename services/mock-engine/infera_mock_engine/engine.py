@@ -254,10 +254,8 @@ class Engine:
             raise RequestError("the prompt is empty", param="prompt")
         vocab_size = self.tokenizer.vocab_size
         ids = params.prompt_ids
-        bad = None  # min and max in C first: a 16k-token prompt's ids checked one by one took ~0.8 ms
-        if min(ids) < 0 or max(ids) >= vocab_size:
+        if min(ids) < 0 or max(ids) >= vocab_size:  # in C first: one by one took ~0.8 ms for 16k ids
             bad = next(t for t in ids if not 0 <= t < vocab_size)
-        if bad is not None:
             raise RequestError(f"token id {bad} is out of the vocabulary (size {vocab_size})", param="prompt")
         if n >= ctx:
             raise RequestError(

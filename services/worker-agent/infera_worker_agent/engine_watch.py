@@ -16,6 +16,12 @@ from infera_worker_agent.metrics import AgentMetrics
 from infera_worker_agent.settings import AgentSettings
 
 
+def stall_checked(settings: AgentSettings, role: Role) -> bool:
+    """Whether the stall check runs: on, and on a worker that serves whole requests (a PD leg's
+    canary, a completion, would need its pair)."""
+    return settings.health_check_interval > 0 and settings.engine_stall_check and role is Role.AGGREGATED
+
+
 def finds_hangs(settings: AgentSettings, role: Role, health_generates: bool) -> bool:
     """Whether the agent takes an engine that hangs while it holds requests out of routing (and hands
     those requests back): its health probes run, and either they generate (SGLang's ``/health``) or
@@ -25,7 +31,7 @@ def finds_hangs(settings: AgentSettings, role: Role, health_generates: bool) -> 
     SGLang's ``/health`` generates in disaggregation mode is not relied on."""
     if role is not Role.AGGREGATED or settings.health_check_interval <= 0:
         return False
-    return health_generates or settings.engine_stall_check
+    return health_generates or stall_checked(settings, role)
 
 
 class EngineWatch:
@@ -43,7 +49,7 @@ class EngineWatch:
         self.health: HealthWatch | None = None
         if settings.health_check_interval > 0:
             stall: StallProbe | None = None
-            if settings.engine_stall_check and role is Role.AGGREGATED:  # a PD leg's completion needs its pair
+            if stall_checked(settings, role):
                 reporter = self.reporter
                 stall = engine_stall_probe(session, local_url, model, lambda: reporter.last, sequences)
             self.health = HealthWatch(

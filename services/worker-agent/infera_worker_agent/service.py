@@ -109,6 +109,9 @@ class Agent:
         assert plan.pd is not None, "plan_engine reads the role from the engine's flags"
         self._pd_plan: PdPlan = plan.pd
         self._pd: PdState = planned_state(self._pd_plan, plan.advertise_host)
+        # whether the engine's own /health runs a generation (the plan's arguments and environment)
+        self._health_generates = health_generates(plan.engine, plan.engine_args,
+                                                  {**os.environ, **dict(plan.env_changes)})
 
     # --- entry point ---------------------------------------------------------------------------
     async def run(self) -> int:
@@ -185,7 +188,7 @@ class Agent:
             in_flight=lambda: self._worker.in_flight if self._worker else 0,
             sequences=lambda: self._worker.in_flight_sequences if self._worker else 0,
             by_router=lambda: self._worker.in_flight_by_router() if self._worker else {},
-            publish_load=self._publish_load, on_health=self._on_health, health_generates=self._health_generates(),
+            publish_load=self._publish_load, on_health=self._on_health, health_generates=self._health_generates,
         )
         self._watch.start()
         log.info("worker_active", worker_id=self.worker_id, model=model, url=self.plan.url, frozen_objects=frozen)
@@ -239,11 +242,9 @@ class Agent:
         )
         await self._worker.start()
 
-    def _health_generates(self) -> bool:
-        return health_generates(self.plan.engine, self.plan.engine_args, {**os.environ, **dict(self.plan.env_changes)})
-
     def _finds_hangs(self) -> bool:
-        return finds_hangs(self.s, self._pd.role, self._health_generates())
+        """``engine_watch.finds_hangs`` for the role known now (the engine's report may change it)."""
+        return finds_hangs(self.s, self._pd.role, self._health_generates)
 
     async def _on_health(self, healthy: bool) -> None:
         """The engine failed its probes (or passes again): routers stop (or resume) sending it work."""
