@@ -142,25 +142,44 @@ async def test_killing_the_decode_engine_mid_request_aborts_the_prefill_leg(pd_f
     assert metrics.get("infera_router_pd_legs_cancelled_total", 0.0) > cancelled0
 
 
-@pytest.fixture(scope="module", params=["nats", "no-broker"])
-def slow_vllm_pd(tmp_path_factory, request):
-    """1P1D with vLLM's Mooncake handshake (the decode leg is sent once the prefill answered) at
-    speedup 1, behind a frontend whose --route-timeout is 0.5 s: a 30k-token prefill takes ~1 s."""
-    f = Fleet(tmp_path_factory.mktemp("slow-vllm-pd"), workers=0, plane=request.param,
-              extra=["--prefill-workers", "1", "--decode-workers", "1", "--pd-protocol", "vllm-mooncake",
+@pytest.fixture(scope="module", params=[("vllm-mooncake", "nats"), ("vllm-mooncake", "no-broker"),
+                                        ("sglang-bootstrap", "nats"), ("sglang-bootstrap", "no-broker")],
+                ids=["vllm", "vllm-no-broker", "sglang", "sglang-no-broker"])
+def slow_pd(tmp_path_factory, request):
+    """1P1D at speedup 1, behind a frontend whose --route-timeout is 0.5 s and --upstream-timeout 3 s:
+    a 30k-token prefill takes ~1 s, a 1,500-token answer ~8 s."""
+    protocol, plane = request.param
+    f = Fleet(tmp_path_factory.mktemp("slow-pd"), workers=0, plane=plane,
+              extra=["--prefill-workers", "1", "--decode-workers", "1", "--pd-protocol", protocol,
                      "--engine-arg=--speedup 1", "--engine-arg=--context-length 65536"],
-              env=env_with(INFERA_DISCOVERY_TTL="2", INFERA_ROUTE_TIMEOUT="0.5")).start()
+              env=env_with(INFERA_DISCOVERY_TTL="2", INFERA_ROUTE_TIMEOUT="0.5", INFERA_UPSTREAM_TIMEOUT="3")).start()
+    f.protocol = protocol
     yield f
     f.stop()
 
 
-async def test_a_vllm_prefill_longer_than_the_route_timeout_is_served(slow_vllm_pd):
-    # the router names the decode worker only after the prefill: it tells the frontend meanwhile that
-    # it is at work (before, the frontend answered 503 "router unavailable" after --route-timeout)
+async def test_a_prefill_longer_than_the_route_timeout_is_served(slow_pd):
+    # with vLLM's handshake the router names the decode worker only after the prefill: it tells the
+    # frontend meanwhile that it is at work (before, the frontend answered 503 "router unavailable"
+    # after --route-timeout); SGLang's pair is named at once
     ids = [100 + (i * 7919) % 40000 for i in range(30000)]
     body = {"model": BUNDLED_MODEL_NAME, "prompt": ids, "max_tokens": 4}
     async with aiohttp.ClientSession() as s:
-        async with s.post(slow_vllm_pd.url + "/v1/completions", json=body) as r:
+        async with s.post(slow_pd.url + "/v1/completions", json=body) as r:
             assert r.status == 200, await r.text()
             usage = (await r.json())["usage"]
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (30000, 4)
+
+
+async def test_a_non_streaming_answer_of_a_pair_longer_than_the_upstream_timeout_arrives_whole(slow_pd):
+    # the decode worker says every second that its engine still works on the request (a hung one
+    # would be found: vLLM's by the stall check, SGLang's by its generating /health); before, the
+    # frontend gave up after --upstream-timeout (504) and tried another pair, where the same happened
+    body = {"model": BUNDLED_MODEL_NAME, "prompt": "Tell me a long story", "max_tokens": 1500}
+    started = time.monotonic()
+    async with aiohttp.ClientSession() as s:
+        async with s.post(slow_pd.url + "/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            usage = (await r.json())["usage"]
+    assert usage["completion_tokens"] == 1500
+    assert time.monotonic() - started > 3  # (it did outlast the timeout)

@@ -95,15 +95,21 @@ def test_an_idle_canary_needs_no_counters():
     assert [check.canary_due(0, None, t) for t in (0, 3, 6)] == [None, None, R.IDLE]
 
 
-@pytest.mark.parametrize("flags, role, generates, finds", [
-    ([], "aggregated", False, True),  # the stall check (vLLM's /health does not generate)
-    ([], "aggregated", True, True),  # SGLang's generating /health
-    (["--no-engine-stall-check"], "aggregated", False, False),  # nothing would find a hang
-    (["--no-engine-stall-check"], "aggregated", True, True),
-    (["--health-check-interval", "0"], "aggregated", True, False),  # no probes at all
-    ([], "decode", True, False),  # a disaggregated leg: no canary, and its /health is not relied on
-    ([], "prefill", False, False),
+@pytest.mark.parametrize("flags, role, family, generates, finds", [
+    ([], "aggregated", "vllm", False, True),  # the stall check (vLLM's /health does not generate)
+    ([], "aggregated", "sglang", True, True),  # SGLang's generating /health
+    (["--no-engine-stall-check"], "aggregated", "vllm", False, False),  # nothing would find a hang
+    (["--no-engine-stall-check"], "aggregated", "sglang", True, True),
+    (["--health-check-interval", "0"], "aggregated", "sglang", True, False),  # no probes at all
+    # SGLang's /health generates on a leg too (its probe has a fake bootstrap host: no pair needed)
+    ([], "decode", "sglang", True, True),
+    ([], "prefill", "sglang", True, True),
+    ([], "prefill", "sglang", False, False),  # a canary of the agent's would need a pair: none
+    # a vLLM leg runs a request without kv_transfer_params as an ordinary one: the canary works
+    ([], "decode", "vllm", False, True),
+    ([], "prefill", "vllm", False, True),
+    (["--no-engine-stall-check"], "decode", "vllm", False, False),
 ])
-def test_requests_are_said_alive_only_where_a_hung_engine_would_be_found(flags, role, generates, finds):
+def test_requests_are_said_alive_only_where_a_hung_engine_would_be_found(flags, role, family, generates, finds):
     settings, _ = parse_agent_cli(["--engine", "mock", *flags])
-    assert finds_hangs(settings, Role(role), generates) is finds
+    assert finds_hangs(settings, Role(role), family, generates) is finds

@@ -2,6 +2,8 @@
 
 import asyncio
 import json
+import os
+import signal
 import time
 
 import aiohttp
@@ -11,7 +13,7 @@ from infera.procs import free_port
 from infera_common.schemas import Role, WorkerStatus
 
 from .agent_proc import AgentProc
-from .test_agent_process import bus  # noqa: F401  (fixture)
+from .test_agent_process import bus, eventually  # noqa: F401  (bus: a fixture)
 
 PRODUCER = json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_producer"})
 CONSUMER = json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer"})
@@ -21,9 +23,11 @@ CONSUMER = json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_consu
 def pd_agents(nats_server, tmp_path, subprocess_env):
     started: list[AgentProc] = []
 
-    def start(worker_id: str, engine_args: list[str], env: dict[str, str] | None = None) -> AgentProc:
+    def start(worker_id: str, engine_args: list[str], env: dict[str, str] | None = None,
+              agent_args: list[str] | None = None) -> AgentProc:
         a = AgentProc(nats_server, tmp_path, {**subprocess_env, **(env or {})}, worker_id,
-                      ["--no-enable-kv-events"], ["--served-model-name", "smol", *engine_args]).start()
+                      ["--no-enable-kv-events", *(agent_args or [])],
+                      ["--served-model-name", "smol", *engine_args]).start()
         started.append(a)
         return a
 
@@ -79,3 +83,25 @@ async def test_a_wrong_combination_fails_in_seconds_naming_the_fix(bus, pd_agent
     err = agent.err_path.read_text()
     assert "--disaggregation-mode is SGLang's flag" in err and "kv_producer" in err
     assert agent.event("engine_spawned") is None and bus.watcher.view.get("w-wrong") is None
+
+
+@pytest.mark.parametrize("engine_args", [["--engine-flavor", "vllm", "--kv-transfer-config", CONSUMER],
+                                         ["--disaggregation-mode", "decode"]], ids=["vllm", "sglang"])
+async def test_a_decode_worker_whose_gpu_hangs_leaves_routing_until_it_answers(bus, pd_agents, engine_args):
+    """A vLLM leg gets the stall check (its canary needs no pair); an SGLang leg's /health generates.
+    Either way the record says a hang would be found, so requests waiting there are said alive."""
+    agent = pd_agents("w-dhang", engine_args, agent_args=[
+        "--health-check-interval", "0.3", "--health-check-timeout", "1", "--engine-idle-canary-after", "1",
+        "--load-interval", "0.1"])
+    record = await bus.active("w-dhang")
+    assert record.role == Role.DECODE and record.finds_hangs
+    engine_pid = agent.engine_pid()
+    os.kill(engine_pid, signal.SIGUSR1)  # the mock's simulated GPU hang, while idle
+    try:
+        assert await eventually(lambda: bus.watcher.view.get("w-dhang").status == WorkerStatus.UNHEALTHY, 10)
+        if "vllm" in engine_args:  # vLLM's /health passes a hung GPU: the agent's canary found it
+            async with aiohttp.ClientSession() as s, s.get(f"{record.url}/health") as resp:
+                assert resp.status == 200
+    finally:
+        os.kill(engine_pid, signal.SIGUSR2)
+    await bus.active("w-dhang", timeout=10)

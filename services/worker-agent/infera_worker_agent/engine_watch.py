@@ -13,30 +13,34 @@ from infera_common.schemas import LoadReport, Role
 from infera_worker_agent.health import HealthWatch, StallProbe, engine_stall_probe
 from infera_worker_agent.load import EngineLoad, LoadReporter
 from infera_worker_agent.metrics import AgentMetrics
+from infera_worker_agent.pd_role import Family
 from infera_worker_agent.settings import AgentSettings
 
 
-def stall_checked(settings: AgentSettings, role: Role) -> bool:
-    """Whether the stall check runs: on, and on a worker that serves whole requests (a PD leg's
-    canary, a completion, would need its pair)."""
-    return settings.health_check_interval > 0 and settings.engine_stall_check and role is Role.AGGREGATED
+def stall_checked(settings: AgentSettings, role: Role, family: Family) -> bool:
+    """Whether the stall check runs: on, and on an engine that serves its canary, a plain one-token
+    completion. Every aggregated one does, and a vLLM prefill or decode leg: its KV connector leaves a
+    request without ``kv_transfer_params`` to run as an ordinary one (Mooncake's, vLLM 0.32). An SGLang
+    leg refuses a request without bootstrap fields: its canary would need a pair."""
+    return (settings.health_check_interval > 0 and settings.engine_stall_check
+            and (role is Role.AGGREGATED or family == "vllm"))
 
 
-def finds_hangs(settings: AgentSettings, role: Role, health_generates: bool) -> bool:
+def finds_hangs(settings: AgentSettings, role: Role, family: Family, health_generates: bool) -> bool:
     """Whether the agent takes an engine that hangs while it holds requests out of routing (and hands
     those requests back): its health probes run, and either they generate (SGLang's ``/health``) or
     the stall check tests an engine that holds work and counts no token. Only then may requests that
-    wait on the engine be said to be alive (``RequestRunner``'s ``alive`` frames). A disaggregated
-    leg is not said to: it gets no stall check (a completion there needs its pair), and whether
-    SGLang's ``/health`` generates in disaggregation mode is not relied on."""
-    if role is not Role.AGGREGATED or settings.health_check_interval <= 0:
+    wait on the engine be said to be alive (``RequestRunner``'s ``alive`` frames). SGLang's
+    generating ``/health`` tests a prefill or decode leg too: in disaggregation mode it gives its
+    one-token request a fake bootstrap host, which needs no pair (``health_generate``, SGLang 0.5.19)."""
+    if settings.health_check_interval <= 0:
         return False
-    return health_generates or stall_checked(settings, role)
+    return health_generates or stall_checked(settings, role, family)
 
 
 class EngineWatch:
     def __init__(self, settings: AgentSettings, session: aiohttp.ClientSession, local_url: str, *, model: str,
-                 role: Role, metrics: AgentMetrics, in_flight: Callable[[], int], sequences: Callable[[], int],
+                 role: Role, family: Family, metrics: AgentMetrics, in_flight: Callable[[], int], sequences: Callable[[], int],
                  by_router: Callable[[], dict[str, int]], publish_load: Callable[[LoadReport], Awaitable[None]],
                  on_health: Callable[[bool], Awaitable[None]], health_generates: bool = False) -> None:
         self._metrics = metrics
@@ -49,7 +53,7 @@ class EngineWatch:
         self.health: HealthWatch | None = None
         if settings.health_check_interval > 0:
             stall: StallProbe | None = None
-            if stall_checked(settings, role):
+            if stall_checked(settings, role, family):
                 reporter = self.reporter
                 stall = engine_stall_probe(session, local_url, model, lambda: reporter.last, sequences)
             self.health = HealthWatch(

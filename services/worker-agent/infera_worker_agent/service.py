@@ -184,7 +184,8 @@ class Agent:
         await self._registrar.set_status(WorkerStatus.ACTIVE)
         self.metrics.engine_up.set(1)
         self._watch = EngineWatch(
-            self.s, self._session, self.plan.local_url, model=model, role=self._pd.role, metrics=self.metrics,
+            self.s, self._session, self.plan.local_url, model=model, role=self._pd.role, family=self._pd_plan.family,
+            metrics=self.metrics,
             in_flight=lambda: self._worker.in_flight if self._worker else 0,
             sequences=lambda: self._worker.in_flight_sequences if self._worker else 0,
             by_router=lambda: self._worker.in_flight_by_router() if self._worker else {},
@@ -244,7 +245,7 @@ class Agent:
 
     def _finds_hangs(self) -> bool:
         """``engine_watch.finds_hangs`` for the role known now (the engine's report may change it)."""
-        return finds_hangs(self.s, self._pd.role, self._health_generates)
+        return finds_hangs(self.s, self._pd.role, self._pd_plan.family, self._health_generates)
 
     async def _on_health(self, healthy: bool) -> None:
         """The engine failed its probes (or passes again): routers stop (or resume) sending it work."""

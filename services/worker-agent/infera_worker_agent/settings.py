@@ -86,8 +86,10 @@ class AgentSettings(DrainSettings, PlaneSettings, LogSettings):
         description="While serving, when the engine held requests through a whole --health-check-interval and its "
         "token counters (/metrics) did not move, send it a one-token completion; if neither that nor any other "
         "request makes progress within --health-check-timeout, register the worker 'unhealthy' at once. vLLM's "
-        "/health only reports a dead engine core, so a hung GPU or collective passes it. Prefill and decode workers "
-        "are not tested this way (a completion needs its pair); --no-engine-stall-check turns it off.",
+        "/health only reports a dead engine core, so a hung GPU or collective passes it. SGLang prefill and "
+        "decode workers are not tested this way (a completion there needs its pair; their generating /health "
+        "tests them); vLLM's are (a completion without kv_transfer_params runs as an ordinary one). "
+        "--no-engine-stall-check turns it off.",
     )
     engine_idle_canary_after: float = Field(
         10.0, ge=0,
