@@ -22,13 +22,16 @@ Usage::
 Bodies are the OpenAI request bodies as dicts (``stream`` is set by the method). Errors (validation,
 unknown model, no worker, timeouts, engine errors) raise ``InferaError(status, error_dict)`` where
 ``error_dict`` is the OpenAI error object ``{"message", "type", "param", "code"}``. The wire
-contract is described in ``infera_common.nats_api``.
+contract is described in ``infera_common.nats_api``. A completion asks the frontend for ``alive``
+messages every third of ``timeout``, so that ``timeout`` bounds the frontend's silence, not how long
+the engine takes to answer.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import nats
@@ -36,7 +39,18 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from infera_common.nats_api import HEADER_KIND, HEADER_REQUEST_ID, HEADER_STATUS, KIND_DATA, KIND_END, KIND_ERROR
+from infera_common.nats_api import (
+    ALIVE_EVERY_MAX,
+    ALIVE_EVERY_MIN,
+    HEADER_ALIVE_EVERY,
+    HEADER_KIND,
+    HEADER_REQUEST_ID,
+    HEADER_STATUS,
+    KIND_ALIVE,
+    KIND_DATA,
+    KIND_END,
+    KIND_ERROR,
+)
 from infera_common.nats_conn import unsubscribe_quietly
 from infera_common.subjects import API_CHAT_COMPLETIONS, API_COMPLETIONS, API_MODELS, API_WORKERS
 
@@ -64,7 +78,8 @@ class InferaClient:
     """Talks to Infera frontends over NATS; several frontends share the subjects (queue group)."""
 
     def __init__(self, nats_url: str, *, timeout: float = 120.0, name: str = "infera-client") -> None:
-        """``timeout``: seconds to wait for a reply, and between two messages of a stream."""
+        """``timeout``: seconds without a word from the frontend (a reply, a message of a stream, or the
+        ``alive`` messages it sends while it works on a completion) after which a call gives up (504)."""
         self.nats_url = nats_url
         self.timeout = timeout
         self.name = name
@@ -95,7 +110,7 @@ class InferaClient:
 
     async def chat(self, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
         """A chat completion (non-streaming); returns the OpenAI response body."""
-        return await self._call(API_CHAT_COMPLETIONS, {**body, "stream": False}, request_id)
+        return await self._answer(API_CHAT_COMPLETIONS, {**body, "stream": False}, request_id)
 
     def stream_chat(self, body: dict[str, Any], request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
         """A streaming chat completion: yields each chunk (the SSE event payloads)."""
@@ -103,7 +118,7 @@ class InferaClient:
 
     async def completions(self, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
         """A text completion (non-streaming); returns the OpenAI response body."""
-        return await self._call(API_COMPLETIONS, {**body, "stream": False}, request_id)
+        return await self._answer(API_COMPLETIONS, {**body, "stream": False}, request_id)
 
     def stream_completions(
         self, body: dict[str, Any], request_id: str | None = None,
@@ -121,17 +136,20 @@ class InferaClient:
 
     # --- wire ---------------------------------------------------------------------------------
 
-    @staticmethod
-    def _headers(request_id: str | None) -> dict[str, str] | None:
-        return {HEADER_REQUEST_ID: request_id} if request_id else None
+    def _headers(self, request_id: str | None) -> dict[str, str]:
+        every = min(max(self.timeout / 3, ALIVE_EVERY_MIN), ALIVE_EVERY_MAX)
+        headers = {HEADER_ALIVE_EVERY: f"{every:g}"}
+        if request_id:
+            headers[HEADER_REQUEST_ID] = request_id
+        return headers
 
     async def _call(self, subject: str, body: dict[str, Any] | None, request_id: str | None) -> dict[str, Any]:
+        """One request, one reply (the listings)."""
         data = json.dumps(body).encode() if body is not None else b""
         try:
-            msg = await self.nc.request(subject, data, timeout=self.timeout, headers=self._headers(request_id))
+            msg = await self.nc.request(subject, data, timeout=self.timeout)
         except NoRespondersError:
-            raise InferaError(503, {"message": "no Infera frontend serves the NATS API", "type":
-                                    "service_unavailable_error", "param": None, "code": None}) from None
+            raise _no_frontend() from None
         except NatsTimeoutError:
             raise InferaError(504, {"message": f"no reply within {self.timeout:g}s", "type": "timeout_error",
                                     "param": None, "code": None}) from None
@@ -140,6 +158,14 @@ class InferaClient:
         if status >= 400 or headers.get(HEADER_KIND) == KIND_ERROR:
             raise _error_of(status, msg.data)
         return json.loads(msg.data)
+
+    async def _answer(self, subject: str, body: dict[str, Any], request_id: str | None) -> dict[str, Any]:
+        """A non-streaming completion: its one answer, read like a stream's messages."""
+        async with aclosing(self._stream(subject, body, request_id)) as messages:
+            async for chunk in messages:
+                return chunk
+        raise InferaError(502, {"message": "the frontend ended the answer without a body", "type": "api_error",
+                                "param": None, "code": None})
 
     async def _stream(
         self, subject: str, body: dict[str, Any], request_id: str | None,
@@ -157,13 +183,14 @@ class InferaClient:
                                             "timeout_error", "param": None, "code": None}) from None
                 headers = msg.headers or {}
                 kind = headers.get(HEADER_KIND)
+                if kind == KIND_ALIVE:
+                    continue
                 if kind == KIND_DATA:
                     yield json.loads(msg.data)
                 elif kind == KIND_END:
                     return
                 elif headers.get("Status") == "503" and not msg.data:  # NATS: no responders
-                    raise InferaError(503, {"message": "no Infera frontend serves the NATS API", "type":
-                                            "service_unavailable_error", "param": None, "code": None})
+                    raise _no_frontend()
                 else:  # error, or a non-streaming answer
                     status = int(headers.get(HEADER_STATUS, "500"))
                     if kind == KIND_ERROR or status >= 400:
@@ -172,3 +199,8 @@ class InferaClient:
                     return
         finally:
             await unsubscribe_quietly(sub)
+
+
+def _no_frontend() -> InferaError:
+    return InferaError(503, {"message": "no Infera frontend serves the NATS API", "type": "service_unavailable_error",
+                             "param": None, "code": None})

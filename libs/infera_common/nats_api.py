@@ -21,6 +21,13 @@ Replies (every reply carries ``X-Request-Id`` on completion subjects):
 
 A streaming client therefore subscribes to its own inbox, publishes the request with that inbox
 as reply subject, and reads until ``end`` or ``error``. ``infera.client.InferaClient`` does this.
+
+A client that bounds its wait (any client: a NATS request has no connection whose loss the frontend
+would see) may ask with the request header ``Infera-Alive-Every: <seconds>`` (``ALIVE_EVERY_MIN`` to
+``ALIVE_EVERY_MAX``) for an empty message with ``Infera-Kind: alive`` whenever the frontend has sent it
+nothing for that long while it still works on the request, so that its own timeout measures the
+frontend's silence, not the engine's pace (a long non-streaming answer, a first token behind a long
+queue). Such a client reads its inbox as a streaming one does, skipping ``alive`` messages.
 """
 
 from __future__ import annotations
@@ -32,3 +39,9 @@ HEADER_REQUEST_ID = "X-Request-Id"
 KIND_DATA = "data"
 KIND_END = "end"
 KIND_ERROR = "error"
+KIND_ALIVE = "alive"
+
+#: the request header asking for ``alive`` messages, and the seconds it may say
+HEADER_ALIVE_EVERY = "Infera-Alive-Every"
+ALIVE_EVERY_MIN = 0.1
+ALIVE_EVERY_MAX = 3600.0

@@ -1,19 +1,22 @@
 """The OpenAI API on NATS request/reply, raw and through infera.client.InferaClient."""
 
+import asyncio
 import json
 
+import nats.errors
 import pytest
 
 from infera.client import InferaClient, InferaError
-from infera_common.nats_api import HEADER_KIND, HEADER_REQUEST_ID, HEADER_STATUS
+from infera_common.nats_api import HEADER_ALIVE_EVERY, HEADER_KIND, HEADER_REQUEST_ID, HEADER_STATUS
 from infera_common.nats_conn import connect
-from infera_common.schemas import Endpoint
+from infera_common.schemas import Endpoint, Frame, encode
 from infera_common.subjects import API_CHAT_COMPLETIONS, API_MODELS
 from tests.frontend.frontend_fakes import (
     MODEL,
     STREAM_TEXTS,
     chat_body,
     completion_json,
+    script_ok,
     script_stall_after_first_chunk,
     wait_until,
 )
@@ -101,3 +104,62 @@ async def test_nats_api_can_be_disabled(make_frontend, fleet, nats_server):
         with pytest.raises(InferaError) as info:
             await c.models()
     assert info.value.status == 503
+
+
+#: how long the fake engine takes before its answer begins, in the tests of alive messages
+WORKING = 1.5
+
+
+async def slow_but_alive(fleet, req):
+    """An engine that takes WORKING seconds, its worker saying meanwhile that it still holds the request."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + WORKING
+    while loop.time() < until:
+        await asyncio.sleep(req.keepalive)
+        await fleet.nc.publish(req.reply_subject, encode(Frame(kind="alive", seq=0 if not req.stream else 1)))
+    await script_ok(fleet, req)
+
+
+async def test_a_client_bounding_its_wait_below_the_engine_time_gets_its_answer(make_frontend, fleet, nats_server):
+    fe = await make_frontend(upstream_timeout=0.6)
+    await wait_until(lambda: fe.models.is_known(MODEL))
+    fleet.script = slow_but_alive
+    async with InferaClient(nats_server, timeout=0.6) as c:  # before: 504 "no reply within 0.6s"
+        assert (await c.chat(chat_body()))["choices"][0]["message"]["content"] == "2"
+        chunks = [c async for c in c.stream_chat(chat_body())]
+    assert [c["choices"][0]["delta"]["content"] for c in chunks] == STREAM_TEXTS
+    assert fleet.cancels == []
+
+
+async def test_alive_messages_come_only_when_asked_and_never_after_the_last(make_frontend, fleet, nats_server):
+    fe = await make_frontend(upstream_timeout=0.6)
+    await wait_until(lambda: fe.models.is_known(MODEL))
+    fleet.script = slow_but_alive
+    nc = await connect(nats_server, "raw-client")
+    try:
+        async def exchange(headers):
+            inbox = nc.new_inbox()
+            sub = await nc.subscribe(inbox)
+            await nc.publish(API_CHAT_COMPLETIONS, json.dumps(chat_body()).encode(), reply=inbox, headers=headers)
+            got = []
+            while not got or got[-1][0] == "alive":
+                msg = await sub.next_msg(timeout=5)
+                got.append(((msg.headers or {}).get(HEADER_KIND), msg.data))
+            await asyncio.sleep(0.6)  # past two more periods: nothing follows the answer
+            with pytest.raises(nats.errors.TimeoutError):
+                await sub.next_msg(timeout=0.01)
+            await sub.unsubscribe()
+            return got
+
+        got = await exchange({HEADER_ALIVE_EVERY: "0.25"})
+        kinds = [kind for kind, _ in got]
+        assert kinds[:-1] == ["alive"] * (len(kinds) - 1) and len(kinds) - 1 >= 2  # ~6 in 1.5 s at 0.25 s
+        assert got[-1][1] == completion_json() and all(data == b"" for _, data in got[:-1])
+        assert [kind for kind, _ in await exchange(None)] == [None]  # not asked: the answer alone
+
+        msg = await nc.request(API_CHAT_COMPLETIONS, json.dumps(chat_body()).encode(), timeout=5,
+                               headers={HEADER_ALIVE_EVERY: "soon"})
+        assert msg.headers[HEADER_STATUS] == "400"
+        assert json.loads(msg.data)["error"]["param"] == HEADER_ALIVE_EVERY
+    finally:
+        await nc.close()

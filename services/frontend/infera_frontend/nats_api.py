@@ -6,7 +6,9 @@ OpenAI JSON body. Not streaming: one reply, the JSON body with header ``Infera-S
 (``"stream": true``): one message per SSE event payload (``Infera-Kind: data``), then an empty
 ``Infera-Kind: end``; any failure is a final ``Infera-Kind: error`` message with ``Infera-Status``
 and an OpenAI error body. The request runs through the same pipeline as HTTP requests (retries
-included); the NATS header ``X-Dynamo-Session-ID`` plays the HTTP header's part.
+included); the NATS header ``X-Dynamo-Session-ID`` plays the HTTP header's part. With the header
+``Infera-Alive-Every: <seconds>`` a client also gets an empty ``Infera-Kind: alive`` message whenever
+the frontend sent it nothing for that long before the last message (``Reply``).
 """
 
 from __future__ import annotations
@@ -23,9 +25,13 @@ from nats.aio.msg import Msg
 from infera_common.fleet import FleetView
 from infera_common.logs import get_logger
 from infera_common.nats_api import (
+    ALIVE_EVERY_MAX,
+    ALIVE_EVERY_MIN,
+    HEADER_ALIVE_EVERY,
     HEADER_KIND,
     HEADER_REQUEST_ID,
     HEADER_STATUS,
+    KIND_ALIVE,
     KIND_DATA,
     KIND_END,
     KIND_ERROR,
@@ -53,6 +59,64 @@ from infera_frontend.validation import ApiError, Parsed
 log = get_logger("frontend.nats_api")
 
 _DATA = {HEADER_KIND: KIND_DATA}
+_ALIVE = {HEADER_KIND: KIND_ALIVE}
+
+
+def alive_every(headers: dict[str, str]) -> float | None:
+    """The seconds of the request's ``Infera-Alive-Every`` header (its name compared without case);
+    None when absent; ApiError (400) when it is not a number of seconds in range."""
+    lower = HEADER_ALIVE_EVERY.lower()
+    text = next((value for name, value in headers.items() if name.lower() == lower), None)
+    if text is None:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not ALIVE_EVERY_MIN <= seconds <= ALIVE_EVERY_MAX:  # NaN fails it too
+        raise ApiError(400, f"header {HEADER_ALIVE_EVERY} must be a number of seconds from {ALIVE_EVERY_MIN:g} "
+                       f"to {ALIVE_EVERY_MAX:g}, got {text[:40]!r}", param=HEADER_ALIVE_EVERY)
+    return seconds
+
+
+class Reply:
+    """The messages to one request's reply subject, in order. With ``every`` seconds, an ``alive``
+    message goes whenever nothing went for that long, until ``close`` (called before the last one)."""
+
+    def __init__(self, nc: NATS, subject: str) -> None:
+        self._nc = nc
+        self.subject = subject
+        self._last = time.monotonic()
+        self._alive: asyncio.Task | None = None
+
+    def keep_alive(self, every: float) -> None:
+        self._alive = asyncio.get_running_loop().create_task(self._say_alive(every))
+
+    async def send(self, data: bytes, headers: dict[str, str]) -> None:
+        self._last = time.monotonic()
+        await self._nc.publish(self.subject, data, headers=headers)
+
+    async def last(self, data: bytes, headers: dict[str, str]) -> None:
+        """The final message: no ``alive`` message follows it."""
+        self.close()
+        await self.send(data, headers)
+
+    def close(self) -> None:
+        if self._alive is not None:
+            self._alive.cancel()
+            self._alive = None
+
+    async def _say_alive(self, every: float) -> None:
+        while True:
+            due = self._last + every - time.monotonic()
+            if due > 0:
+                await asyncio.sleep(due)
+                continue
+            try:
+                await self.send(b"", _ALIVE)
+            except Exception as exc:  # the connection is closing: the answer's own publish fails too
+                log.warning("nats_api_alive_failed", subject=self.subject, error=str(exc) or type(exc).__name__)
+                return
 
 
 class NatsApi:
@@ -105,16 +169,17 @@ class NatsApi:
                     log.warning("nats_api_reply_failed", subject=msg.subject, error=str(exc))
         return cb
 
-    async def _error(self, reply: str, err: ApiError, request_id: str) -> None:
+    @staticmethod
+    async def _error(reply: Reply, err: ApiError, request_id: str) -> None:
         body = error_body(err.status, err.message, type=err.type, param=err.param, code=err.code)
-        await self._nc.publish(reply, json.dumps(body).encode(), headers={
+        await reply.last(json.dumps(body).encode(), {
             HEADER_KIND: KIND_ERROR, HEADER_STATUS: str(err.status), HEADER_REQUEST_ID: request_id,
         })
 
     async def _serve(self, msg: Msg, endpoint: Endpoint) -> None:
-        reply = msg.reply
-        if not reply:  # a publish without a reply subject: nobody to answer
+        if not msg.reply:  # a publish without a reply subject: nobody to answer
             return
+        reply = Reply(self._nc, msg.reply)
         t0 = time.perf_counter()
         m = self.metrics
         ep = endpoint.value
@@ -128,8 +193,11 @@ class NatsApi:
         try:
             request_id = self.pipeline.request_id(headers.get(HEADER_REQUEST_ID))
             span.set_attribute("infera.request_id", request_id)
+            every = alive_every(headers)
             parsed = self.pipeline.parse(endpoint, msg.data)
             span.set_attribute("infera.model", parsed.model)
+            if every is not None:
+                reply.keep_alive(every)
             ex = await self.pipeline.open(parsed, msg.data, request_id, session_ids=nats_session_ids(headers),
                                           cancel_reason="shutdown", traceparent=traceparent(span))
             status, payload = ex.status, ex.body
@@ -138,18 +206,17 @@ class NatsApi:
                 hdrs = {HEADER_STATUS: str(status), HEADER_REQUEST_ID: request_id}
                 if status >= 400:
                     hdrs[HEADER_KIND] = KIND_ERROR
-                await self._nc.publish(reply, payload, headers=hdrs)
+                await reply.last(payload, hdrs)
                 return
-            publish = self._nc.publish
             try:
                 while payloads := await ex.read():
                     for p in payloads:
-                        await publish(reply, p, headers=_DATA)
+                        await reply.send(p, _DATA)
             except ApiError as err:
                 status = err.status
                 await self._error(reply, err, request_id)
                 return
-            await publish(reply, b"", headers={HEADER_KIND: KIND_END, HEADER_REQUEST_ID: request_id})
+            await reply.last(b"", {HEADER_KIND: KIND_END, HEADER_REQUEST_ID: request_id})
         except ApiError as err:
             status = err.status
             await self._error(reply, err, request_id)
@@ -173,6 +240,7 @@ class NatsApi:
             except Exception:
                 pass
         finally:
+            reply.close()
             if ex is not None:
                 ex.close()
             m.finished("nats", ep, status, self.pipeline.model_label(parsed), time.perf_counter() - t0)
