@@ -128,11 +128,11 @@ class InferaClient:
 
     async def models(self) -> dict[str, Any]:
         """The OpenAI model list (models with at least one active worker)."""
-        return await self._call(API_MODELS, None, None)
+        return await self._call(API_MODELS)
 
     async def workers(self) -> dict[str, Any]:
         """Every worker in discovery, as its record."""
-        return await self._call(API_WORKERS, None, None)
+        return await self._call(API_WORKERS)
 
     # --- wire ---------------------------------------------------------------------------------
 
@@ -143,11 +143,10 @@ class InferaClient:
             headers[HEADER_REQUEST_ID] = request_id
         return headers
 
-    async def _call(self, subject: str, body: dict[str, Any] | None, request_id: str | None) -> dict[str, Any]:
+    async def _call(self, subject: str) -> dict[str, Any]:
         """One request, one reply (the listings)."""
-        data = json.dumps(body).encode() if body is not None else b""
         try:
-            msg = await self.nc.request(subject, data, timeout=self.timeout)
+            msg = await self.nc.request(subject, b"", timeout=self.timeout)
         except NoRespondersError:
             raise _no_frontend() from None
         except NatsTimeoutError:

@@ -40,9 +40,10 @@ def finds_hangs(settings: AgentSettings, role: Role, family: Family, health_gene
 
 class EngineWatch:
     def __init__(self, settings: AgentSettings, session: aiohttp.ClientSession, local_url: str, *, model: str,
-                 role: Role, family: Family, metrics: AgentMetrics, in_flight: Callable[[], int], sequences: Callable[[], int],
-                 by_router: Callable[[], dict[str, int]], publish_load: Callable[[LoadReport], Awaitable[None]],
-                 on_health: Callable[[bool], Awaitable[None]], health_generates: bool = False) -> None:
+                 role: Role, family: Family, metrics: AgentMetrics, in_flight: Callable[[], int],
+                 sequences: Callable[[], int], by_router: Callable[[], dict[str, int]],
+                 publish_load: Callable[[LoadReport], Awaitable[None]], on_health: Callable[[bool], Awaitable[None]],
+                 health_generates: bool = False) -> None:
         self._metrics = metrics
         self.reporter: LoadReporter | None = LoadReporter(
             worker_id=settings.worker_id or "", session=session, metrics_url=f"{local_url}/metrics",
