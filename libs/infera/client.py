@@ -39,18 +39,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from infera_common.nats_api import (
-    ALIVE_EVERY_MAX,
-    ALIVE_EVERY_MIN,
-    HEADER_ALIVE_EVERY,
-    HEADER_KIND,
-    HEADER_REQUEST_ID,
-    HEADER_STATUS,
-    KIND_ALIVE,
-    KIND_DATA,
-    KIND_END,
-    KIND_ERROR,
-)
+from infera_common import nats_api as api
 from infera_common.nats_conn import unsubscribe_quietly
 from infera_common.subjects import API_CHAT_COMPLETIONS, API_COMPLETIONS, API_MODELS, API_WORKERS
 
@@ -137,10 +126,10 @@ class InferaClient:
     # --- wire ---------------------------------------------------------------------------------
 
     def _headers(self, request_id: str | None) -> dict[str, str]:
-        every = min(max(self.timeout / 3, ALIVE_EVERY_MIN), ALIVE_EVERY_MAX)
-        headers = {HEADER_ALIVE_EVERY: f"{every:g}"}
+        every = min(max(self.timeout / 3, api.ALIVE_EVERY_MIN), api.ALIVE_EVERY_MAX)
+        headers = {api.HEADER_ALIVE_EVERY: f"{every:g}"}
         if request_id:
-            headers[HEADER_REQUEST_ID] = request_id
+            headers[api.HEADER_REQUEST_ID] = request_id
         return headers
 
     async def _call(self, subject: str) -> dict[str, Any]:
@@ -153,8 +142,8 @@ class InferaClient:
             raise InferaError(504, {"message": f"no reply within {self.timeout:g}s", "type": "timeout_error",
                                     "param": None, "code": None}) from None
         headers = msg.headers or {}
-        status = int(headers.get(HEADER_STATUS, "200"))
-        if status >= 400 or headers.get(HEADER_KIND) == KIND_ERROR:
+        status = int(headers.get(api.HEADER_STATUS, "200"))
+        if status >= 400 or headers.get(api.HEADER_KIND) == api.KIND_ERROR:
             raise _error_of(status, msg.data)
         return json.loads(msg.data)
 
@@ -181,18 +170,18 @@ class InferaClient:
                     raise InferaError(504, {"message": f"no message within {self.timeout:g}s", "type":
                                             "timeout_error", "param": None, "code": None}) from None
                 headers = msg.headers or {}
-                kind = headers.get(HEADER_KIND)
-                if kind == KIND_ALIVE:
+                kind = headers.get(api.HEADER_KIND)
+                if kind == api.KIND_ALIVE:
                     continue
-                if kind == KIND_DATA:
+                if kind == api.KIND_DATA:
                     yield json.loads(msg.data)
-                elif kind == KIND_END:
+                elif kind == api.KIND_END:
                     return
                 elif headers.get("Status") == "503" and not msg.data:  # NATS: no responders
                     raise _no_frontend()
                 else:  # error, or a non-streaming answer
-                    status = int(headers.get(HEADER_STATUS, "500"))
-                    if kind == KIND_ERROR or status >= 400:
+                    status = int(headers.get(api.HEADER_STATUS, "500"))
+                    if kind == api.KIND_ERROR or status >= 400:
                         raise _error_of(status, msg.data)
                     yield json.loads(msg.data)
                     return
