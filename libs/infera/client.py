@@ -23,8 +23,8 @@ Bodies are the OpenAI request bodies as dicts (``stream`` is set by the method).
 unknown model, no worker, timeouts, engine errors) raise ``InferaError(status, error_dict)`` where
 ``error_dict`` is the OpenAI error object ``{"message", "type", "param", "code"}``. The wire
 contract is described in ``infera_common.nats_api``. A completion asks the frontend for ``alive``
-messages every third of ``timeout``, so that ``timeout`` bounds the frontend's silence, not how long
-the engine takes to answer.
+messages every third of ``timeout`` and answers them, so that ``timeout`` bounds the frontend's
+silence, not how long the engine takes to answer, and a call given up stops the engine's work.
 """
 
 from __future__ import annotations
@@ -172,6 +172,8 @@ class InferaClient:
                 headers = msg.headers or {}
                 kind = headers.get(api.HEADER_KIND)
                 if kind == api.KIND_ALIVE:
+                    if msg.reply:  # the frontend checks that we still listen: say so at once
+                        await nc.publish(msg.reply, b"")
                     continue
                 if kind == api.KIND_DATA:
                     yield json.loads(msg.data)

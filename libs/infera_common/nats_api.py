@@ -24,10 +24,13 @@ as reply subject, and reads until ``end`` or ``error``. ``infera.client.InferaCl
 
 A client that bounds its wait (any client: a NATS request has no connection whose loss the frontend
 would see) may ask with the request header ``Infera-Alive-Every: <seconds>`` (``ALIVE_EVERY_MIN`` to
-``ALIVE_EVERY_MAX``) for an empty message with ``Infera-Kind: alive`` whenever the frontend has sent it
-nothing for that long while it still works on the request, so that its own timeout measures the
+``ALIVE_EVERY_MAX``) for an empty message with ``Infera-Kind: alive`` that often while the frontend
+works on the request (none after the last message), so that its own timeout measures the
 frontend's silence, not the engine's pace (a long non-streaming answer, a first token behind a long
-queue). Such a client reads its inbox as a streaming one does, skipping ``alive`` messages.
+queue). Such a client reads its inbox as a streaming one does, skipping ``alive`` messages. Each is
+sent as a NATS request: a client may answer it (an empty message to its reply subject); when no one
+is subscribed to the reply subject any more, NATS answers "no responders" and the frontend cancels
+the request, as it does for an HTTP client that disconnects.
 """
 
 from __future__ import annotations

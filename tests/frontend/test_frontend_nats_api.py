@@ -17,6 +17,7 @@ from tests.frontend.frontend_fakes import (
     chat_body,
     completion_json,
     script_ok,
+    script_silent,
     script_stall_after_first_chunk,
     wait_until,
 )
@@ -163,3 +164,42 @@ async def test_alive_messages_come_only_when_asked_and_never_after_the_last(make
         assert json.loads(msg.data)["error"]["param"] == HEADER_ALIVE_EVERY
     finally:
         await nc.close()
+
+
+async def test_a_client_that_leaves_has_its_request_cancelled(make_frontend, fleet, nats_server):
+    # the frontend's alive messages are NATS requests: once no one listens on the reply subject,
+    # NATS answers "no responders" and the worker is told to stop (before: only --upstream-timeout)
+    fe = await make_frontend(upstream_timeout=5)
+    await wait_until(lambda: fe.models.is_known(MODEL))
+    fleet.script = script_silent  # the engine is still at work
+    nc = await connect(nats_server, "leaving-client")
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish(API_CHAT_COMPLETIONS, json.dumps(chat_body()).encode(), reply=inbox,
+                         headers={HEADER_REQUEST_ID: "leaves-1", HEADER_ALIVE_EVERY: "0.2"})
+        first = await sub.next_msg(timeout=5)
+        assert first.headers[HEADER_KIND] == "alive" and first.reply  # an answer is welcome, not needed
+        await sub.unsubscribe()  # the client gives up and goes
+        assert await fleet.wait_cancel("leaves-1", timeout=3) is not None
+    finally:
+        await nc.close()
+    await wait_until(lambda: fe.metrics.registry.get_sample_value(
+        "infera_frontend_client_disconnects_total", {"endpoint": "/v1/chat/completions"}) == 1)
+    assert fe.metrics.registry.get_sample_value("infera_frontend_cancels_sent_total",
+                                                {"reason": "client_disconnect"}) == 1
+
+
+async def test_a_client_call_given_up_stops_the_engine_work(make_frontend, fleet, nats_server):
+    fe = await make_frontend(upstream_timeout=5)
+    await wait_until(lambda: fe.models.is_known(MODEL))
+    fleet.script = script_silent
+    async with InferaClient(nats_server, timeout=0.6) as c:  # alive messages every 0.2 s, answered
+        call = asyncio.create_task(c.chat(chat_body(), request_id="given-up-1"))
+        await wait_until(lambda: len(fleet.routed) == 1)
+        await asyncio.sleep(0.5)  # probes answered meanwhile: the request stays
+        assert fleet.cancels == []
+        call.cancel()  # the caller gives up (a timeout of its own, a user who left)
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert await fleet.wait_cancel("given-up-1", timeout=3) is not None

@@ -7,8 +7,9 @@ OpenAI JSON body. Not streaming: one reply, the JSON body with header ``Infera-S
 ``Infera-Kind: end``; any failure is a final ``Infera-Kind: error`` message with ``Infera-Status``
 and an OpenAI error body. The request runs through the same pipeline as HTTP requests (retries
 included); the NATS header ``X-Dynamo-Session-ID`` plays the HTTP header's part. With the header
-``Infera-Alive-Every: <seconds>`` a client also gets an empty ``Infera-Kind: alive`` message whenever
-the frontend sent it nothing for that long before the last message (``Reply``).
+``Infera-Alive-Every: <seconds>`` a client also gets an empty ``Infera-Kind: alive`` message that often
+until the last message, and a client found gone by one (NATS: no responders) has its request
+cancelled (``Reply``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from infera_common.fleet import FleetView
 from infera_common.logs import get_logger
@@ -60,6 +63,8 @@ log = get_logger("frontend.nats_api")
 
 _DATA = {HEADER_KIND: KIND_DATA}
 _ALIVE = {HEADER_KIND: KIND_ALIVE}
+#: Seconds an ``alive`` message waits for the client's (optional) answer before the next one is due.
+ALIVE_ANSWER_WAIT = 1.0
 
 
 def alive_every(headers: dict[str, str]) -> float | None:
@@ -80,20 +85,21 @@ def alive_every(headers: dict[str, str]) -> float | None:
 
 
 class Reply:
-    """The messages to one request's reply subject, in order. With ``every`` seconds, an ``alive``
-    message goes whenever nothing went for that long, until ``close`` (called before the last one)."""
+    """The messages to one request's reply subject, in order. With ``keep_alive(every, on_gone)``, an
+    ``alive`` message every ``every`` seconds until ``close`` (called before the last message), sent
+    as a NATS request: when nobody is subscribed to the reply subject any more, NATS answers "no
+    responders", the client has left, and ``on_gone`` is called (once; the probes stop)."""
 
     def __init__(self, nc: NATS, subject: str) -> None:
         self._nc = nc
         self.subject = subject
-        self._last = time.monotonic()
+        self.gone = False
         self._alive: asyncio.Task | None = None
 
-    def keep_alive(self, every: float) -> None:
-        self._alive = asyncio.get_running_loop().create_task(self._say_alive(every))
+    def keep_alive(self, every: float, on_gone: Callable[[], None]) -> None:
+        self._alive = asyncio.get_running_loop().create_task(self._say_alive(every, on_gone))
 
     async def send(self, data: bytes, headers: dict[str, str]) -> None:
-        self._last = time.monotonic()
         await self._nc.publish(self.subject, data, headers=headers)
 
     async def last(self, data: bytes, headers: dict[str, str]) -> None:
@@ -106,14 +112,20 @@ class Reply:
             self._alive.cancel()
             self._alive = None
 
-    async def _say_alive(self, every: float) -> None:
+    async def _say_alive(self, every: float, on_gone: Callable[[], None]) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time() + every
         while True:
-            due = self._last + every - time.monotonic()
-            if due > 0:
-                await asyncio.sleep(due)
-                continue
-            try:
-                await self.send(b"", _ALIVE)
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            due += every  # the wait for an answer below is part of the period, never more than it
+            try:  # a client may answer (infera.client does); one that does not is waited for a moment
+                await self._nc.request(self.subject, b"", timeout=min(every, ALIVE_ANSWER_WAIT), headers=_ALIVE)
+            except NoRespondersError:
+                self.gone = True
+                on_gone()
+                return
+            except NatsTimeoutError:
+                pass
             except Exception as exc:  # the connection is closing: the answer's own publish fails too
                 log.warning("nats_api_alive_failed", subject=self.subject, error=str(exc) or type(exc).__name__)
                 return
@@ -197,9 +209,12 @@ class NatsApi:
             parsed = self.pipeline.parse(endpoint, msg.data)
             span.set_attribute("infera.model", parsed.model)
             if every is not None:
-                reply.keep_alive(every)
-            ex = await self.pipeline.open(parsed, msg.data, request_id, session_ids=nats_session_ids(headers),
-                                          cancel_reason="shutdown", traceparent=traceparent(span))
+                serving = asyncio.current_task()
+                assert serving is not None
+                reply.keep_alive(every, lambda: serving.cancel("the client left"))
+            ex = await self.pipeline.open(
+                parsed, msg.data, request_id, session_ids=nats_session_ids(headers), traceparent=traceparent(span),
+                cancel_reason=lambda: "client_disconnect" if reply.gone else "shutdown")
             status, payload = ex.status, ex.body
             m.first_byte("nats", ep, time.perf_counter() - t0)
             if payload is not None:
@@ -220,7 +235,17 @@ class NatsApi:
         except ApiError as err:
             status = err.status
             await self._error(reply, err, request_id)
-        except asyncio.CancelledError:  # frontend shutting down, past its --drain-timeout
+        except asyncio.CancelledError:
+            if reply.gone:  # no one listens on the reply subject any more: stop the engine's work
+                status = 499
+                m.client_disconnects.labels(ep).inc()
+                if ex is not None:
+                    ex.cancel("client_disconnect")
+                task = asyncio.current_task()
+                if task is not None and task.uncancel() == 0:
+                    return
+                raise  # cancelled for another reason as well
+            # the frontend is shutting down, past its --drain-timeout
             status = 503
             if ex is not None:
                 ex.cancel("shutdown")

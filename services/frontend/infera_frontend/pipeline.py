@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 
 from infera_common.logs import get_logger
 from infera_common.schemas import Endpoint
@@ -74,7 +75,7 @@ class Pipeline:
 
     async def open(
         self, parsed: Parsed, body: bytes, request_id: str, *, session_ids: list[str] | None = None,
-        cancel_reason: str = "client_disconnect", traceparent: str | None = None,
+        cancel_reason: str | Callable[[], str] = "client_disconnect", traceparent: str | None = None,
     ) -> Exchange:
         """Check the model, tokenize, place the request and start it; ``ApiError`` when it cannot be served.
 
@@ -82,7 +83,8 @@ class Pipeline:
         payloads are buffered); nothing has reached the client yet. An attempt that fails retryably
         is tried again on a worker not tried yet, up to ``max_retries`` times. When the router cannot
         place a retry (no other worker, all full, router gone), the failed attempt's answer stands.
-        If the caller is cancelled meanwhile, the running attempt gets a ``Cancel`` (``cancel_reason``).
+        If the caller is cancelled meanwhile, the running attempt gets a ``Cancel`` (``cancel_reason``, or
+        what it returns then).
         """
         self.models.check(parsed.model)
         tokens = await self.tokens(parsed)
@@ -117,7 +119,7 @@ class Pipeline:
                     continue
                 raise
             except asyncio.CancelledError:  # the client left (or the frontend stops) while the attempt runs
-                ex.cancel(cancel_reason)
+                ex.cancel(cancel_reason() if callable(cancel_reason) else cancel_reason)
                 ex.close()
                 raise
             except Exception:
