@@ -33,9 +33,7 @@ def finds_hangs(settings: AgentSettings, role: Role, family: Family, health_gene
     wait on the engine be said to be alive (``RequestRunner``'s ``alive`` frames). SGLang's
     generating ``/health`` tests a prefill or decode leg too: in disaggregation mode it gives its
     one-token request a fake bootstrap host, which needs no pair (``health_generate``, SGLang 0.5.19)."""
-    if settings.health_check_interval <= 0:
-        return False
-    return health_generates or stall_checked(settings, role, family)
+    return settings.health_check_interval > 0 and (health_generates or stall_checked(settings, role, family))
 
 
 class EngineWatch:
