@@ -13,9 +13,12 @@ import time
 import pytest
 
 from infera_common.discovery import Watcher
+from infera_common.models import default_model_path
 from infera_common.nats_conn import connect
 
 from .agent_proc import AgentProc, alive, group_members, wait_until
+
+MODEL = str(default_model_path())  # a model directory that is there (tokenizer and config.json)
 
 
 @pytest.fixture
@@ -114,7 +117,7 @@ def test_an_index_block_size_the_page_cannot_fold_into_is_refused_before_launch(
 
 
 def test_an_engine_api_key_is_refused_before_launch_and_noted_by_print_command(nats_server, subprocess_env):
-    args = ["--engine", "vllm", "--nats-url", nats_server, "--", "--model", "/m", "--api-key", "s3cret"]
+    args = ["--engine", "vllm", "--nats-url", nats_server, "--", "--model", MODEL, "--api-key", "s3cret"]
     t0 = time.monotonic()
     r = _run_agent(args, subprocess_env)
     assert r.returncode == 2 and "--api-key" in r.stderr and "engine_spawned" not in r.stderr, r.stderr
@@ -124,9 +127,24 @@ def test_an_engine_api_key_is_refused_before_launch_and_noted_by_print_command(n
 
 
 def test_a_vllm_without_metrics_is_refused_before_launch(nats_server, subprocess_env):
-    r = _run_agent(["--engine", "vllm", "--nats-url", nats_server, "--", "--model", "/m", "--disable-log-stats"],
+    r = _run_agent(["--engine", "vllm", "--nats-url", nats_server, "--", "--model", MODEL, "--disable-log-stats"],
                    subprocess_env)
     assert r.returncode == 2 and "--disable-log-stats" in r.stderr and "engine_spawned" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("engine,model_flag", [("sglang", "--model-path"), ("vllm", "--model")])
+def test_a_model_path_that_is_not_there_is_refused_in_seconds_naming_the_models_beside_it(
+        nats_server, subprocess_env, tmp_path, engine, model_flag):
+    (tmp_path / "Qwen3-8B").mkdir()
+    (tmp_path / "Qwen3-8B" / "config.json").write_text("{}")
+    base = ["--engine", engine, "--nats-url", nats_server, "--", model_flag]
+    t0 = time.monotonic()
+    r = _run_agent([*base, str(tmp_path / "Qwen3-8b")], subprocess_env)  # the runbook's typo
+    assert r.returncode == 2 and "engine_spawned" not in r.stderr, r.stderr
+    assert f"{model_flag} {tmp_path / 'Qwen3-8b'} does not exist on this host" in r.stderr
+    assert time.monotonic() - t0 < 15  # seconds, not an engine's cold start
+    r = _run_agent([*base, str(tmp_path)], subprocess_env)  # the folder above the model
+    assert r.returncode == 2 and f"the model directories in it: {tmp_path / 'Qwen3-8B'}" in r.stderr, r.stderr
 
 
 def test_unreachable_etcd_fails_before_the_engine_starts(nats_server, subprocess_env):

@@ -13,6 +13,7 @@ from infera_common.runtime import configure_observability, event_loop_runner
 from infera_worker_agent.engine_cmd import EngineArgsError, EnginePlan, launch_problems, plan_engine
 from infera_worker_agent.host_probe import HostFacts, probe_host
 from infera_worker_agent.kv_config import index_block_problem
+from infera_worker_agent.model_files import path_problems
 from infera_worker_agent.planes import plane_problems
 from infera_worker_agent.recipes import apply_recipes, render_print_command
 from infera_worker_agent.settings import PROG, AgentSettings, parse_agent_cli
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_sources = plan.kv_events.sources if plan.kv_events is not None and plan.kv_events.enabled else ()
     problems = plane_problems(settings, plan.advertise_host, kv_sources)
     problems += launch_problems(settings.engine, plan.engine_args, os.environ)
+    problems += path_problems(settings.engine, plan.engine_args)
     index_problem = index_block_problem(settings.engine, settings.kv_index_block_size, plan.engine_args)
     if index_problem is not None and settings.enable_kv_events:
         problems.append(index_problem)
