@@ -170,11 +170,11 @@ def parse_cli(
     try:
         settings = cls(**vars(ns))
     except ValidationError as exc:
-        parser.error(_explain(exc))
+        parser.error(_explain(exc, cls.model_config.get("env_prefix", ENV_PREFIX)))
     return settings, rest
 
 
-def _explain(exc: ValidationError) -> str:
+def _explain(exc: ValidationError, prefix: str = ENV_PREFIX) -> str:
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
@@ -182,7 +182,7 @@ def _explain(exc: ValidationError) -> str:
             lines.append(str(err["msg"]).removeprefix("Value error, "))
             continue
         flag = _flag(loc) if "." not in loc else loc
-        env = ENV_PREFIX + loc.upper()
+        env = prefix + loc.upper()
         if err["type"] == "missing":
             lines.append(f"{flag} (env {env}) is required")
         else:

@@ -120,16 +120,16 @@ def probe_host(
 def read_rdma_ports(base: Path) -> tuple[RdmaPort, ...]:
     """Every port of every RDMA device under ``base`` (``/sys/class/infiniband``), sorted."""
     ports = []
-    for device in _sorted_dirs(base):
-        for port_dir in _sorted_dirs(device / "ports"):
+    for device in sorted_dirs(base):
+        for port_dir in sorted_dirs(device / "ports"):
             if not port_dir.name.isdigit():
                 continue
-            state = _read(port_dir / "state") or ""
+            state = read_text(port_dir / "state") or ""
             ports.append(RdmaPort(
                 device=device.name,
                 port=int(port_dir.name),
                 active="ACTIVE" in state.upper(),
-                link_layer=_read(port_dir / "link_layer"),
+                link_layer=read_text(port_dir / "link_layer"),
                 gids=_read_gids(port_dir / "gids"),
             ))
     return tuple(ports)
@@ -143,11 +143,11 @@ def _read_gids(gid_dir: Path) -> tuple[str, ...]:
     table = [""] * min(len(indices) and indices[-1] + 1, MAX_GIDS)
     for i in indices:
         if i < MAX_GIDS:
-            table[i] = _read(gid_dir / str(i)) or ""
+            table[i] = read_text(gid_dir / str(i)) or ""
     return tuple(table)
 
 
-def _sorted_dirs(path: Path) -> list[Path]:
+def sorted_dirs(path: Path) -> list[Path]:
     try:
         return sorted((p for p in path.iterdir() if p.is_dir()), key=lambda p: _natural(p.name))
     except OSError:
@@ -161,7 +161,7 @@ def _natural(name: str) -> tuple:
     return (head, int(tail) if tail else -1, name)
 
 
-def _read(path: Path) -> str | None:
+def read_text(path: Path) -> str | None:
     try:
         return path.read_text().strip()
     except (OSError, UnicodeDecodeError):

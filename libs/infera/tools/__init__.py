@@ -1,0 +1,1 @@
+"""Operator tools that run beside the services (``python -m infera.tools.<tool>``)."""

@@ -1,0 +1,5 @@
+import sys
+
+from infera.tools.preflight.cli import main
+
+sys.exit(main())

@@ -1,0 +1,62 @@
+"""The preflight's flags, declared once (flag, ``INFERA_PREFLIGHT_*`` env var, default)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from infera_common.settings import InferaSettings
+
+#: the probes of one node, in report order: flag name -> what it looks at
+NODE_PROBES = {
+    "host": "CPUs, memory, NUMA nodes, the locked-memory limit RDMA needs",
+    "gpu": "AMD GPUs from the amdgpu driver's KFD topology: count, gfx target, VRAM, driver",
+    "network": "network interfaces and RDMA ports and their state",
+    "firmware": "the GPUs' MEC firmware versions",
+    "storage": "the storage under --storage-path (or the largest local mount): free space and throughput",
+    "compute": "each GPU's bf16 GEMM throughput (needs PyTorch with ROCm)",
+    "hbm": "each GPU's memory copy bandwidth (needs PyTorch with ROCm)",
+    "p2p": "copy bandwidth between each pair of GPUs (needs PyTorch with ROCm)",
+    "topology": "the links between GPUs (xGMI or PCIe) and the GPUs' NUMA nodes",
+    "fabric": "each active RDMA port's link layer, RoCE v2 IPv4 GIDs and MTU",
+}
+#: the probes across nodes (under SLURM, every node at once)
+FLEET_PROBES = {
+    "netperf": "RoCE bandwidth between the nodes' RDMA NICs",
+    "mooncake": "Mooncake KV transfer between nodes",
+    "mori": "Mori KV transfer between nodes",
+}
+
+
+class PreflightSettings(InferaSettings):
+    model_config = SettingsConfigDict(env_prefix="INFERA_PREFLIGHT_", extra="ignore", validate_default=True)
+
+    host: bool = Field(False, description=f"Run the host probe: {NODE_PROBES['host']}. No probe flag: all of them.")
+    gpu: bool = Field(False, description=f"Run the gpu probe: {NODE_PROBES['gpu']}.")
+    network: bool = Field(False, description=f"Run the network probe: {NODE_PROBES['network']}.")
+    firmware: bool = Field(False, description=f"Run the firmware probe: {NODE_PROBES['firmware']}.")
+    storage: bool = Field(False, description=f"Run the storage probe: {NODE_PROBES['storage']}.")
+    compute: bool = Field(False, description=f"Run the compute probe: {NODE_PROBES['compute']}.")
+    hbm: bool = Field(False, description=f"Run the hbm probe: {NODE_PROBES['hbm']}.")
+    p2p: bool = Field(False, description=f"Run the p2p probe: {NODE_PROBES['p2p']}.")
+    topology: bool = Field(False, description=f"Run the topology probe: {NODE_PROBES['topology']}.")
+    fabric: bool = Field(False, description=f"Run the fabric probe: {NODE_PROBES['fabric']}.")
+    netperf: bool = Field(False, description=f"Run the netperf probe: {FLEET_PROBES['netperf']}.")
+    mooncake: bool = Field(False, description=f"Run the mooncake probe: {FLEET_PROBES['mooncake']}.")
+    mori: bool = Field(False, description=f"Run the mori probe: {FLEET_PROBES['mori']}.")
+    dump_path: str = Field("output/preflight", description="Directory for each host's JSON and the HTML report "
+                           "(give every node the same shared directory).")
+    report_file_name: str = Field("infera_preflight_report", description="The HTML report's file name, without .html.")
+    storage_path: str = Field("", description="Directory the storage probe measures (default: the local mount "
+                              "with the most free space).")
+    storage_gb: float = Field(4.0, ge=0, description="GiB the storage probe writes and reads back (0: no "
+                              "throughput test).")
+    collect_only: bool = Field(False, description="Write this host's JSON and stop (no report).")
+    render_only: bool = Field(False, description="Probe nothing: combine the JSON files in --dump-path into the report.")
+    wait_timeout: float = Field(300.0, gt=0, description="Seconds the reporting host (SLURM rank 0) waits for every "
+                                "node's JSON before it renders the report with what it has.")
+
+    def selected(self) -> list[str]:
+        """The probes asked for; none asked: every one."""
+        names = [*NODE_PROBES, *FLEET_PROBES]
+        return [n for n in names if getattr(self, n)] or names
