@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from infera_worker_agent.engine_cmd import EnginePlan
+from infera_worker_agent.engine_gpus import gpus_needed
 from infera_worker_agent.main import build_plan
 from infera_worker_agent.recipe_types import RecipeRefusal
 from infera_worker_agent.recipes import engine_env
@@ -291,3 +292,23 @@ def test_every_sglang_launch_in_the_runbooks_is_proven_here():
     proven = [(launch.env, launch.args) for launch in LAUNCHES.values()]
     missing = [shlex.join(args) for env, args in launches if (env, args) not in proven]
     assert not missing, f"docs/recipes.md launches not in LAUNCHES (add them with their rewrites): {missing}"
+
+
+GPU_LAUNCHES = [
+    ["--tp", "8"],
+    ["--tp-size", "4", "--dp", "2"],
+    ["--tensor-parallel-size", "4", "--pipeline-parallel-size", "2"],
+    ["--tp", "16", "--nnodes", "2", "--node-rank", "1"],
+    ["--tp", "2", "--base-gpu-id", "4", "--gpu-id-step", "2"],
+]
+
+
+@pytest.mark.parametrize("launch", [*GPU_LAUNCHES, *(list(launch.args) for launch in LAUNCHES.values())],
+                         ids=shlex.join)
+def test_the_gpus_the_agent_counts_are_the_ones_sglang_parses(launch, sglang):
+    """The worker-agent refuses a launch that asks for more GPUs than the node shows (``engine_gpus``):
+    its reading of the parallel flags must be SGLang's (``--tp`` is argparse's abbreviation)."""
+    _, args = parse_agent_cli(["--engine", "sglang", *launch])  # the engine's arguments
+    a = sglang.parse(["--model-path", "/m", *args])
+    per_node = -(-a.tp_size * a.pp_size // a.nnodes)
+    assert gpus_needed("sglang", args)[:2] == (a.base_gpu_id + (per_node - 1) * a.gpu_id_step + 1, a.base_gpu_id)

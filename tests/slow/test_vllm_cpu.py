@@ -37,6 +37,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from infera.procs import free_port, stop_process, wait_port
+from infera_worker_agent.engine_gpus import gpus_needed
 from infera_worker_agent.health import Canary, send_canary
 from infera_worker_agent.load import parse_engine_metrics
 
@@ -356,3 +357,35 @@ def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cac
                  "the worker-agent's idle canary to be answered", procs, ["worker-agent"], 0.5)
     finally:
         procs.stop_all()
+
+
+#: vLLM's own parser run over launch lines: the parallel sizes it reads from each
+PARSE_PARALLEL = """
+import json, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+sizes = []
+for argv in json.loads(sys.argv[1]):
+    a = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    sizes.append([a.tensor_parallel_size, a.pipeline_parallel_size, a.prefill_context_parallel_size,
+                  a.data_parallel_size, a.data_parallel_size_local, a.data_parallel_rank])
+print(json.dumps(sizes))
+"""
+GPU_LAUNCHES = [
+    ["-tp", "8"],
+    ["--tensor_parallel_size", "4", "--data-parallel-size", "2"],
+    ["--data-parallel-size", "16", "--data-parallel-size-local", "8"],
+    ["-dp", "8", "-dpn", "3", "-tp", "2"],
+    ["-tp", "2", "-pcp", "2", "-pp", "2"],
+]
+
+
+def test_the_gpus_the_agent_counts_are_the_ones_vllm_parses():
+    """The worker-agent refuses a launch that asks for more GPUs than the node shows (``engine_gpus``):
+    its reading of the parallel flags (short forms, underscores) must be vLLM's."""
+    out = subprocess.run([vllm_python(), "-c", PARSE_PARALLEL, json.dumps(GPU_LAUNCHES)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for argv, (tp, pp, pcp, dp, dp_local, dp_rank) in zip(GPU_LAUNCHES, json.loads(out.stdout.splitlines()[-1])):
+        ranks_here = 1 if dp_rank is not None else (dp_local if dp_local is not None else dp)
+        assert gpus_needed("vllm", argv)[0] == tp * pp * pcp * ranks_here, argv

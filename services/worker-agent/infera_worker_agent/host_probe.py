@@ -7,6 +7,7 @@
 - The installed SGLang version: ``importlib.metadata`` of the interpreter that launches the engine
   (the agent's own, or the one ``--engine-python`` names, asked in a short subprocess); None when
   not installed.
+- GPUs: how many the amdgpu driver's KFD topology lists (``host_gpus``), when ``/dev/kfd`` is there.
 
 ``root`` relocates every path, so tests build a fake ``/sys`` and ``/opt`` under a temporary
 directory. The rules never read the host themselves: they get a ``HostFacts``.
@@ -20,6 +21,9 @@ import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from infera_worker_agent.host_gpus import read_gpus
+from infera_worker_agent.sysfs import read_text, sorted_dirs
 
 #: How many GID-table entries per port are read: the tables hold up to 256 (mostly empty); the
 #: RoCE v2 IPv4 GIDs that matter sit in the first few.
@@ -50,6 +54,7 @@ class HostFacts:
     rocm: bool = False
     rdma_ports: tuple[RdmaPort, ...] = ()
     sglang_version: str | None = None  # None: not installed in the launching interpreter
+    gpus: int | None = None  # GPUs in the amdgpu driver's KFD topology; None: no /dev/kfd, or none listed
 
     @property
     def active_ports(self) -> tuple[RdmaPort, ...]:
@@ -114,7 +119,13 @@ def probe_host(
         rocm=is_rocm(env, opt_rocm=(root / "opt/rocm").exists(), kfd=(root / "dev/kfd").exists()),
         rdma_ports=read_rdma_ports(root / "sys/class/infiniband"),
         sglang_version=version_of("sglang"),
+        gpus=kfd_gpu_count(root),
     )
+
+
+def kfd_gpu_count(root: Path) -> int | None:
+    host = read_gpus(root)
+    return len(host.gpus) if host.kfd and host.gpus else None
 
 
 def read_rdma_ports(base: Path) -> tuple[RdmaPort, ...]:
@@ -145,24 +156,3 @@ def _read_gids(gid_dir: Path) -> tuple[str, ...]:
         if i < MAX_GIDS:
             table[i] = read_text(gid_dir / str(i)) or ""
     return tuple(table)
-
-
-def sorted_dirs(path: Path) -> list[Path]:
-    try:
-        return sorted((p for p in path.iterdir() if p.is_dir()), key=lambda p: _natural(p.name))
-    except OSError:
-        return []
-
-
-def _natural(name: str) -> tuple:
-    """mlx5_2 before mlx5_10."""
-    head = name.rstrip("0123456789")
-    tail = name[len(head):]
-    return (head, int(tail) if tail else -1, name)
-
-
-def read_text(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        return None

@@ -11,6 +11,7 @@ from infera_common.models import default_model_path
 from infera_common.ports import free_port, free_port_block
 from infera_common.runtime import configure_observability, event_loop_runner
 from infera_worker_agent.engine_cmd import EngineArgsError, EnginePlan, launch_problems, plan_engine
+from infera_worker_agent.engine_gpus import gpu_count_problem
 from infera_worker_agent.host_probe import HostFacts, probe_host
 from infera_worker_agent.kv_config import index_block_problem
 from infera_worker_agent.model_files import path_problems
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     problems = plane_problems(settings, plan.advertise_host, kv_sources)
     problems += launch_problems(settings.engine, plan.engine_args, os.environ)
     problems += path_problems(settings.engine, plan.engine_args)
+    gpu_problem = gpu_count_problem(settings.engine, plan.engine_args, os.environ, host.gpus)
+    if gpu_problem is not None:
+        problems.append(gpu_problem)
     index_problem = index_block_problem(settings.engine, settings.kv_index_block_size, plan.engine_args)
     if index_problem is not None and settings.enable_kv_events:
         problems.append(index_problem)

@@ -10,6 +10,7 @@ system's (inside a container the hostname is the container's id: pass the node's
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
@@ -18,7 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from infera.tools.preflight.finding import Finding, worst
-from infera.tools.preflight.probe_gpu import firmware_findings, gpu_findings, read_gpus, topology_findings
+from infera.tools.preflight.probe_gpu import firmware_findings, gpu_findings, topology_findings
 from infera.tools.preflight.probe_host import host_findings, read_host
 from infera.tools.preflight.probe_network import fabric_findings, network_findings, read_network
 from infera.tools.preflight.probe_perf import fleet_probe, run_gpu_probe
@@ -26,6 +27,7 @@ from infera.tools.preflight.probe_storage import run_storage
 from infera.tools.preflight.report import consistency, load_hosts, render, write_host
 from infera.tools.preflight.settings import FLEET_PROBES, PreflightSettings
 from infera_common.settings import parse_cli
+from infera_worker_agent.host_gpus import read_gpus
 
 PROG = "infera.tools.preflight"
 
@@ -39,18 +41,21 @@ def rank_world(env: Mapping[str, str]) -> tuple[int, int]:
 
 
 def node_probes(settings: PreflightSettings, env: Mapping[str, str], root: Path) -> dict[str, Callable[[], list[Finding]]]:
-    """Every probe of this node, by name (each reads what it needs when called)."""
+    """Every probe of this node, by name (each reads what it needs when called, the GPUs and the
+    network once for the probes that share them)."""
+    gpus = functools.cache(lambda: read_gpus(root))
+    network = functools.cache(lambda: read_network(root))
     return {
         "host": lambda: host_findings(read_host(root)),
-        "gpu": lambda: gpu_findings(read_gpus(root), env),
-        "network": lambda: network_findings(read_network(root)),
-        "firmware": lambda: firmware_findings(read_gpus(root)),
+        "gpu": lambda: gpu_findings(gpus(), env),
+        "network": lambda: network_findings(network()),
+        "firmware": lambda: firmware_findings(gpus()),
         "storage": lambda: run_storage(settings.storage_path, settings.storage_gb, root),
         "compute": lambda: run_gpu_probe("compute"),
         "hbm": lambda: run_gpu_probe("hbm"),
         "p2p": lambda: run_gpu_probe("p2p"),
-        "topology": lambda: topology_findings(read_gpus(root)),
-        "fabric": lambda: fabric_findings(read_network(root)),
+        "topology": lambda: topology_findings(gpus()),
+        "fabric": lambda: fabric_findings(network()),
     }
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from infera.tools.preflight.finding import Finding, skipped
-from infera_worker_agent.host_probe import read_text
+from infera_worker_agent.sysfs import read_text
 
 GIB = 1 << 30
 CHUNK = 64 << 20
@@ -44,13 +44,13 @@ def free_bytes(path: str) -> int | None:
 def measure(path: str, gib: float) -> tuple[float, float]:
     """MB/s writing ``gib`` GiB to a new file under ``path`` (synced), then reading it back."""
     size = int(gib * GIB)
-    block = os.urandom(min(CHUNK, size) or 1)
+    block = memoryview(os.urandom(min(CHUNK, size) or 1))
     fd, name = tempfile.mkstemp(prefix=".infera-preflight-", dir=path)
     try:
         t0 = time.perf_counter()
         written = 0
         while written < size:
-            written += os.write(fd, block[:size - written])
+            written += os.write(fd, block[:size - written])  # a view: no copy of the chunk
         os.fsync(fd)
         write_s = time.perf_counter() - t0
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
