@@ -30,7 +30,7 @@ ENGINE_MODULES = {
 }
 
 
-_WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}
+WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}
 LOCAL_HOST = "127.0.0.1"
 
 
@@ -153,7 +153,7 @@ def plan_engine(
     extra += kv.extra_args
 
     bind_host = flag_value(args, "--host")
-    reach = LOCAL_HOST if bind_host is None or bind_host in _WILDCARD_HOSTS else bind_host
+    reach = LOCAL_HOST if bind_host is None or bind_host in WILDCARD_HOSTS else bind_host
     if advertise_host is None:
         advertise_host = reach
     served = flag_value(args, "--served-model-name")

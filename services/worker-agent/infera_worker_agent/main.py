@@ -12,6 +12,7 @@ from infera_common.ports import free_port, free_port_block
 from infera_common.runtime import configure_observability, event_loop_runner
 from infera_worker_agent.engine_cmd import EngineArgsError, EnginePlan, launch_problems, plan_engine
 from infera_worker_agent.engine_gpus import gpu_count_problem
+from infera_worker_agent.engine_ports import port_problems
 from infera_worker_agent.host_probe import HostFacts, probe_host
 from infera_worker_agent.kv_config import index_block_problem
 from infera_worker_agent.model_files import path_problems
@@ -52,6 +53,19 @@ def build_plan(
     return apply_recipes(plan, env=env, host=host, allow_tcp=settings.disaggregation_allow_tcp)
 
 
+def refusals(settings: AgentSettings, plan: EnginePlan, host: HostFacts, env: Mapping[str, str]) -> list[str]:
+    """Why this launch cannot work, each naming what to change; the engine is not started when any."""
+    kv_sources = plan.kv_events.sources if plan.kv_events is not None and plan.kv_events.enabled else ()
+    problems: list[str | None] = [*plane_problems(settings, plan.advertise_host, kv_sources)]
+    problems += launch_problems(settings.engine, plan.engine_args, env)
+    problems += path_problems(settings.engine, plan.engine_args)
+    problems += port_problems(plan)
+    problems.append(gpu_count_problem(settings.engine, plan.engine_args, env, host.gpus))
+    if settings.enable_kv_events:
+        problems.append(index_block_problem(settings.engine, settings.kv_index_block_size, plan.engine_args))
+    return [p for p in problems if p is not None]
+
+
 def main(argv: list[str] | None = None) -> int:
     settings, engine_args = parse_agent_cli(list(sys.argv[1:] if argv is None else argv))
     # the mock gets no recipe rules: no host facts needed (and no SGLang import metadata scan)
@@ -61,16 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     except EngineArgsError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    kv_sources = plan.kv_events.sources if plan.kv_events is not None and plan.kv_events.enabled else ()
-    problems = plane_problems(settings, plan.advertise_host, kv_sources)
-    problems += launch_problems(settings.engine, plan.engine_args, os.environ)
-    problems += path_problems(settings.engine, plan.engine_args)
-    gpu_problem = gpu_count_problem(settings.engine, plan.engine_args, os.environ, host.gpus)
-    if gpu_problem is not None:
-        problems.append(gpu_problem)
-    index_problem = index_block_problem(settings.engine, settings.kv_index_block_size, plan.engine_args)
-    if index_problem is not None and settings.enable_kv_events:
-        problems.append(index_problem)
+    problems = refusals(settings, plan, host, os.environ)
     if settings.print_command:
         print(render_print_command(plan))
         for problem in problems:

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from infera_common.kv_endpoints import split_tcp, subscriber_binds
+from infera_worker_agent.engine_cmd import WILDCARD_HOSTS
 from infera_worker_agent.kv_config import KvSource
 
-_WILDCARD_HOSTS = {"", "*", "0.0.0.0", "::", "[::]"}
 
 
 class Planes(Protocol):
@@ -44,7 +44,7 @@ def plane_problems(planes: Planes, advertise_host: str, kv_sources: Sequence[KvS
     """Why this plane mix cannot work (empty: it can). ``kv_sources``: the publishers the engine
     is configured with (none when it publishes no KV events)."""
     problems = []
-    if _dialled_planes(planes) and advertise_host.strip("[]") in _WILDCARD_HOSTS:
+    if _dialled_planes(planes) and advertise_host.strip("[]") in WILDCARD_HOSTS:
         flags = " and ".join(_dialled_planes(planes))
         problems.append(
             f"--advertise-host {advertise_host!r} is a wildcard, not an address: with {flags} other hosts dial "
