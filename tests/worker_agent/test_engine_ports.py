@@ -70,3 +70,27 @@ def test_an_engine_port_held_by_another_process_is_refused_in_seconds(held_port,
     assert r.returncode == 2 and "engine_spawned" not in r.stderr, r.stderr
     assert f"the engine's port {held_port} on 127.0.0.1 is in use" in r.stderr
     assert time.monotonic() - t0 < 15
+
+
+def test_kv_event_ports_a_users_config_names_are_checked_and_the_agents_own_are_not():
+    asked = []
+
+    def taken(host, port):
+        asked.append((host, port))
+        return port == 5557
+
+    config = '{"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5600"}'
+    user = plan_engine("sglang", ["--port", "30000", "--kv-events-config", config], python="python3", free_port=1,
+                       default_model_path="/m", enable_kv_events=True, find_ports=lambda n: 47000)
+    [problem] = port_problems(user, taken)
+    assert asked == [("127.0.0.1", 30000), ("0.0.0.0", 5557), ("0.0.0.0", 5600)]
+    assert "the KV-event port 5557 (DP rank 0: tcp://*:5557, from --kv-events-config) is in use" in problem
+    asked.clear()
+    own = plan_engine("sglang", ["--port", "30000"], python="python3", free_port=1, default_model_path="/m",
+                      enable_kv_events=True, find_ports=lambda n: 5557)
+    assert port_problems(own, taken) == [] and asked == [("127.0.0.1", 30000)]  # the agent's picks are free
+    connects = '{"publisher": "zmq", "endpoint": "tcp://10.0.0.9:5557"}'  # the engine connects: nothing to bind
+    asked.clear()
+    port_problems(plan_engine("sglang", ["--kv-events-config", connects], python="python3", free_port=30000,
+                              default_model_path="/m", enable_kv_events=True, find_ports=lambda n: 1), taken)
+    assert asked == [("127.0.0.1", 30000)]

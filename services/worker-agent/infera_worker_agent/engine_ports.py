@@ -6,8 +6,10 @@ loading the model, minutes into the launch. Meanwhile the agent's health wait wo
 by whatever holds the port, and could register that as this worker. Checked: the HTTP port, on
 the engine's ``--host`` (each engine's default when not given), and an SGLang prefill's bootstrap
 port, which it binds on the same host (``--disaggregation-bootstrap-port``, default 8998: two
-prefill engines on one node need different ones). A test bind with ``SO_REUSEADDR``, as the
-engines' servers bind, so a port left in TIME_WAIT counts as free.
+prefill engines on one node need different ones), and the KV-event publisher and replay ports a
+user's ``--kv-events-config`` names for the engine to bind (two engines on one node given the same
+config collide; the ports the agent picks itself are free). A test bind with ``SO_REUSEADDR``, as
+the engines' servers bind, so a port left in TIME_WAIT counts as free.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import errno
 import socket
 from collections.abc import Callable
 
+from infera_common.kv_endpoints import is_wildcard, split_tcp
 from infera_common.schemas import Role
 from infera_worker_agent.engine_cmd import WILDCARD_HOSTS, EnginePlan
 
@@ -53,4 +56,16 @@ def port_problems(plan: EnginePlan, taken: Callable[[str, int], bool] = port_tak
             and taken(host, pd.bootstrap_port)):
         problems.append(f"the prefill's bootstrap port {pd.bootstrap_port} on {host} is in use (another prefill "
                         "engine on this node?): give this one another --disaggregation-bootstrap-port")
+    kv = plan.kv_events
+    if kv is not None and kv.enabled and kv.user_supplied:
+        for source in kv.sources:
+            for endpoint in (source.endpoint, source.replay_endpoint):
+                parts = split_tcp(endpoint or "")  # the engine binds tcp://*:P (a concrete host: it connects)
+                if parts is None or not is_wildcard(endpoint or "") or parts[1] == 0:
+                    continue
+                if taken("0.0.0.0", parts[1]):
+                    problems.append(f"the KV-event port {parts[1]} (DP rank {source.dp_rank}: {endpoint}, from "
+                                    "--kv-events-config) is in use (another engine on this node given the same "
+                                    "config?): give each engine its own ports, or leave --kv-events-config out "
+                                    "and let the agent pick free ones")
     return problems
