@@ -49,12 +49,13 @@ def _int(args: Sequence[str], names: Sequence[str], default: int) -> int:
 
 
 def _product(sizes: Sequence[tuple[str, int]]) -> str:
-    """``--tp-size 8 × --dp-size 2``: the sizes above one."""
+    """``--tp-size 4 × --pp-size 2``: the sizes above one."""
     return " × ".join(f"{flag} {n}" for flag, n in sizes if n != 1) or "one GPU"
 
 
 def gpus_needed(engine: str, engine_args: Sequence[str]) -> tuple[int, int, str] | None:
-    """(GPUs on this node, the first GPU id, the flags that make the count); None: not read here."""
+    """(how many GPUs the node must show: the highest GPU id used + 1, the first id used, the flags that
+    make the count); None: not read here."""
     try:
         if engine == "sglang":
             args = list(engine_args)
