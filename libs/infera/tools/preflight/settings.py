@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, create_model
 from pydantic_settings import SettingsConfigDict
 
 from infera_common.settings import InferaSettings
@@ -28,22 +28,18 @@ FLEET_PROBES = {
 }
 
 
-class PreflightSettings(InferaSettings):
+class _Settings(InferaSettings):
     model_config = SettingsConfigDict(env_prefix="INFERA_PREFLIGHT_", extra="ignore", validate_default=True)
 
-    host: bool = Field(False, description=f"Run the host probe: {NODE_PROBES['host']}. No probe flag: all of them.")
-    gpu: bool = Field(False, description=f"Run the gpu probe: {NODE_PROBES['gpu']}.")
-    network: bool = Field(False, description=f"Run the network probe: {NODE_PROBES['network']}.")
-    firmware: bool = Field(False, description=f"Run the firmware probe: {NODE_PROBES['firmware']}.")
-    storage: bool = Field(False, description=f"Run the storage probe: {NODE_PROBES['storage']}.")
-    compute: bool = Field(False, description=f"Run the compute probe: {NODE_PROBES['compute']}.")
-    hbm: bool = Field(False, description=f"Run the hbm probe: {NODE_PROBES['hbm']}.")
-    p2p: bool = Field(False, description=f"Run the p2p probe: {NODE_PROBES['p2p']}.")
-    topology: bool = Field(False, description=f"Run the topology probe: {NODE_PROBES['topology']}.")
-    fabric: bool = Field(False, description=f"Run the fabric probe: {NODE_PROBES['fabric']}.")
-    netperf: bool = Field(False, description=f"Run the netperf probe: {FLEET_PROBES['netperf']}.")
-    mooncake: bool = Field(False, description=f"Run the mooncake probe: {FLEET_PROBES['mooncake']}.")
-    mori: bool = Field(False, description=f"Run the mori probe: {FLEET_PROBES['mori']}.")
+
+#: one flag per probe (``--gpu``, ``--no-gpu``): run it; none given, every probe runs
+_ProbeFlags = create_model("_ProbeFlags", __base__=_Settings, **{
+    name: (bool, Field(False, description=f"Run the {name} probe: {what}. No probe flag: every probe."))
+    for name, what in {**NODE_PROBES, **FLEET_PROBES}.items()
+})
+
+
+class PreflightSettings(_ProbeFlags):
     dump_path: str = Field("output/preflight", description="Directory for each host's JSON and the HTML report "
                            "(give every node the same shared directory).")
     report_file_name: str = Field("infera_preflight_report", description="The HTML report's file name, without .html.")
