@@ -44,7 +44,8 @@ def test_a_runbooks_tp_8_on_a_node_showing_four_gpus_is_refused_naming_both():
     assert gpu_count_problem("sglang", DP_ATTENTION, {}, 8) is None
     assert gpu_count_problem("sglang", ["--tp", "4", "--dp", "2"], {}, 4) is None  # never refused on DP alone
     assert "(--tp-size 4 × --pp-size 2)" in gpu_count_problem("sglang", ["--tp", "4", "--pp-size", "2"], {}, 7)
-    assert "(--tensor-parallel-size 8) but it has 7 (7 in the KFD topology)" in gpu_count_problem("vllm", ["-tp", "8"], {}, 7)
+    problem = gpu_count_problem("vllm", ["-tp", "8"], {}, 7)
+    assert "(--tensor-parallel-size 8) but it has 7 (7 in the KFD topology)" in problem
 
 
 def test_gpus_counted_from_a_base_id():

@@ -85,7 +85,8 @@ def gpus_needed(engine: str, engine_args: Sequence[str]) -> tuple[int, int, str]
     return None
 
 
-def gpu_count_problem(engine: str, engine_args: Sequence[str], env: Mapping[str, str], kfd_gpus: int | None) -> str | None:
+def gpu_count_problem(engine: str, engine_args: Sequence[str], env: Mapping[str, str],
+                      kfd_gpus: int | None) -> str | None:
     """Why the engine cannot get the GPUs its arguments ask for on this node, or None."""
     if not kfd_gpus:
         return None

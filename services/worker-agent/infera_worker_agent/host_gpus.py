@@ -74,7 +74,8 @@ def read_gpus(root: Path = Path("/")) -> GpuHost:
         gpus.append(Gpu(
             node=int(node.name), gfx=gfx_name(p.get("gfx_target_version", 0)), vram_bytes=vram, pci=pci,
             numa=int(numa) if numa is not None and numa.lstrip("-").isdigit() and int(numa) >= 0 else None,
-            xgmi_to=tuple(sorted(link["node_to"] for link in links if link.get("type") == LINK_XGMI and "node_to" in link)),
+            xgmi_to=tuple(sorted(link["node_to"] for link in links
+                                 if link.get("type") == LINK_XGMI and "node_to" in link)),
         ))
     mec = []
     for card in sorted_dirs(root / "sys/class/drm"):
@@ -82,5 +83,5 @@ def read_gpus(root: Path = Path("/")) -> GpuHost:
             version = read_text(card / "device/fw_version/mec_fw_version")
             if version is not None:
                 mec.append(version)
-    return GpuHost(kfd=(root / "dev/kfd").exists(), gpus=tuple(gpus), driver=read_text(root / "sys/module/amdgpu/version"),
-                   mec_firmware=tuple(mec))
+    return GpuHost(kfd=(root / "dev/kfd").exists(), gpus=tuple(gpus),
+                   driver=read_text(root / "sys/module/amdgpu/version"), mec_firmware=tuple(mec))

@@ -18,7 +18,6 @@ from infera_worker_agent.engine_cmd import WILDCARD_HOSTS
 from infera_worker_agent.kv_config import KvSource
 
 
-
 class Planes(Protocol):
     discovery_backend: str
     request_transport: str

@@ -40,7 +40,8 @@ def rank_world(env: Mapping[str, str]) -> tuple[int, int]:
     return int(env.get("SLURM_PROCID") or 0), int(env.get("SLURM_NNODES") or env.get("SLURM_NTASKS") or 1)
 
 
-def node_probes(settings: PreflightSettings, env: Mapping[str, str], root: Path) -> dict[str, Callable[[], list[Finding]]]:
+def node_probes(settings: PreflightSettings, env: Mapping[str, str],
+                root: Path) -> dict[str, Callable[[], list[Finding]]]:
     """Every probe of this node, by name (each reads what it needs when called, the GPUs and the
     network once for the probes that share them)."""
     gpus = functools.cache(lambda: read_gpus(root))
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None, ro
         if settings.collect_only or rank != 0:
             return 2 if failed else 0
         if world > 1 and (have := wait_for_hosts(dump, world, settings.wait_timeout)) < world:
-            print(f"[preflight] only {have} of {world} hosts reported within {settings.wait_timeout:g}s", file=sys.stderr)
+            print(f"[preflight] only {have} of {world} hosts reported within {settings.wait_timeout:g}s",
+                  file=sys.stderr)
     hosts = load_hosts(dump)
     if not hosts:
         print(f"[preflight] no host's JSON in {dump}: nothing to report", file=sys.stderr)

@@ -38,7 +38,8 @@ def gpu_findings(host: GpuHost, env: Mapping[str, str]) -> list[Finding]:
 
 def firmware_findings(host: GpuHost) -> list[Finding]:
     if not host.mec_firmware:
-        return [Finding("info", "no amdgpu card publishes its firmware versions (/sys/class/drm/card*/device/fw_version)")]
+        return [Finding("info", "no amdgpu card publishes its firmware versions "
+                        "(/sys/class/drm/card*/device/fw_version)")]
     versions = Counter(host.mec_firmware)
     if len(versions) > 1:
         return [Finding("warn", f"MEC firmware differs between this node's GPUs: {dict(versions)}")]

@@ -29,7 +29,8 @@ def read_host(root: Path = Path("/")) -> HostInfo:
     for line in (read_text(root / "proc/meminfo") or "").splitlines():
         if line.startswith("MemTotal:"):
             mem = int(line.split()[1]) * 1024
-    nodes = [d for d in sorted_dirs(root / "sys/devices/system/node") if d.name[4:].isdigit() and d.name.startswith("node")]
+    nodes = [d for d in sorted_dirs(root / "sys/devices/system/node")
+             if d.name.startswith("node") and d.name[4:].isdigit()]
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return HostInfo(cpus=cpus, mem_bytes=mem, numa_nodes=len(nodes),
                     memlock=None if soft == resource.RLIM_INFINITY else soft)

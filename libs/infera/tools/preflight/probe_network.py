@@ -47,7 +47,8 @@ def read_network(root: Path = Path("/")) -> Network:
 def network_findings(net: Network) -> list[Finding]:
     up = [n for n in net.nics if n.state == "up"]
     found = [Finding("info", f"{len(net.nics)} network interface(s), {len(up)} up: "
-                     + ", ".join(f"{n.name} ({n.state}, mtu {n.mtu})" for n in net.nics if n.physical or n.state == "up"),
+                     + ", ".join(f"{n.name} ({n.state}, mtu {n.mtu})"
+                                 for n in net.nics if n.physical or n.state == "up"),
                      {"nics": len(net.nics)})]
     if not net.rdma:
         found.append(Finding("warn", "no RDMA device (/sys/class/infiniband): a prefill/decode leg on this node is "

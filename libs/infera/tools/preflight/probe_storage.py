@@ -67,8 +67,8 @@ def measure(path: str, gib: float) -> tuple[float, float]:
 
 
 def storage_findings(path: str, free: int | None, gib: float, rates: tuple[float, float] | None) -> list[Finding]:
-    found = [Finding("info", f"{path}: {free / GIB:.0f} GiB free" if free is not None else f"{path}: free space unknown",
-                     {"path": path, "free_bytes": free})]
+    space = f"{free / GIB:.0f} GiB free" if free is not None else "free space unknown"
+    found = [Finding("info", f"{path}: {space}", {"path": path, "free_bytes": free})]
     if gib <= 0:
         found.append(skipped("storage throughput", "--storage-gb 0"))
     elif free is not None and free < 2 * gib * GIB:

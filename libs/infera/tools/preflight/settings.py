@@ -48,7 +48,8 @@ class PreflightSettings(_ProbeFlags):
     storage_gb: float = Field(4.0, ge=0, description="GiB the storage probe writes and reads back (0: no "
                               "throughput test).")
     collect_only: bool = Field(False, description="Write this host's JSON and stop (no report).")
-    render_only: bool = Field(False, description="Probe nothing: combine the JSON files in --dump-path into the report.")
+    render_only: bool = Field(False, description="Probe nothing: combine the JSON files in --dump-path into the "
+                              "report.")
     wait_timeout: float = Field(300.0, gt=0, description="Seconds the reporting host (SLURM rank 0) waits for every "
                                 "node's JSON before it renders the report with what it has.")
 
