@@ -9,7 +9,7 @@ import pytest
 
 from infera_common.models import default_model_path
 from infera_worker_agent.engine_cmd import plan_engine
-from infera_worker_agent.engine_ports import bind_host, port_problems, port_taken
+from infera_worker_agent.engine_ports import IN_USE, NOT_HERE, bind_failure, bind_host, port_problems
 from tests.worker_agent.recipe_fakes import SGLANG_PREFILL
 
 
@@ -27,12 +27,14 @@ def held_port():
         yield sock.getsockname()[1]
 
 
-def test_a_listening_port_is_taken_and_a_closed_one_is_free(held_port):
-    assert port_taken("127.0.0.1", held_port) and port_taken("0.0.0.0", held_port)
+def test_a_listening_port_is_in_use_a_closed_one_free_and_a_foreign_address_not_here(held_port):
+    assert bind_failure("127.0.0.1", held_port) == IN_USE and bind_failure("0.0.0.0", held_port) == IN_USE
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         free = sock.getsockname()[1]
-    assert not port_taken("127.0.0.1", free)
+    assert bind_failure("127.0.0.1", free) is None
+    assert bind_failure("192.0.2.7", free) == NOT_HERE  # TEST-NET-1: on no interface of this host
+    assert bind_failure("no-such-host.invalid", free).startswith(f"{NOT_HERE}: it does not resolve")
 
 
 @pytest.mark.parametrize("engine,args,host", [
@@ -51,7 +53,7 @@ def test_the_http_port_and_an_sglang_prefills_bootstrap_port_are_checked():
 
     def taken(host, port):
         asked.append((host, port))
-        return True
+        return IN_USE
 
     problems = port_problems(plan("sglang", [*SGLANG_PREFILL, "--port", "30000"]), taken)
     assert asked == [("127.0.0.1", 30000), ("127.0.0.1", 8998)]  # SGLang's default bootstrap port
@@ -59,7 +61,7 @@ def test_the_http_port_and_an_sglang_prefills_bootstrap_port_are_checked():
     assert "bootstrap port 8998" in problems[1] and "--disaggregation-bootstrap-port" in problems[1]
     asked.clear()
     assert len(port_problems(plan("sglang", ["--port", "30000"]), taken)) == 1 and asked == [("127.0.0.1", 30000)]
-    assert port_problems(plan("sglang", SGLANG_PREFILL), lambda host, port: False) == []
+    assert port_problems(plan("sglang", SGLANG_PREFILL), lambda host, port: None) == []
 
 
 def test_an_engine_port_held_by_another_process_is_refused_in_seconds(held_port, nats_server, subprocess_env):
@@ -77,7 +79,7 @@ def test_kv_event_ports_a_users_config_names_are_checked_and_the_agents_own_are_
 
     def taken(host, port):
         asked.append((host, port))
-        return port == 5557
+        return IN_USE if port == 5557 else None
 
     config = '{"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5600"}'
     user = plan_engine("sglang", ["--port", "30000", "--kv-events-config", config], python="python3", free_port=1,
@@ -94,3 +96,15 @@ def test_kv_event_ports_a_users_config_names_are_checked_and_the_agents_own_are_
     port_problems(plan_engine("sglang", ["--kv-events-config", connects], python="python3", free_port=30000,
                               default_model_path="/m", enable_kv_events=True, find_ports=lambda n: 1), taken)
     assert asked == [("127.0.0.1", 30000)]
+
+
+def test_an_engine_host_that_is_not_this_hosts_is_refused_once():
+    asked = []
+
+    def not_here(host, port):
+        asked.append((host, port))
+        return NOT_HERE
+
+    [problem] = port_problems(plan("sglang", [*SGLANG_PREFILL, "--host", "10.9.9.9", "--port", "30000"]), not_here)
+    assert problem.startswith("the engine's --host 10.9.9.9 is not an address of this host")
+    assert asked == [("10.9.9.9", 30000)]  # the other ports on that host are not tried

@@ -9,7 +9,9 @@ port, which it binds on the same host (``--disaggregation-bootstrap-port``, defa
 prefill engines on one node need different ones), and the KV-event publisher and replay ports a
 user's ``--kv-events-config`` names for the engine to bind (two engines on one node given the same
 config collide; the ports the agent picks itself are free). A test bind with ``SO_REUSEADDR``, as
-the engines' servers bind, so a port left in TIME_WAIT counts as free.
+the engines' servers bind, so a port left in TIME_WAIT counts as free. The same bind finds an
+engine ``--host`` that is not an address of this host (or does not resolve): that engine could
+never listen, and would find out as late.
 """
 
 from __future__ import annotations
@@ -26,16 +28,24 @@ from infera_worker_agent.engine_cmd import WILDCARD_HOSTS, EnginePlan
 DEFAULT_BIND = {"sglang": "127.0.0.1", "vllm": "0.0.0.0", "mock": "127.0.0.1"}
 
 
-def port_taken(host: str, port: int) -> bool:
-    """Whether binding ``host:port`` fails because the port is in use (any other failure: the engine says)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+IN_USE = "in use"
+NOT_HERE = "not an address of this host"
+
+
+def bind_failure(host: str, port: int) -> str | None:
+    """Why the engine could not listen on ``host:port`` (``IN_USE``, ``NOT_HERE``, or the host not
+    resolving), None when it could (or the test bind failed for another reason: the engine says)."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        return f"{NOT_HERE}: it does not resolve ({exc.strerror})"
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((host, port))
+            sock.bind(address)
         except OSError as exc:
-            return exc.errno == errno.EADDRINUSE
-    return False
+            return {errno.EADDRINUSE: IN_USE, errno.EADDRNOTAVAIL: NOT_HERE}.get(exc.errno or 0)
+    return None
 
 
 def bind_host(plan: EnginePlan) -> str:
@@ -45,15 +55,19 @@ def bind_host(plan: EnginePlan) -> str:
     return host
 
 
-def port_problems(plan: EnginePlan, taken: Callable[[str, int], bool] = port_taken) -> list[str]:
+def port_problems(plan: EnginePlan, bind: Callable[[str, int], str | None] = bind_failure) -> list[str]:
     host = bind_host(plan)
+    failure = bind(host, plan.port)
+    if failure is not None and failure != IN_USE:  # the engine cannot listen there at all
+        return [f"the engine's --host {host} is {failure}: the engine could not listen on it; pass one of this "
+                "host's addresses, or 0.0.0.0 for all of them"]
     problems = []
-    if taken(host, plan.port):
+    if failure == IN_USE:
         problems.append(f"the engine's port {plan.port} on {host} is in use (an engine still running there?): stop "
                         "what holds it, or give the engine another --port (or none: the agent then picks a free one)")
     pd = plan.pd
     if (plan.engine == "sglang" and pd is not None and pd.role is Role.PREFILL and pd.bootstrap_port
-            and taken(host, pd.bootstrap_port)):
+            and bind(host, pd.bootstrap_port) == IN_USE):
         problems.append(f"the prefill's bootstrap port {pd.bootstrap_port} on {host} is in use (another prefill "
                         "engine on this node?): give this one another --disaggregation-bootstrap-port")
     kv = plan.kv_events
@@ -63,7 +77,7 @@ def port_problems(plan: EnginePlan, taken: Callable[[str, int], bool] = port_tak
                 parts = split_tcp(endpoint or "")  # the engine binds tcp://*:P (a concrete host: it connects)
                 if parts is None or not is_wildcard(endpoint or "") or parts[1] == 0:
                     continue
-                if taken("0.0.0.0", parts[1]):
+                if bind("0.0.0.0", parts[1]) == IN_USE:
                     problems.append(f"the KV-event port {parts[1]} (DP rank {source.dp_rank}: {endpoint}, from "
                                     "--kv-events-config) is in use (another engine on this node given the same "
                                     "config?): give each engine its own ports, or leave --kv-events-config out "
