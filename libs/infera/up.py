@@ -150,7 +150,7 @@ def main(argv: list[str]) -> int:
                     _tail(logs / f"{front}.log")
                     return 1
             running.append((spec.name, _spawn(spec, logs)))
-        if not _wait_ready(url, total, settings.ready_timeout, running, lambda: stopping):
+        if not _wait_ready(url, total, settings.ready_timeout, running, lambda: stopping, logs):
             return 1
         where = [] if broker_free else [f"NATS {nats_url}"]
         where += [f"etcd {etcd_endpoint}"] if etcd_endpoint else []
@@ -228,12 +228,14 @@ def _client_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
-def _wait_ready(url: str, workers: int, timeout: float, running, stopping) -> bool:
+def _wait_ready(url: str, workers: int, timeout: float, running, stopping, logs: Path) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not stopping():
         for name, proc in running:
             if proc.poll() is not None:
-                print(f"infera up: {name} exited with {proc.returncode} during start-up", file=sys.stderr)
+                print(f"infera up: {name} exited with {proc.returncode} during start-up; the end of "
+                      f"{logs / (name + '.log')}:", file=sys.stderr)
+                _tail(logs / f"{name}.log")
                 return False
         try:
             with urllib.request.urlopen(f"{url}/v1/workers", timeout=1) as resp:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from infera.procs import free_port
 from infera_common.models import BUNDLED_MODEL_NAME
 from tests.e2e.fleet import (
     PLANES, Fleet, descendants_alive, engine_pid, env_with, parent_pid, process_tree, scrape,
@@ -165,3 +168,14 @@ def test_infera_up_sigterm_stops_every_process_it_started(tmp_path):
     while descendants_alive(tree) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert descendants_alive(tree) == []
+
+
+def test_infera_up_says_why_a_worker_failed_to_start(tmp_path):
+    """A worker whose engine refuses its arguments ends `infera up` at once, and the engine's own error
+    is on the terminal, not only in the log file."""
+    r = subprocess.run([sys.executable, "-m", "infera.cli", "up", "--port", str(free_port()), "--nats-port", "0",
+                        "--state-dir", str(tmp_path), "--workers", "1", "--engine-arg=--speedup abc"],
+                       env=env_with(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "worker-1 exited with" in r.stderr and "during start-up" in r.stderr, r.stderr
+    assert "argument --speedup/--speedup-ratio: expected a number, got 'abc'" in r.stderr
