@@ -9,7 +9,7 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.client import JetStreamContext
-from nats.js.errors import NotFoundError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from infera_common.logs import get_logger
 from infera_common.subjects import KV_EVENT_STREAM, KV_EVENT_SUBJECTS, request_stream, work_subject
@@ -119,6 +119,17 @@ async def connect(url: str, name: str, connect_timeout: float = 10.0, reconnects
             + "; start nats-server with JetStream (nats-server -js) or pass --nats-url / INFERA_NATS_URL"
         ) from cause
     return task.result()
+
+
+#: what to tell the user when a JetStream API call answers "service unavailable" (503) at start
+NO_JETSTREAM = ("JetStream is unavailable on the NATS server (its API answered 503: JetStream is not enabled, or a "
+                "cluster has no quorum); start nats-server with -js, or pass --nats-url / INFERA_NATS_URL of one "
+                "that has JetStream")
+
+
+def no_jetstream(exc: BaseException) -> bool:
+    """Whether ``exc`` is the JetStream API's "service unavailable": a server without JetStream."""
+    return isinstance(exc, ServiceUnavailableError)
 
 
 async def flush_all(nc, timeout: float = 10.0) -> None:

@@ -73,6 +73,7 @@ async def run_service(service: Service, *, name: str, metrics_host: str, metrics
     and stops cleanly.
     """
     from infera_common.metrics import start_metrics_server
+    from infera_common.nats_conn import NO_JETSTREAM, no_jetstream
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -98,7 +99,9 @@ async def run_service(service: Service, *, name: str, metrics_host: str, metrics
                 starting.result()
             except ConnectionError as exc:
                 raise SystemExit(f"error: {exc}") from exc
-            except Exception as exc:  # e.g. JetStream disabled on the server
+            except Exception as exc:
+                if no_jetstream(exc):
+                    raise SystemExit(f"error: {name} could not start: {NO_JETSTREAM}") from exc
                 log.exception("start_failed")
                 raise SystemExit(f"error: {name} could not start: {type(exc).__name__}: {exc}") from exc
             log.info("serving", service=name, frozen_objects=freeze_startup_heap())

@@ -31,8 +31,8 @@ from infera_common.engine_relay import EngineAborter, Relay
 from infera_common.logs import get_logger
 from infera_common.metrics import start_metrics_server
 from infera_common.nats_conn import (
-    Reconnects, connect, delete_stream_quietly, ensure_kv_event_stream, ensure_request_stream, flush_all,
-    nats_log_fields,
+    NO_JETSTREAM, Reconnects, connect, delete_stream_quietly, ensure_kv_event_stream, ensure_request_stream,
+    flush_all, nats_log_fields, no_jetstream,
 )
 from infera_common.request_runner import ENGINE_UNHEALTHY
 from infera_common.runtime import freeze_startup_heap
@@ -118,8 +118,9 @@ class Agent:
         self._install_signals()
         try:
             return await self._run()
-        except Exception:
-            log.exception("agent_failed", worker_id=self.worker_id)
+        except Exception as exc:  # a server without JetStream is said in words, anything else with its trace
+            hint = {"error": NO_JETSTREAM} if no_jetstream(exc) else {"exc_info": True}
+            log.error("agent_failed", worker_id=self.worker_id, **hint)
             return 1
         finally:
             await self._cleanup()
