@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from infera.tools.preflight.finding import Finding, worst
+from infera.tools.preflight.finding import Finding, worst_of
 from infera.tools.preflight.probe_gpu import firmware_findings, gpu_findings, topology_findings
 from infera.tools.preflight.probe_host import host_findings, read_host
 from infera.tools.preflight.probe_network import fabric_findings, network_findings, read_network
@@ -88,16 +88,14 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None, ro
     env = os.environ if env is None else env
     dump = Path(settings.dump_path)
     rank, world = rank_world(env)
-    failed = False
     if not settings.render_only:
         host = host_name(env)
         sections = collect(settings, env, host, world, root)
         path = write_host(dump, host, env.get("PREFLIGHT_IMAGE") or "unknown", sections)
-        level = worst([f for found in sections.values() for f in found])
+        level = worst_of(sections)
         print(f"[preflight] [{host}] rank {rank}/{world}: {level}; wrote {path}", file=sys.stderr)
-        failed = level == "fail"
         if settings.collect_only or rank != 0:
-            return 2 if failed else 0
+            return 2 if level == "fail" else 0
         if world > 1 and (have := wait_for_hosts(dump, world, settings.wait_timeout)) < world:
             print(f"[preflight] only {have} of {world} hosts reported within {settings.wait_timeout:g}s",
                   file=sys.stderr)
@@ -108,6 +106,5 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None, ro
     consistency(hosts)
     report = dump / f"{settings.report_file_name}.html"
     report.write_text(render(hosts))
-    levels = [worst([f for found in h["sections"].values() for f in found]) for h in hosts]
     print(f"[preflight] report on {len(hosts)} host(s): {report}", file=sys.stderr)
-    return 2 if failed or "fail" in levels else 0
+    return 2 if any(worst_of(h["sections"]) == "fail" for h in hosts) else 0  # this host's file is among them

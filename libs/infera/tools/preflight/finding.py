@@ -21,6 +21,11 @@ def worst(findings: list[Finding]) -> Level:
     return max((f.level for f in findings), key=LEVELS.index, default="info")
 
 
+def worst_of(sections: dict[str, list[Finding]]) -> Level:
+    """The most serious level in a host's sections."""
+    return worst([f for found in sections.values() for f in found])
+
+
 def skipped(what: str, why: str) -> Finding:
     """A probe that could not measure here: said, never a failure of the node."""
     return Finding("info", f"{what}: not measured ({why})")

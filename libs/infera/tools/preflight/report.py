@@ -68,8 +68,8 @@ def render(hosts: list[dict[str, Any]]) -> str:
     esc = html.escape
     rows = []
     for h in hosts:
-        cells = "".join(f'<td class="{worst(h["sections"].get(n, []))}">{esc(worst(h["sections"][n]))}</td>'
-                        if n in h["sections"] else "<td></td>" for n in names)
+        levels = {n: worst(found) for n, found in h["sections"].items()}
+        cells = "".join(f'<td class="{levels[n]}">{levels[n]}</td>' if n in levels else "<td></td>" for n in names)
         rows.append(f"<tr><th>{esc(h['host'])}</th><td>{esc(str(h.get('image')))}</td>{cells}</tr>")
     detail = []
     for h in hosts:
