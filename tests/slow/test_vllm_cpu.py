@@ -246,6 +246,11 @@ def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cac
         capacity = worker.get("kv_capacity_tokens")
         assert isinstance(capacity, int) and capacity >= 1024 and capacity % BLOCK_SIZE == 0, capacity
         print(f"vLLM worker active after {startup_s:.1f}s: {json.dumps(worker)}")
+        # launched from vLLM 0.32's own server module, not the one it deprecates (whose warnings the
+        # engine's output, echoed into the agent's log, would carry)
+        agent_log = procs.log_path("worker-agent").read_text(errors="replace")
+        assert '"vllm.entrypoints.launchers.api_server.entry"' in agent_log
+        assert "api_server` is deprecated" not in agent_log and "DeprecationWarning" not in agent_log
         # the relay listens where the engine really publishes: vLLM's own report of its publishers
         # (0.32: a map {dp_rank: KVEventsConfig}; earlier: a list) names the registered port
         status, sources = http_json(worker["url"] + "/kv_event_sources", timeout=10)

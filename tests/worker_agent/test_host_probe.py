@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from infera_worker_agent.host_probe import gid_ipv4, installed_version, is_rocm, probe_host
+from infera_worker_agent.host_probe import gid_ipv4, is_rocm, probe_host
+from infera_worker_agent.interpreter_probe import installed
 
 IPV4_GID = "0000:0000:0000:0000:0000:ffff:c0a8:010b"  # ::ffff:192.168.1.11
 
@@ -59,6 +60,5 @@ def test_gid_ipv4():
     assert gid_ipv4("garbage") is None
 
 
-def test_installed_version_is_none_for_a_missing_distribution():
-    assert installed_version("infera") is not None
-    assert installed_version("no-such-distribution-xyz") is None
+def test_installed_versions_leave_out_a_missing_distribution():
+    assert set(installed(["infera", "no-such-distribution-xyz"])) == {"infera"}

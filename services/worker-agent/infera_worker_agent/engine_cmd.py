@@ -23,11 +23,21 @@ if TYPE_CHECKING:
     from infera_worker_agent.kv_config import KvEventsPlan
     from infera_worker_agent.pd_role import PdPlan
 
-ENGINE_MODULES = {
-    "mock": "infera_mock_engine",
-    "sglang": "sglang.launch_server",
-    "vllm": "vllm.entrypoints.openai.api_server",
+#: ``python -m`` modules that start each engine's server, preferred first. vLLM 0.32 moved its server
+#: to ``launchers.api_server.entry`` and warns that the older module, which every earlier release
+#: has, is deprecated; both parse the same flags.
+LAUNCH_MODULES = {
+    "mock": ("infera_mock_engine",),
+    "sglang": ("sglang.launch_server",),
+    "vllm": ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server"),
 }
+
+
+def launch_module(engine: str, present: frozenset[str] | None) -> str:
+    """The first of the engine's launch modules that the interpreter has (``present``; None: not
+    known), else the one every release has."""
+    modules = LAUNCH_MODULES[engine]
+    return next((m for m in modules if present is not None and m in present), modules[-1])
 
 
 WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}
@@ -113,6 +123,7 @@ def plan_engine(
     find_ports: Callable[[int], int] | None = None,
     role: str | None = None,
     env: Mapping[str, str] | None = None,
+    present_modules: frozenset[str] | None = None,
 ) -> EnginePlan:
     """Build the engine command line and the URLs the agent uses and registers.
 
@@ -120,9 +131,10 @@ def plan_engine(
     contiguous free ports) only when KV events are turned on by the agent (``kv_config``). ``role``
     is the agent's ``--role`` (None: read from the engine's flags) and ``env`` the environment the
     engine will get (vLLM reads its Mooncake bootstrap port from it); see ``pd_role``.
+    ``present_modules``: the launch modules the interpreter ``python`` has (``launch_module``).
     """
-    if engine not in ENGINE_MODULES:
-        raise EngineArgsError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINE_MODULES)}")
+    if engine not in LAUNCH_MODULES:
+        raise EngineArgsError(f"unknown engine {engine!r}; choose one of {', '.join(LAUNCH_MODULES)}")
     verbatim = list(engine_args)
     args = vllm_flag_view(verbatim) if engine == "vllm" else verbatim  # what the engine's parser reads
     extra: list[str] = []
@@ -158,7 +170,7 @@ def plan_engine(
         advertise_host = reach
     served = flag_value(args, "--served-model-name")
     return EnginePlan(
-        argv=(python, "-m", ENGINE_MODULES[engine], *verbatim, *extra),
+        argv=(python, "-m", launch_module(engine, present_modules), *verbatim, *extra),
         port=port,
         bind_host=bind_host,
         local_url=f"http://{url_host(reach)}:{port}",

@@ -12,6 +12,7 @@ from infera_common.ports import free_port, free_port_block
 from infera_common.runtime import configure_observability, event_loop_runner
 from infera_worker_agent.engine_cmd import EngineArgsError, EnginePlan, launch_problems, plan_engine
 from infera_worker_agent.engine_gpus import gpu_count_problem
+from infera_worker_agent.engine_install import install_problem
 from infera_worker_agent.engine_ports import port_problems
 from infera_worker_agent.host_probe import HostFacts, probe_host
 from infera_worker_agent.kv_config import index_block_problem
@@ -49,6 +50,7 @@ def build_plan(
         find_ports=find_ports,
         role=settings.role,
         env=env,
+        present_modules=host.launch_modules,
     )
     return apply_recipes(plan, env=env, host=host, allow_tcp=settings.disaggregation_allow_tcp)
 
@@ -63,6 +65,7 @@ def refusals(settings: AgentSettings, plan: EnginePlan, host: HostFacts, env: Ma
     problems.append(gpu_count_problem(settings.engine, plan.engine_args, env, host.gpus))
     if settings.enable_kv_events:
         problems.append(index_block_problem(settings.engine, settings.kv_index_block_size, plan.engine_args))
+    problems.append(install_problem(settings.engine, plan.argv[0], host, named=settings.engine_python is not None))
     return [p for p in problems if p is not None]
 
 

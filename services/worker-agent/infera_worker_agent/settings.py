@@ -28,13 +28,15 @@ class AgentSettings(DrainSettings, PlaneSettings, LogSettings):
 
     engine: Literal["mock", "sglang", "vllm"] = Field(
         description="Engine to launch: the mock engine, SGLang (sglang.launch_server) or vLLM "
-        "(vllm.entrypoints.openai.api_server)."
+        "(vllm.entrypoints.launchers.api_server.entry where the installed vLLM has it, as from 0.32; "
+        "else vllm.entrypoints.openai.api_server)."
     )
     engine_python: str | None = Field(
         None,
         description="Python interpreter that runs the engine (`PYTHON -m <engine module>`), e.g. a separate venv "
-        "holding vLLM or SGLang (.venv-vllm/bin/python); default: the agent's own interpreter. The installed "
-        "SGLang version the recipe rules check is read from this interpreter.",
+        "holding vLLM or SGLang (.venv-vllm/bin/python); default: the agent's own interpreter. Asked at start, "
+        "in a short subprocess, whether it has the engine (refused if not) and which SGLang version the "
+        "recipe rules check.",
     )
     worker_id: str | None = Field(
         None,
