@@ -24,16 +24,18 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from infera.fleet_plan import ProcSpec, no_broker, plan_fleet
 from infera.procs import free_port, start_etcd, start_nats, stop_processes, wait_port
 from infera_common.models import BUNDLED_MODEL_NAME
+from infera_common.ports import IN_USE, bind_failure
 from infera_common.schemas import KvEventTransport, RequestTransport
-from infera_common.settings import TracingSettings, parse_cli
+from infera_common.settings import TracingSettings, directory_to_write, parse_cli
 from infera_router.settings import PolicyName
 
 
@@ -82,9 +84,35 @@ class UpSettings(TracingSettings):  # --otlp-traces-endpoint: passed to every se
     state_dir: str | None = Field(None, description="Directory for JetStream state and logs (default: a temp dir).")
     ready_timeout: float = Field(60.0, gt=0, description="Seconds to wait for the fleet to become ready.")
 
+    @field_validator("state_dir")
+    @classmethod
+    def _state_dir_form(cls, value: str | None) -> str | None:
+        return None if value is None else directory_to_write(value)
+
+
+def port_problems(settings: UpSettings, bind: Callable[[str, int], str | None] = bind_failure) -> list[str]:
+    """The ports given on the command line that cannot be listened on, each naming its flag: found
+    before anything starts (nats-server on a port another process holds exits at once, and the
+    services would then wait for a NATS that is not there)."""
+    given = [("--port", settings.host, settings.port), ("--nats-port", "127.0.0.1", settings.nats_port)]
+    if settings.discovery_backend == "etcd":
+        given.append(("--etcd-port", "127.0.0.1", settings.etcd_port))
+    problems = []
+    for flag, host, port in given:
+        failure = bind(host, port) if port else None
+        if failure is not None:
+            fix = "choose another" if failure == IN_USE else "give one of this host's addresses to --host"
+            problems.append(f"{flag} {port}: {host}:{port} is {failure}; {fix}"
+                            + (" (0 picks a free one)" if flag != "--port" and failure == IN_USE else ""))
+    return problems
+
 
 def main(argv: list[str]) -> int:
     settings, _ = parse_cli(UpSettings, argv, prog="infera up", description=__doc__)
+    if problems := port_problems(settings):
+        for problem in problems:
+            print(f"infera up: error: {problem}", file=sys.stderr)
+        return 2
     nats_port = settings.nats_port or free_port()
     nats_url = f"nats://127.0.0.1:{nats_port}"
     etcd_port = (settings.etcd_port or free_port()) if settings.discovery_backend == "etcd" else None

@@ -73,9 +73,18 @@ class Reconnects:
             self._task = None
 
 
-async def connect(url: str, name: str, connect_timeout: float = 10.0, reconnects: Reconnects | None = None) -> NATS:
+#: Why a service run on its own dials NATS although its plane flags need none (etcd, http, zmq).
+BETWEEN_SERVICES = ("the frontend, router and kv-indexer, run as separate processes, talk to one another over NATS "
+                    "whatever the plane flags; to run them without a broker, run them as one process: "
+                    "python -m infera.server with the same flags")
+
+
+async def connect(url: str, name: str, connect_timeout: float = 10.0, reconnects: Reconnects | None = None,
+                  *, planes_need_it: bool = True) -> NATS:
     """Connect within ``connect_timeout`` (else ``ConnectionError`` naming the fix), then reconnect forever;
     after each reconnect ``reconnects`` (if given) restores the broker state its steps own.
+    ``planes_need_it``: False for a service whose plane flags need no NATS (the message then says why
+    it is needed all the same: ``BETWEEN_SERVICES``).
 
     nats-py retries an unreachable server forever inside ``nats.connect`` when reconnecting is
     unlimited, and on Python 3.11 one cancellation can be lost inside its own ``wait_for``; so the
@@ -117,6 +126,7 @@ async def connect(url: str, name: str, connect_timeout: float = 10.0, reconnects
             f"cannot reach NATS at {url} within {connect_timeout:g}s"
             + (f" ({cause})" if cause else "")
             + "; start nats-server with JetStream (nats-server -js) or pass --nats-url / INFERA_NATS_URL"
+            + ("" if planes_need_it else f" ({BETWEEN_SERVICES})")
         ) from cause
     return task.result()
 

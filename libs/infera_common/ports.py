@@ -19,6 +19,7 @@ ports claimed, and no block of 8 contiguous ones was left (a PD fleet failed to 
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import socket
@@ -142,3 +143,24 @@ def free_port_block(n: int, taken: set[int] | None = None, host: str = "0.0.0.0"
             taken.update(block)
             return base
     raise OSError(f"no block of {n} free ports found")
+
+
+IN_USE = "in use"
+NOT_HERE = "not an address of this host"
+
+
+def bind_failure(host: str, port: int) -> str | None:
+    """Why a server could not listen on ``host:port`` (``IN_USE``, ``NOT_HERE``, or the host not
+    resolving), None when it could (or the test bind failed for another reason: the server says).
+    A test bind with ``SO_REUSEADDR``, as servers bind, so a port left in TIME_WAIT counts as free."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        return f"{NOT_HERE}: it does not resolve ({exc.strerror})"
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            return {errno.EADDRINUSE: IN_USE, errno.EADDRNOTAVAIL: NOT_HERE}.get(exc.errno or 0)
+    return None

@@ -11,6 +11,7 @@ import argparse
 import sys
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, field_validator
@@ -30,6 +31,14 @@ class TracingSettings(InferaSettings):
         None, description="OTLP/HTTP collector URL for request spans (e.g. http://127.0.0.1:4318/v1/traces); "
         "unset: no spans (a client's W3C traceparent still passes through to the engine).",
     )
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _otlp_url(cls, value: str | None) -> str | None:
+        # the exporter takes anything and fails only when the first spans are sent, in a log line
+        if value is not None and not value.lower().startswith(("http://", "https://")):
+            raise ValueError("an OTLP/HTTP URL starts with http:// or https:// (e.g. http://HOST:4318/v1/traces)")
+        return value
 
 
 class LogSettings(TracingSettings):
@@ -53,8 +62,23 @@ class DrainSettings(InferaSettings):
     )
 
 
+#: The URL schemes the NATS client dials (a URL without one is taken as nats://).
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
 class NatsSettings(InferaSettings):
     nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated.")
+
+    @field_validator("nats_url")
+    @classmethod
+    def _nats_url_form(cls, value: str) -> str:
+        # a wrong scheme would only show as "cannot reach NATS" after the connect timeout
+        for url in value.split(","):
+            scheme = url.strip().partition("://")[0].lower() if "://" in url else "nats"
+            if not url.strip() or scheme not in NATS_SCHEMES:
+                raise ValueError(f"{url.strip()!r} is not a NATS server URL: use nats://HOST:PORT "
+                                 f"({', '.join(s + '://' for s in NATS_SCHEMES[1:])} also work), comma-separated")
+        return value
 
 
 def nats_planes(discovery_backend: str, request_transport: str, kv_event_transport: str) -> tuple[str, ...]:
@@ -98,13 +122,26 @@ class PlaneSettings(NatsSettings):
     @field_validator("discovery_ttl")
     @classmethod
     def _etcd_lease_bound(cls, value: float, info: ValidationInfo) -> float:
-        if info.data.get("discovery_backend") == "etcd" and value > 30:
-            raise ValueError("at most 30 s with --discovery-backend etcd (it is the etcd lease TTL)")
+        from infera_common.discovery_etcd import MAX_LEASE_TTL, MIN_LEASE_TTL
+
+        if info.data.get("discovery_backend") == "etcd" and not (
+                MIN_LEASE_TTL <= value <= MAX_LEASE_TTL and value == int(value)):
+            raise ValueError(f"with --discovery-backend etcd it is the etcd lease TTL: whole seconds, "
+                             f"{MIN_LEASE_TTL} to {MAX_LEASE_TTL}")
         return value
 
     def nats_uses(self) -> tuple[str, ...]:
         """This process's plane flags that need NATS (``nats_planes``); empty: it never dials NATS."""
         return nats_planes(self.discovery_backend, self.request_transport, self.kv_event_transport)
+
+
+def directory_to_write(value: str) -> str:
+    """``value`` when it is a directory, or one can be created there; ValueError naming the file in the way."""
+    path = Path(value).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{existing} is a file: give a directory (created if absent)")
+    return value
 
 
 S = TypeVar("S", bound=BaseSettings)
@@ -186,5 +223,6 @@ def _explain(exc: ValidationError, prefix: str = ENV_PREFIX) -> str:
         if err["type"] == "missing":
             lines.append(f"{flag} (env {env}) is required")
         else:
-            lines.append(f"{flag} (env {env}): {err['msg']} (got {err.get('input')!r})")
+            lines.append(f"{flag} (env {env}): {str(err['msg']).removeprefix('Value error, ')} "
+                         f"(got {err.get('input')!r})")
     return "invalid setting: " + "; ".join(lines)

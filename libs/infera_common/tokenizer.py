@@ -176,11 +176,18 @@ class ChatTokenizer:
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path} (pass the model directory with --model-path)")
-        tokenizer = Tokenizer.from_file(str(tok_file))
         config: dict[str, Any] = {}
         cfg_file = path / "tokenizer_config.json"
+        try:
+            tokenizer = Tokenizer.from_file(str(tok_file))
+        except Exception as exc:  # the library's own error says what is wrong inside, not which file
+            raise ValueError(f"cannot read the tokenizer {tok_file}: {exc} (the model directory given with --model-path"
+                             " / --router-tokenizer-path must hold the model's own tokenizer files)") from exc
         if cfg_file.is_file():
-            config = json.loads(cfg_file.read_text(encoding="utf-8"))
+            try:
+                config = json.loads(cfg_file.read_text(encoding="utf-8"))
+            except ValueError as exc:
+                raise ValueError(f"cannot read {cfg_file}: {exc}") from exc
         template = _pick_template(config.get("chat_template"))
         jinja_file = path / "chat_template.jinja"
         if template is None and jinja_file.is_file():

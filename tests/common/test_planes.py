@@ -17,6 +17,9 @@ def test_etcd_discovery_is_accepted_and_described_with_its_endpoint():
     assert discovery_for(PlaneSettings()).log_fields() == {"discovery_backend": "nats"}
 
 
-def test_a_lease_longer_than_30_s_is_refused_with_etcd():
-    with pytest.raises(ValueError, match="at most 30 s"):
-        PlaneSettings(discovery_backend="etcd", discovery_ttl=45)
+@pytest.mark.parametrize("ttl", [45, 1, 2.5])
+def test_an_etcd_lease_ttl_etcd_would_not_grant_as_given_is_refused(ttl):
+    # etcd leases are whole seconds, and shorter than 2 s etcd raises them: refused, not rounded
+    with pytest.raises(ValueError, match="whole seconds, 2 to 30"):
+        PlaneSettings(discovery_backend="etcd", discovery_ttl=ttl)
+    assert PlaneSettings(discovery_backend="nats", discovery_ttl=ttl).discovery_ttl == ttl

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -179,3 +180,20 @@ def test_infera_up_says_why_a_worker_failed_to_start(tmp_path):
     assert r.returncode == 1
     assert "worker-1 exited with" in r.stderr and "during start-up" in r.stderr, r.stderr
     assert "argument --speedup/--speedup-ratio: expected a number, got 'abc'" in r.stderr
+
+
+@pytest.mark.parametrize("flag", ["--nats-port", "--port"])
+def test_infera_up_refuses_a_port_another_process_holds_before_starting_anything(tmp_path, flag):
+    """A nats-server on a held port exits at once (and the services then waited 10 s for a NATS that
+    was not there, blaming it); the frontend's port is checked as well."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        held = holder.getsockname()[1]
+        ports = {"--port": str(free_port()), "--nats-port": "0", flag: str(held)}
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "infera.cli", "up", *(a for kv in ports.items() for a in kv),
+                            "--state-dir", str(tmp_path)], env=env_with(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert f"infera up: error: {flag} {held}: 127.0.0.1:{held} is in use; choose another" in r.stderr
+    assert time.monotonic() - t0 < 10 and not (tmp_path / "logs").exists()  # nothing was started

@@ -61,6 +61,16 @@ def test_missing_tokenizer_names_the_flag(tmp_path):
         ChatTokenizer.from_dir(tmp_path)
 
 
+def test_a_broken_tokenizer_file_is_named_with_the_flag(tmp_path):
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0",\n')
+    with pytest.raises(ValueError, match=f"cannot read the tokenizer {tmp_path / 'tokenizer.json'}: .*--model-path"):
+        ChatTokenizer.from_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes((default_model_path() / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text("{")
+    with pytest.raises(ValueError, match=f"cannot read {tmp_path / 'tokenizer_config.json'}"):
+        ChatTokenizer.from_dir(tmp_path)
+
+
 def test_routing_tokens_for_each_prompt_shape(tok):
     chat = parse_body(Endpoint.CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "1+1=?"}]}')
     t = tokenize(tok, chat)

@@ -56,3 +56,18 @@ def test_the_runbooks_module_path_runs_on_this_machine(tmp_path):
     r = subprocess.run([sys.executable, "-m", "infera.tools.preflight", "--storage-gb", "-1"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "--storage-gb (env INFERA_PREFLIGHT_STORAGE_GB)" in r.stderr
+
+
+def test_flags_that_cannot_work_are_refused_before_any_probe_runs(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for argv, says in ((["--host", "--dump-path", str(afile)], f"{afile} is a file: give a directory"),
+                       (["--render-only", "--collect-only"], "exclude each other: give one")):
+        try:
+            main(argv, env={"PREFLIGHT_HOST": "n"})
+        except SystemExit as exc:
+            assert exc.code == 2
+        else:
+            raise AssertionError(f"{argv} was accepted")
+        err = capsys.readouterr().err
+        assert says in err and "[preflight]" not in err  # no probe ran

@@ -52,3 +52,17 @@ def test_bad_agent_flags_exit_2_naming_the_flag(argv, needle, capsys):
         parse_agent_cli(argv)
     assert exc.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host", ["10.0.0.11:30000", "http://10.0.0.11", "not a host", "node/1", ""])
+def test_an_advertise_host_that_is_not_a_host_is_refused(host, capsys):
+    # registered as http://HOST:PORT, it would give every router a URL it cannot call
+    with pytest.raises(SystemExit) as exit_:
+        parse_agent_cli(["--engine", "mock", "--advertise-host", host])
+    assert exit_.value.code == 2
+    assert "--advertise-host (env INFERA_ADVERTISE_HOST): a host name or IP address alone" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host", ["10.0.0.11", "node-1.cluster.local", "gpu_node7", "fe80::1", "[::1]", "a."])
+def test_host_names_and_addresses_are_accepted_as_advertise_host(host):
+    assert parse_agent_cli(["--engine", "mock", "--advertise-host", host])[0].advertise_host == host

@@ -8,8 +8,9 @@ import time
 import pytest
 
 from infera_common.models import default_model_path
+from infera_common.ports import IN_USE, NOT_HERE, bind_failure
 from infera_worker_agent.engine_cmd import plan_engine
-from infera_worker_agent.engine_ports import IN_USE, NOT_HERE, bind_failure, bind_host, port_problems
+from infera_worker_agent.engine_ports import bind_host, port_problems
 from tests.worker_agent.recipe_fakes import SGLANG_PREFILL
 
 

@@ -132,3 +132,8 @@ def test_the_interpreter_sees_the_modules_python_m_would(tmp_path, bare, monkeyp
     monkeypatch.chdir(checkout)
     assert probe_interpreter(str(bare), (OLD_VLLM,), ()).modules == frozenset({OLD_VLLM})
     assert not mark.exists()
+
+
+def test_the_mock_under_an_interpreter_without_infera_is_refused(bare, capsys):
+    assert main(["--engine", "mock", "--engine-python", str(bare), "--nats-url", "nats://127.0.0.1:1"]) == 2
+    assert f"the mock engine (Infera's) is not installed for --engine-python {bare}" in capsys.readouterr().err

@@ -70,7 +70,7 @@ class Frontend:
             log.warning("no_chat_template", model_path=s.model_path)
         if self.nc is None:
             self.nc = await connect(s.nats_url, f"infera-frontend-{self.frontend_id}", NATS_CONNECT_TIMEOUT,
-                                    self._reconnects)
+                                    self._reconnects, planes_need_it=bool(s.nats_uses()))
         js = self.nc.jetstream() if s.discovery_backend == "nats" else None  # etcd needs no JetStream
         self.discovery = discovery_for(s, js)
         log.info("discovery", frontend_id=self.frontend_id, **nats_log_fields(s.nats_url, self._own_nc),

@@ -90,7 +90,8 @@ class KvIndexerService:
     async def start(self) -> None:
         s = self.settings
         if self.nc is None:
-            self.nc = await connect(s.nats_url, "infera-kv-indexer", NATS_CONNECT_TIMEOUT, self._reconnects)
+            self.nc = await connect(s.nats_url, "infera-kv-indexer", NATS_CONNECT_TIMEOUT, self._reconnects,
+                                    planes_need_it=bool(s.nats_uses()))
         js = self.nc.jetstream() if self.uses_stream or s.discovery_backend == "nats" else None
         if self.uses_stream:
             self._stream = StreamFollower(js, self._on_stream_message, self.metrics.replaying)

@@ -96,7 +96,7 @@ class RouterService(RoutePath):
     async def start(self) -> None:
         if self.nc is None:
             self.nc = await connect(self.settings.nats_url, f"infera-router-{self.router_id}", NATS_CONNECT_TIMEOUT,
-                                    self._reconnects)
+                                    self._reconnects, planes_need_it=bool(self.settings.nats_uses()))
         js = self.nc.jetstream() if self.settings.discovery_backend == "nats" else None  # etcd needs no JetStream
         self.discovery = discovery_for(self.settings, js)
         log.info("discovery", router_id=self.router_id, **nats_log_fields(self.settings.nats_url, self._own_nc),

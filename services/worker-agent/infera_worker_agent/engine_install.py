@@ -10,16 +10,14 @@ from __future__ import annotations
 from infera_worker_agent.engine_cmd import LAUNCH_MODULES
 from infera_worker_agent.host_probe import HostFacts
 
-ENGINE_NAMES = {"sglang": "SGLang", "vllm": "vLLM"}
+ENGINE_NAMES = {"sglang": "SGLang", "vllm": "vLLM", "mock": "the mock engine (Infera's)"}
 
 
 def install_problem(engine: str, python: str, host: HostFacts, *, named: bool) -> str | None:
     """Why ``python`` cannot launch ``engine``, naming what to change; None when it can or nobody
-    asked it (the mock engine, which the agent's own install holds). ``named``: the interpreter
-    came from ``--engine-python``."""
-    name = ENGINE_NAMES.get(engine)
-    if name is None:
-        return None
+    asked it (the mock engine under the agent's own interpreter, whose install holds it).
+    ``named``: the interpreter came from ``--engine-python``."""
+    name = ENGINE_NAMES[engine]
     where = "--engine-python" if named else "the agent's own interpreter"
     if host.interpreter_error is not None:
         return (f"{where} {python} cannot be run ({host.interpreter_error}): give --engine-python the path "

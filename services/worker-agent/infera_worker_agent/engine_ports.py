@@ -8,44 +8,22 @@ the engine's ``--host`` (each engine's default when not given), and an SGLang pr
 port, which it binds on the same host (``--disaggregation-bootstrap-port``, default 8998: two
 prefill engines on one node need different ones), and the KV-event publisher and replay ports a
 user's ``--kv-events-config`` names for the engine to bind (two engines on one node given the same
-config collide; the ports the agent picks itself are free). A test bind with ``SO_REUSEADDR``, as
-the engines' servers bind, so a port left in TIME_WAIT counts as free. The same bind finds an
-engine ``--host`` that is not an address of this host (or does not resolve): that engine could
-never listen, and would find out as late.
+config collide; the ports the agent picks itself are free). A test bind as the engines' servers
+bind (``ports.bind_failure``). The same bind finds an engine ``--host`` that is not an address of
+this host (or does not resolve): that engine could never listen, and would find out as late.
 """
 
 from __future__ import annotations
 
-import errno
-import socket
 from collections.abc import Callable
 
 from infera_common.kv_endpoints import is_wildcard, split_tcp
+from infera_common.ports import IN_USE, bind_failure
 from infera_common.schemas import Role
 from infera_worker_agent.engine_cmd import WILDCARD_HOSTS, EnginePlan
 
 #: where each engine listens without ``--host`` (SGLang's and the mock's default; vLLM: every interface)
 DEFAULT_BIND = {"sglang": "127.0.0.1", "vllm": "0.0.0.0", "mock": "127.0.0.1"}
-
-
-IN_USE = "in use"
-NOT_HERE = "not an address of this host"
-
-
-def bind_failure(host: str, port: int) -> str | None:
-    """Why the engine could not listen on ``host:port`` (``IN_USE``, ``NOT_HERE``, or the host not
-    resolving), None when it could (or the test bind failed for another reason: the engine says)."""
-    try:
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    except socket.gaierror as exc:
-        return f"{NOT_HERE}: it does not resolve ({exc.strerror})"
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(address)
-        except OSError as exc:
-            return {errno.EADDRINUSE: IN_USE, errno.EADDRNOTAVAIL: NOT_HERE}.get(exc.errno or 0)
-    return None
 
 
 def bind_host(plan: EnginePlan) -> str:

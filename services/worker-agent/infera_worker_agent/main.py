@@ -71,8 +71,10 @@ def refusals(settings: AgentSettings, plan: EnginePlan, host: HostFacts, env: Ma
 
 def main(argv: list[str] | None = None) -> int:
     settings, engine_args = parse_agent_cli(list(sys.argv[1:] if argv is None else argv))
-    # the mock gets no recipe rules: no host facts needed (and no SGLang import metadata scan)
-    host = HostFacts() if settings.engine == "mock" else probe_host(os.environ, python=settings.engine_python)
+    # the mock gets no recipe rules: no host facts needed (and no SGLang import metadata scan), unless it
+    # runs under another interpreter, which is then asked whether it has the mock
+    mock_here = settings.engine == "mock" and settings.engine_python is None
+    host = HostFacts() if mock_here else probe_host(os.environ, python=settings.engine_python)
     try:
         plan = build_plan(settings, engine_args, host)
     except EngineArgsError as exc:

@@ -8,15 +8,20 @@ also uses, e.g. ``-- --log-level debug``). The engine owns ``--host``, ``--port`
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import secrets
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from infera_common.settings import DrainSettings, LogSettings, PlaneSettings, parse_cli
 from infera_common.subjects import TOKEN_RE
 
 PROG = "infera-worker-agent"
+#: a DNS host name (labels of letters, digits, '-', and '_' as some clusters use), optionally fully qualified
+_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+HOST_NAME_RE = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
 DESCRIPTION = (
     "Launch one inference engine (mock, sglang or vllm), register it in discovery, and relay its requests "
     "from NATS (--request-transport nats) or let routers call it directly (http). Unrecognised arguments, "
@@ -141,6 +146,22 @@ class AgentSettings(DrainSettings, PlaneSettings, LogSettings):
     metrics_port: int = Field(
         9200, ge=0, le=65535, description="Port of the agent's own /metrics endpoint (0 = a free port)."
     )
+
+    @field_validator("advertise_host")
+    @classmethod
+    def _a_host(cls, value: str | None) -> str | None:
+        # registered as http://HOST:PORT: anything else gives every router a URL it cannot call
+        if value is None:
+            return value
+        try:
+            ipaddress.ip_address(value.removeprefix("[").removesuffix("]"))
+            return value
+        except ValueError:
+            pass
+        if not HOST_NAME_RE.fullmatch(value):
+            raise ValueError("a host name or IP address alone, without scheme, port or path (the registered URL "
+                             "is http://HOST:PORT, the port from the engine's --port)")
+        return value
 
     @model_validator(mode="after")
     def _default_worker_id(self) -> "AgentSettings":

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import Field, create_model
+from pydantic import Field, create_model, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from infera_common.settings import InferaSettings
+from infera_common.settings import InferaSettings, directory_to_write
 
 #: the probes of one node, in report order: flag name -> what it looks at
 NODE_PROBES = {
@@ -52,6 +52,16 @@ class PreflightSettings(_ProbeFlags):
                               "report.")
     wait_timeout: float = Field(300.0, gt=0, description="Seconds the reporting host (SLURM rank 0) waits for every "
                                 "node's JSON before it renders the report with what it has.")
+
+    # checked before the probes run (the storage probe alone may take a minute)
+    _dump_path_form = field_validator("dump_path")(directory_to_write)
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> PreflightSettings:
+        if self.collect_only and self.render_only:
+            raise ValueError("--collect-only (probe, write this host's JSON, no report) and --render-only (no "
+                             "probe, only the report) exclude each other: give one")
+        return self
 
     def selected(self) -> list[str]:
         """The probes asked for; none asked: every one."""
