@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.client import JetStreamContext
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from infera_common.fleet import Change, FleetView
@@ -20,6 +20,7 @@ from infera_common.logs import get_logger
 from infera_common.schemas import WorkerRecord, WorkerStatus, decode, encode
 from infera_common.subjects import DISCOVERY_BUCKET
 from infera_common.tasks import stop_tasks
+from infera_common.worker_claim import Entry, wait_until_free
 
 log = get_logger("discovery")
 
@@ -54,9 +55,37 @@ class Registrar:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
+        """Claim the worker id (``worker_claim``: raises ``WorkerIdTaken`` when a live agent holds it),
+        then keep the record alive."""
         self._kv = await open_bucket(self._js)
-        await self._put()
+        await self._claim()
         self._task = asyncio.create_task(self._heartbeat(), name="discovery-heartbeat")
+
+    async def _claim(self) -> None:
+        assert self._kv is not None
+        while True:
+            seen = await wait_until_free(self._read, refreshed_by_put=True)
+            self.record = self.record.model_copy(update={"heartbeat_at": time.time()})
+            try:
+                if seen is None:
+                    await self._kv.create(self.record.worker_id, encode(self.record))
+                else:  # the entry left behind, unless someone wrote it since
+                    await self._kv.update(self.record.worker_id, encode(self.record), last=seen.revision)
+                return
+            except KeyWrongLastSequenceError:  # another agent wrote it first: watch again
+                continue
+
+    async def _read(self) -> Entry[int] | None:
+        assert self._kv is not None
+        try:
+            entry = await self._kv.get(self.record.worker_id)
+        except KeyNotFoundError:
+            return None
+        try:
+            return Entry(decode(WorkerRecord, entry.value), entry.revision)
+        except ValueError:  # unreadable: taken for one left behind (silent from the start)
+            return Entry(self.record.model_copy(update={"heartbeat_at": 0.0, "started_at": 0.0, "ttl": 0.0}),
+                         entry.revision)
 
     async def restore(self) -> None:
         """After a reconnect: the bucket again (a restarted broker lost it) and the record in it now,

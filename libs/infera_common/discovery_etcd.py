@@ -46,6 +46,7 @@ from infera_common.fleet import Change, FleetView
 from infera_common.logs import get_logger
 from infera_common.schemas import WorkerRecord, WorkerStatus
 from infera_common.tasks import stop_tasks
+from infera_common.worker_claim import Entry, wait_until_free
 
 log = get_logger("discovery.etcd")
 
@@ -92,11 +93,12 @@ class EtcdRegistrar:
         self._task: asyncio.Task | None = None
 
     async def start(self, retry_for: float = 0.0) -> None:
-        """Register; keep trying for ``retry_for`` seconds while etcd is unreachable, then raise."""
+        """Claim the worker id and register (``worker_claim``: raises ``WorkerIdTaken`` when a live
+        agent holds the id); keep trying for ``retry_for`` seconds while etcd is unreachable, then raise."""
         deadline = time.monotonic() + retry_for
         while True:
             try:
-                await self._register()
+                await self._register(claim=True)
                 break
             except EtcdUnavailable:
                 if time.monotonic() >= deadline:
@@ -136,11 +138,30 @@ class EtcdRegistrar:
         if self._owns_client:
             await self._client.close()
 
-    async def _register(self) -> None:
+    async def _register(self, claim: bool = False) -> None:
+        """A new lease and the record under it; ``claim``: only once no other live agent holds the id
+        (a lease that expired under this agent is its own key: put again without asking)."""
+        if claim:
+            await wait_until_free(self._read, refreshed_by_put=False)
         self.lease_id, granted = await self._client.grant(lease_ttl(self.record.ttl))
         self.lease_ttl = granted
         self.record = self.record.model_copy(update={"ttl": float(granted)})
+        while claim:
+            self.record = self.record.model_copy(update={"heartbeat_at": time.time()})
+            if await self._client.create(self.key, self.record.model_dump_json().encode(), self.lease_id):
+                self._dirty = False
+                return
+            await wait_until_free(self._read, refreshed_by_put=False)  # another agent wrote it first
         await self._put()
+
+    async def _read(self) -> Entry[int] | None:
+        kv = await self._client.get(self.key)
+        if kv is None:
+            return None
+        try:
+            return Entry(WorkerRecord.model_validate_json(kv.value), kv.mod_revision)
+        except ValueError:  # unreadable: the lease behind it decides, as for any other holder
+            return Entry(self.record.model_copy(update={"heartbeat_at": 0.0, "started_at": 0.0}), kv.mod_revision)
 
     async def _put(self) -> None:
         self.record = self.record.model_copy(update={"heartbeat_at": time.time()})

@@ -179,6 +179,22 @@ class EtcdClient:
             body["lease"] = str(lease)
         return _revision(await self.call("/v3/kv/put", body))
 
+    async def get(self, key: str) -> KeyValue | None:
+        """The value at ``key`` exactly; None when there is none."""
+        kvs = (await self.call("/v3/kv/range", {"key": _b64(key.encode())})).get("kvs", [])
+        return _kv(kvs[0]) if kvs else None
+
+    async def create(self, key: str, value: bytes, lease: int = 0) -> bool:
+        """Store ``value`` at ``key`` only if there is none (one transaction); False when there is."""
+        put: dict[str, Any] = {"key": _b64(key.encode()), "value": _b64(value)}
+        if lease:
+            put["lease"] = str(lease)
+        msg = await self.call("/v3/kv/txn", {
+            "compare": [{"key": _b64(key.encode()), "target": "VERSION", "result": "EQUAL", "version": "0"}],
+            "success": [{"request_put": put}],
+        })
+        return bool(msg.get("succeeded"))
+
     async def range_prefix(self, prefix: str) -> tuple[int, list[KeyValue]]:
         """Every key under ``prefix`` and the store revision the listing was read at."""
         raw = prefix.encode()

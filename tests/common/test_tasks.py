@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+from nats.js.errors import KeyNotFoundError
+
 from infera_common.discovery import Registrar
 from infera_common.schemas import WorkerRecord, WorkerStatus
 from infera_common.tasks import stop_tasks
@@ -70,10 +72,15 @@ class _AckedAsCancelledKv:
         self.deleted: list[str] = []
         self.pending: asyncio.Future | None = None
 
+    async def get(self, key: str):
+        raise KeyNotFoundError  # nobody holds the id
+
+    async def create(self, key: str, value: bytes) -> int:
+        self.puts += 1
+        return 1  # the claim of start()
+
     async def put(self, key: str, value: bytes) -> int:
         self.puts += 1
-        if self.puts == 1:
-            return 1  # the put of start()
         self.pending = asyncio.get_running_loop().create_future()
         return await asyncio.wait_for(self.pending, 5)
 

@@ -312,3 +312,20 @@ def test_the_gpus_the_agent_counts_are_the_ones_sglang_parses(launch, sglang):
     a = sglang.parse(["--model-path", "/m", *args])
     per_node = -(-a.tp_size * a.pp_size // a.nnodes)
     assert gpus_needed("sglang", args)[:2] == (a.base_gpu_id + (per_node - 1) * a.gpu_id_step + 1, a.base_gpu_id)
+
+
+def test_no_sglang_flag_is_taken_for_a_mistyped_agent_flag(sglang):
+    """The agent refuses an engine argument that looks like a mistyped agent flag (``flag_typos``):
+    none of SGLang's own flags may look so."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    from infera_worker_agent.flag_typos import near_misses
+    from infera_worker_agent.settings import agent_flags
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    own = agent_flags()
+    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--") and o not in own]
+    assert len(flags) > 300 and near_misses(flags, own) == []

@@ -394,3 +394,25 @@ def test_the_gpus_the_agent_counts_are_the_ones_vllm_parses():
     for argv, (tp, pp, pcp, dp, dp_local, dp_rank) in zip(GPU_LAUNCHES, json.loads(out.stdout.splitlines()[-1])):
         ranks_here = 1 if dp_rank is not None else (dp_local if dp_local is not None else dp)
         assert gpus_needed("vllm", argv)[0] == tp * pp * pcp * ranks_here, argv
+
+
+#: every option vLLM's own parser takes
+LIST_FLAGS = """
+import json
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+print(json.dumps([o for a in make_arg_parser(FlexibleArgumentParser())._actions for o in a.option_strings]))
+"""
+
+
+def test_no_vllm_flag_is_taken_for_a_mistyped_agent_flag():
+    """The agent refuses an engine argument that looks like a mistyped agent flag (``flag_typos``):
+    none of vLLM's own flags may look so."""
+    from infera_worker_agent.flag_typos import near_misses
+    from infera_worker_agent.settings import agent_flags
+
+    out = subprocess.run([vllm_python(), "-c", LIST_FLAGS], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    own = agent_flags()
+    flags = [o for o in json.loads(out.stdout.splitlines()[-1]) if o.startswith("--") and o not in own]
+    assert len(flags) > 300 and near_misses(flags, own) == []

@@ -461,6 +461,23 @@ async def test_sigkilled_agent_takes_its_engine_along_and_ages_out(bus, agents):
     assert await eventually(lambda: not alive(agent.watchdog_pid()), 5)
 
 
+async def test_a_second_agent_given_a_live_agents_worker_id_exits_2_before_launching_its_engine(bus, agents):
+    """One runbook line on two nodes: the second agent is refused in seconds, and the first keeps its entry
+    (the second used to overwrite it, and take it along when it stopped)."""
+    first = agents("w-twice")
+    record = await bus.active("w-twice")
+    second = agents("w-twice")
+    assert second.wait(15) == 2
+    refused = second.event("worker_id_taken")
+    assert refused is not None and f"its engine at {record.url}" in refused["error"]
+    assert "give every agent its own --worker-id" in refused["error"]
+    assert second.event("engine_spawned") is None
+    await asyncio.sleep(2.5)  # longer than the ttl: the first agent's entry is still there, unchanged
+    current = bus.watcher.view.get("w-twice")
+    assert current is not None and (current.url, current.started_at) == (record.url, record.started_at)
+    assert first.proc.poll() is None
+
+
 async def test_drain_timeout_cancels_what_is_left_and_still_exits_0(bus, agents):
     agent = agents("w-slowdrain", ["--drain-timeout", "0.5"])
     await bus.active("w-slowdrain")

@@ -66,3 +66,29 @@ def test_an_advertise_host_that_is_not_a_host_is_refused(host, capsys):
 @pytest.mark.parametrize("host", ["10.0.0.11", "node-1.cluster.local", "gpu_node7", "fe80::1", "[::1]", "a."])
 def test_host_names_and_addresses_are_accepted_as_advertise_host(host):
     assert parse_agent_cli(["--engine", "mock", "--advertise-host", host])[0].advertise_host == host
+
+
+@pytest.mark.parametrize("typo, meant", [
+    ("--discovery-backnd", "--discovery-backend"), ("--nats_url", "--nats-url"), ("--worker_id", "--worker-id"),
+    ("--kv-events-transport=zmq", "--kv-event-transport"), ("--engine-pyhton", "--engine-python"),
+])
+def test_a_mistyped_agent_flag_is_refused_not_handed_to_the_engine(typo, meant, capsys):
+    # it used to reach the engine (the mock ignores flags it does not know) while the agent ran on its defaults
+    with pytest.raises(SystemExit) as exit_:
+        parse_agent_cli(["--engine", "mock", typo, "x"] if "=" not in typo else ["--engine", "mock", typo])
+    assert exit_.value.code == 2
+    name = typo.split("=")[0]
+    assert f"{name} is not a flag of the agent, and would go to the engine as written: did you mean {meant}?" in (
+        capsys.readouterr().err)
+    # after `--` it is the engine's, as written
+    assert parse_agent_cli(["--engine", "mock", "--", typo])[1] == [typo]
+
+
+def test_no_flag_of_the_mock_engine_is_taken_for_a_mistyped_agent_flag():
+    from infera_mock_engine.main import build_parser as mock_parser
+    from infera_worker_agent.flag_typos import near_misses
+    from infera_worker_agent.settings import agent_flags
+
+    agent = agent_flags()
+    mock = [o for a in mock_parser()._actions for o in a.option_strings if o.startswith("--") and o not in agent]
+    assert len(mock) > 20 and near_misses(mock, agent) == []

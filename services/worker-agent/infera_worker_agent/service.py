@@ -38,6 +38,7 @@ from infera_common.request_runner import ENGINE_UNHEALTHY
 from infera_common.runtime import freeze_startup_heap
 from infera_common.schemas import KvRelay, LoadReport, WorkerRecord, WorkerStatus, encode, encode_sparse
 from infera_common.subjects import kv_event_subject, load_subject
+from infera_common.worker_claim import WorkerIdTaken
 from infera_worker_agent.engine_cmd import EnginePlan, health_generates
 from infera_worker_agent.engine_proc import EngineProcess, exit_status
 from infera_worker_agent.engine_watch import EngineWatch, finds_hangs
@@ -155,8 +156,8 @@ class Agent:
             log.info("recipe", note=note)
         if self.plan.env_changes:
             log.info("engine_env", set=dict(self.plan.env_changes))
-        if not await self._join_planes():
-            return 1
+        if (failed := await self._join_planes()) is not None:
+            return failed
 
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self.s.max_pending + 64),
@@ -204,8 +205,9 @@ class Agent:
         engine_exit.cancel()
         return await self._drain_and_stop()
 
-    async def _join_planes(self) -> bool:
-        """Connect to NATS if a plane uses it, and put the ``starting`` record; False (logged) on failure."""
+    async def _join_planes(self) -> int | None:
+        """Connect to NATS if a plane uses it, and claim the worker id with the ``starting`` record; the
+        exit code (logged) on failure: 2 when another live agent holds the id."""
         log.info("planes", request_transport=self.s.request_transport, kv_event_transport=self.s.kv_event_transport,
                  url=self.plan.url)
         for warning in plane_warnings(self.s, self.plan.advertise_host):
@@ -218,7 +220,7 @@ class Agent:
                                          reconnects=self._reconnects)
             except ConnectionError as exc:
                 log.error("nats_unreachable", error=str(exc), needed_by=list(uses))
-                return False
+                return 1
         discovery = discovery_for(self.s, self._nc.jetstream() if self._nc is not None else None)
         log.info("discovery", worker_id=self.worker_id, **nats_log_fields(nats_url, bool(uses)),
                  **discovery.log_fields())
@@ -228,9 +230,13 @@ class Agent:
         except ConnectionError as exc:  # etcd unreachable: before the engine starts, not after its cold start
             self._registrar = None
             log.error("discovery_unreachable", error=discovery.start_failed(exc, nats_url))
-            return False
+            return 1
+        except WorkerIdTaken as exc:  # two agents, one id: refused before this one's engine starts
+            self._registrar = None
+            log.error("worker_id_taken", error=str(exc))
+            return 2
         self._reconnects.add("broker_state", self._restore_broker_state)
-        return True
+        return None
 
     async def _start_request_worker(self, js) -> None:
         """The NATS request plane: this worker's work-queue stream and its durable consumer."""

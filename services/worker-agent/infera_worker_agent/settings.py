@@ -15,8 +15,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from infera_common.settings import DrainSettings, LogSettings, PlaneSettings, parse_cli
+from infera_common.settings import DrainSettings, LogSettings, PlaneSettings, build_parser, parse_cli
 from infera_common.subjects import TOKEN_RE
+from infera_worker_agent.flag_typos import near_misses
 
 PROG = "infera-worker-agent"
 #: a DNS host name (labels of letters, digits, '-', and '_' as some clusters use), optionally fully qualified
@@ -179,7 +180,17 @@ def split_engine_tail(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def parse_agent_cli(argv: list[str]) -> tuple[AgentSettings, list[str]]:
-    """Parse the agent's own flags; returns the settings and the engine's arguments, in order."""
+    """Parse the agent's own flags; returns the settings and the engine's arguments, in order. An
+    engine argument that looks like a mistyped agent flag (``flag_typos``) exits 2, as a bad value does."""
     own, tail = split_engine_tail(argv)
     settings, unknown = parse_cli(AgentSettings, own, prog=PROG, description=DESCRIPTION, allow_unknown=True)
+    problems = near_misses(unknown, agent_flags())
+    if problems:
+        build_parser(AgentSettings, PROG, DESCRIPTION).error("; ".join(problems))
     return settings, unknown + tail
+
+
+def agent_flags() -> list[str]:
+    """Every ``--flag`` the agent declares (``--no-x`` forms included)."""
+    parser = build_parser(AgentSettings, PROG, DESCRIPTION)
+    return [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
