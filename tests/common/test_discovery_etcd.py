@@ -72,7 +72,7 @@ def test_settings_refuse_a_malformed_endpoint_and_a_lease_over_30s(capsys):
     assert "--etcd-endpoint" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_cli(PlaneSettings, ["--discovery-backend", "etcd", "--discovery-ttl", "31"], prog="svc")
-    assert "at most 30 s with --discovery-backend etcd" in capsys.readouterr().err
+    assert "with --discovery-backend etcd it is the etcd lease TTL: whole seconds, 2 to 30" in capsys.readouterr().err
     settings, _ = parse_cli(PlaneSettings, ["--discovery-backend", "etcd", "--discovery-ttl", "30"], prog="svc")
     assert settings.discovery_ttl == 30
 

@@ -10,6 +10,7 @@ import pytest
 
 from infera_common.discovery import Registrar
 from infera_common.discovery_etcd import EtcdRegistrar
+from infera_common.etcd_gateway import EtcdClient
 from infera_common.nats_conn import connect
 from infera_common.schemas import WorkerRecord, WorkerStatus, decode
 from infera_common.subjects import DISCOVERY_BUCKET
@@ -100,3 +101,14 @@ async def test_etcd_a_second_agent_with_a_live_agents_id_is_refused_and_a_killed
     assert WorkerRecord.model_validate_json(held.value).url == "http://10.0.0.1:2"
     await restarted.stop()
     await first._close()
+
+
+async def test_etcd_create_writes_only_where_no_key_is(etcd_server):
+    client = EtcdClient(etcd_server.endpoint)
+    try:
+        assert await client.create("/infera/test/claim", b"first")
+        assert not await client.create("/infera/test/claim", b"second")
+        assert (await client.get("/infera/test/claim")).value == b"first"
+        assert await client.get("/infera/test/claim-not-there") is None
+    finally:
+        await client.close()
