@@ -16,7 +16,6 @@ Exit status: 0 after a signal-initiated stop; the engine's exit status when the 
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import os
 import signal
 import sys
@@ -42,6 +41,7 @@ from infera_common.worker_claim import WorkerIdTaken
 from infera_worker_agent.engine_cmd import EnginePlan, health_generates
 from infera_worker_agent.engine_proc import EngineProcess, exit_status
 from infera_worker_agent.engine_watch import EngineWatch, finds_hangs
+from infera_worker_agent.interpreter_probe import installed
 from infera_worker_agent.health import (
     Startup, bootstrap_ranks, engine_json, engine_text, served_model, wait_healthy,
 )
@@ -74,13 +74,6 @@ DRAIN_REFUSAL = StopReason("cancelled", 503, "worker is draining; retry on anoth
 DRAIN_CANCEL = StopReason("cancelled", 503, "worker stopped: drain timeout reached")
 ENGINE_GONE_REFUSAL = StopReason("error", 503, "worker's engine exited; retry on another worker", abort_engine=False)
 ENGINE_GONE = StopReason("error", 502, "engine exited while answering", abort_engine=False)
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("infera")
-    except importlib.metadata.PackageNotFoundError:
-        return ""
 
 
 class Agent:
@@ -292,7 +285,7 @@ class Agent:
             discovery_backend=self.s.discovery_backend, request_transport=self.s.request_transport,
             kv_event_transport=self.s.kv_event_transport, status=status, max_pending=self.s.max_pending,
             finds_hangs=self._finds_hangs(),
-            version=_version(), ttl=self.s.discovery_ttl, started_at=self._started_at,
+            version=installed(["infera"]).get("infera", ""), ttl=self.s.discovery_ttl, started_at=self._started_at,
             kv_block_size=self._kv_block_size, kv_index_block_size=self._kv_index_block_size,
             kv_capacity_tokens=self._kv_capacity_tokens,
             kv_events_endpoints=[advertised_endpoint(s.endpoint, self.plan.advertise_host) for s in self._kv_sources],
