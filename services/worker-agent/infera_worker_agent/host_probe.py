@@ -85,7 +85,7 @@ def is_rocm(env: Mapping[str, str], *, opt_rocm: bool, kfd: bool) -> bool:
 class Interpreter:
     """What ``interpreter_probe`` found in the interpreter that will launch the engine."""
 
-    modules: frozenset[str] = frozenset()
+    modules: frozenset[str] | None = None  # None: it could not be asked
     versions: Mapping[str, str] = field(default_factory=dict)
     error: str | None = None  # it could not be run, or did not answer: why
 
@@ -125,8 +125,6 @@ def probe_host(
     if version_of is None:
         found = probe_interpreter(python, tuple(m for ms in LAUNCH_MODULES.values() for m in ms), ("sglang",))
         version_of, launch_modules, error = found.versions.get, found.modules, found.error
-        if error is not None:
-            launch_modules = None
     return HostFacts(
         rocm=is_rocm(env, opt_rocm=(root / "opt/rocm").exists(), kfd=(root / "dev/kfd").exists()),
         rdma_ports=read_rdma_ports(root / "sys/class/infiniband"),
