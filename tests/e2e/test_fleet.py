@@ -237,6 +237,43 @@ async def test_client_disconnect_mid_stream_aborts_engine_request(fleet):
     assert running == 0
 
 
+async def _running(workers) -> float:
+    return sum(scrape(w["url"]).get("sglang:num_running_reqs", 0) for w in workers)
+
+
+async def _until_running(workers, want: int, timeout: float = 3.0) -> float:
+    deadline = time.monotonic() + timeout
+    while (running := await _running(workers)) != want and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return running
+
+
+async def test_requests_given_one_x_request_id_at_once_are_served_and_cancelled_apart(fleet):
+    """A client library that sends a fixed X-Request-Id, or a retry while the first try still runs:
+    three streams at once under one id (two workers, so two share one) each get their answer, each
+    sees its id echoed, and the one whose client leaves is the only one the engines stop."""
+    workers = fleet.workers_list()
+    body = {**CHAT, "max_tokens": 4000, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        streams = [await s.post(fleet.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "dup-1"})
+                   for _ in range(3)]
+        try:
+            for resp in streams:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["X-Request-Id"] == "dup-1"
+                assert (await resp.content.readline()).startswith(b"data: {")
+            assert await _until_running(workers, 3) == 3
+            streams[0].close()  # one client goes away
+            assert await _until_running(workers, 2) == 2
+            for resp in streams[1:]:  # the other two still stream their answers
+                lines = [await resp.content.readline() for _ in range(4)]
+                assert any(line.startswith(b"data: {") for line in lines), lines
+        finally:
+            for resp in streams:
+                resp.close()
+    assert await _until_running(workers, 0) == 0
+
+
 async def test_engine_error_passes_through_and_no_lease_is_left_behind(fleet):
     # the frontend cannot know the engine's context length: the engine itself refuses this one
     status, _, raw = await _post(fleet, "/v1/chat/completions", {**CHAT, "max_tokens": 10**6})

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 import time
 
 import aiohttp
@@ -63,7 +64,7 @@ async def test_request_id_is_echoed_and_forwarded(frontend, fleet):
     status, headers, _ = await post(frontend, "/v1/chat/completions", chat_body(),
                                     headers={"X-Request-Id": "trace-42:a.b_c"})
     assert status == 200 and headers["X-Request-Id"] == "trace-42:a.b_c"
-    assert fleet.routed[-1].request_id == "trace-42:a.b_c"
+    assert re.fullmatch(r"trace-42:a\.b_c-[0-9a-f]{8}", fleet.routed[-1].request_id)  # unique per request
 
     status, headers, body = await post(frontend, "/v1/chat/completions", chat_body(),
                                        headers={"X-Request-Id": "bad id!"})
@@ -283,7 +284,9 @@ async def test_client_disconnect_while_waiting_cancels(make_frontend, fleet):
         with pytest.raises(asyncio.TimeoutError):
             await s.post(url(fe, "/v1/chat/completions"), json=chat_body(), headers={"X-Request-Id": "gone-1"})
         left = time.monotonic()
-    got = await fleet.wait_cancel("gone-1", timeout=3.0)
+    rid = fleet.routed[-1].request_id
+    assert rid.startswith("gone-1-")
+    got = await fleet.wait_cancel(rid, timeout=3.0)
     assert got is not None and got - left < 1.0
 
 

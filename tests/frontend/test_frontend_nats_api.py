@@ -39,7 +39,7 @@ async def test_raw_nats_request_gets_body_and_status_header(frontend, fleet, nat
         assert msg.data == completion_json()
         assert msg.headers[HEADER_STATUS] == "200" and msg.headers[HEADER_REQUEST_ID] == "nats-req-1"
         [req] = fleet.routed
-        assert req.request_id == "nats-req-1" and req.body == raw and req.prompt_tokens == 35
+        assert req.request_id.startswith("nats-req-1-") and req.body == raw and req.prompt_tokens == 35
 
         msg = await nc.request(API_CHAT_COMPLETIONS, b"{oops", timeout=5)
         assert msg.headers[HEADER_STATUS] == "400" and msg.headers[HEADER_KIND] == "error"
@@ -56,7 +56,7 @@ async def test_client_chat_and_stream(client, fleet):
     assert reply["choices"][0]["message"]["content"] == "2"
     chunks = [c async for c in client.stream_chat(chat_body(), request_id="stream-1")]
     assert [c["choices"][0]["delta"]["content"] for c in chunks] == STREAM_TEXTS
-    assert fleet.routed[-1].request_id == "stream-1" and fleet.routed[-1].stream
+    assert fleet.routed[-1].request_id.startswith("stream-1-") and fleet.routed[-1].stream
 
 
 async def test_client_completions_and_listings(client, fleet):
@@ -95,7 +95,8 @@ async def test_stream_failing_midway_ends_with_error(make_frontend, fleet, nats_
             async for chunk in c.stream_chat(chat_body(), request_id="stall-1"):
                 got.append(chunk)
     assert len(got) == 1 and info.value.status == 504
-    assert await fleet.wait_cancel("stall-1", timeout=2.0) is not None
+    assert fleet.routed[-1].request_id.startswith("stall-1-")
+    assert await fleet.wait_cancel(fleet.routed[-1].request_id, timeout=2.0) is not None
 
 
 async def test_nats_api_can_be_disabled(make_frontend, fleet, nats_server):
@@ -181,7 +182,7 @@ async def test_a_client_that_leaves_has_its_request_cancelled(make_frontend, fle
         first = await sub.next_msg(timeout=5)
         assert first.headers[HEADER_KIND] == "alive" and first.reply  # an answer is welcome, not needed
         await sub.unsubscribe()  # the client gives up and goes
-        assert await fleet.wait_cancel("leaves-1", timeout=3) is not None
+        assert await fleet.wait_cancel(fleet.routed[-1].request_id, timeout=3) is not None
     finally:
         await nc.close()
     await wait_until(lambda: fe.metrics.registry.get_sample_value(
@@ -202,4 +203,4 @@ async def test_a_client_call_given_up_stops_the_engine_work(make_frontend, fleet
         call.cancel()  # the caller gives up (a timeout of its own, a user who left)
         with pytest.raises(asyncio.CancelledError):
             await call
-        assert await fleet.wait_cancel("given-up-1", timeout=3) is not None
+        assert await fleet.wait_cancel(fleet.routed[-1].request_id, timeout=3) is not None

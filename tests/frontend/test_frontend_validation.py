@@ -11,7 +11,7 @@ from infera_common.schemas import Endpoint, WorkerRecord, WorkerStatus
 
 from infera_frontend.prepare import ModelTable
 from infera_frontend.prepare import sequences
-from infera_frontend.validation import ApiError, check_request_id, parse_body
+from infera_frontend.validation import ApiError, parse_body, request_ids
 
 CHAT = Endpoint.CHAT
 OK_MSG = [{"role": "user", "content": "hi"}]
@@ -85,12 +85,14 @@ def test_completion_prompt_shapes_rejected(prompt):
     assert rejected(Endpoint.COMPLETIONS, json.dumps({"model": "m", "prompt": prompt}).encode()).param == "prompt"
 
 
-def test_request_id_is_validated_or_generated():
-    assert check_request_id("abc.DEF_1:2-3", lambda: "gen") == "abc.DEF_1:2-3"
-    assert check_request_id(None, lambda: "gen") == "gen"
+def test_a_client_request_id_is_echoed_as_given_and_carried_with_a_suffix_a_missing_one_generated():
+    fresh = iter(["0123456789abcdef", "fedcba9876543210", "generated"]).__next__
+    assert request_ids("abc.DEF_1:2-3", fresh) == ("abc.DEF_1:2-3", "abc.DEF_1:2-3-01234567")
+    assert request_ids("abc.DEF_1:2-3", fresh) == ("abc.DEF_1:2-3", "abc.DEF_1:2-3-fedcba98")  # one id, two requests
+    assert request_ids(None, fresh) == ("generated", "generated")
     for bad in ["", "has space", "x" * 129, "semi;colon", "ünï", "trailing\n"]:
         with pytest.raises(ApiError) as info:
-            check_request_id(bad, lambda: "gen")
+            request_ids(bad, fresh)
         assert info.value.status == 400
 
 

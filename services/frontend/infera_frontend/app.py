@@ -115,15 +115,17 @@ class HttpApi:
         parsed: Parsed | None = None
         ex: Exchange | None = None
         request_id: str | None = None
+        carried: str | None = None
         m.started("http")
         span = start_span(f"POST {ep}", request.headers.get(TRACE_HEADER), SpanKind.SERVER)
         try:
-            request_id = self.pipeline.request_id(request.headers.get("X-Request-Id"))
+            request_id, carried = self.pipeline.request_ids(request.headers.get("X-Request-Id"))
             span.set_attribute("infera.request_id", request_id)
+            span.set_attribute("infera.carried_request_id", carried)
             body = await self._read_body(request)
             parsed = self.pipeline.parse(endpoint, body)
             span.set_attribute("infera.model", parsed.model)
-            ex = await self.pipeline.open(parsed, body, request_id, traceparent=traceparent(span),
+            ex = await self.pipeline.open(parsed, body, carried, traceparent=traceparent(span),
                                           session_ids=request.headers.getall(SESSION_HEADER, []))
             status, payload = ex.status, ex.body
             m.first_byte("http", ep, time.perf_counter() - t0)
@@ -154,7 +156,7 @@ class HttpApi:
                 ex.cancel("client_disconnect")
             raise
         except Exception as exc:  # one bad request never takes the service down
-            log.exception("request_failed", request_id=request_id, error=str(exc))
+            log.exception("request_failed", request_id=carried or request_id, error=str(exc))
             if ex is not None:
                 ex.cancel("error")
             status = 500

@@ -199,12 +199,13 @@ class NatsApi:
         parsed: Parsed | None = None
         ex: Exchange | None = None
         headers = msg.headers or {}
-        request_id = new_request_id()
+        request_id = carried = new_request_id()
         m.started("nats")
         span = start_span(f"NATS {ep}", headers.get(TRACE_HEADER), SpanKind.SERVER)
         try:
-            request_id = self.pipeline.request_id(headers.get(HEADER_REQUEST_ID))
+            request_id, carried = self.pipeline.request_ids(headers.get(HEADER_REQUEST_ID))
             span.set_attribute("infera.request_id", request_id)
+            span.set_attribute("infera.carried_request_id", carried)
             every = alive_every(headers)
             parsed = self.pipeline.parse(endpoint, msg.data)
             span.set_attribute("infera.model", parsed.model)
@@ -213,7 +214,7 @@ class NatsApi:
                 assert serving is not None
                 reply.keep_alive(every, lambda: serving.cancel("the client left"))
             ex = await self.pipeline.open(
-                parsed, msg.data, request_id, session_ids=nats_session_ids(headers), traceparent=traceparent(span),
+                parsed, msg.data, carried, session_ids=nats_session_ids(headers), traceparent=traceparent(span),
                 cancel_reason=lambda: "client_disconnect" if reply.gone else "shutdown")
             status, payload = ex.status, ex.body
             m.first_byte("nats", ep, time.perf_counter() - t0)
@@ -257,7 +258,7 @@ class NatsApi:
                 pass
             raise
         except Exception as exc:  # one bad request never takes the API down
-            log.exception("nats_api_request_failed", request_id=request_id, error=str(exc))
+            log.exception("nats_api_request_failed", request_id=carried, error=str(exc))
             if ex is not None:
                 ex.cancel("error")
             try:

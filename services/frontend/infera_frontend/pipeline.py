@@ -21,7 +21,7 @@ from infera_frontend.failover import Attempts, engine_status_reason, retry_reaso
 from infera_frontend.metrics import UNKNOWN_MODEL, FrontendMetrics
 from infera_frontend.prepare import OFFLOAD_CHARS, ModelTable, Tokens, prompt_chars, samples, sequences, tokenize
 from infera_frontend.relay import Relay
-from infera_frontend.validation import ApiError, Parsed, check_request_id, parse_body
+from infera_frontend.validation import ApiError, Parsed, parse_body, request_ids
 
 log = get_logger("frontend.pipeline")
 
@@ -43,9 +43,9 @@ class Pipeline:
         self.max_retries = max_retries
 
     @staticmethod
-    def request_id(header: str | None) -> str:
-        """The client's X-Request-Id (validated) or a new one; ``ApiError`` 400 if malformed."""
-        return check_request_id(header, new_request_id)
+    def request_ids(header: str | None) -> tuple[str, str]:
+        """(the id echoed to the client, the id carried to the worker and engine): ``validation.request_ids``."""
+        return request_ids(header, new_request_id)
 
     def too_large(self, size: int) -> ApiError:
         return ApiError(413, f"The request body is {size} bytes; the limit is {self.max_body_bytes} bytes.",

@@ -208,10 +208,18 @@ def parse_body(endpoint: Endpoint, body: bytes) -> Parsed:
     return Parsed(endpoint, req.model, req.stream, data, prompt if isinstance(prompt, array) else None)
 
 
-def check_request_id(value: str | None, generate) -> str:
-    """The client's request id if valid, a generated one if absent; ``ApiError`` 400 if malformed."""
+def request_ids(value: str | None, fresh) -> tuple[str, str]:
+    """(the id echoed to the client, the id its request carries to the worker and the engine).
+
+    Absent: one ``fresh()`` id for both. Given: the client's own id, carried as ``<id>-<8 hex>``, so
+    that requests sent at once under one id (a client library that fixes the header, a retry while
+    the first try still runs) stay apart on the worker, whose cancels and frames go by id, and on
+    the engine (vLLM suffixes client ids the same way since PR 27987); the engine's log still shows
+    the client's id. ``ApiError`` 400 if malformed.
+    """
     if value is None:
-        return generate()
+        rid = fresh()
+        return rid, rid
     if not REQUEST_ID_RE.fullmatch(value):
         raise invalid("X-Request-Id must be 1-128 characters of letters, digits and . _ : -", param="X-Request-Id")
-    return value
+    return value, f"{value}-{fresh()[:8]}"
