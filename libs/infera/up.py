@@ -32,11 +32,13 @@ from pydantic import Field, field_validator
 
 from infera.fleet_plan import ProcSpec, no_broker, plan_fleet
 from infera.procs import free_port, start_etcd, start_nats, stop_processes, wait_port
+from infera.server_settings import ServerSettings
 from infera_common.models import BUNDLED_MODEL_NAME
 from infera_common.ports import IN_USE, bind_failure
 from infera_common.schemas import KvEventTransport, RequestTransport
 from infera_common.settings import TracingSettings, directory_to_write, parse_cli
 from infera_router.settings import PolicyName
+from infera_worker_agent.settings import AgentSettings
 
 
 #: How many times a nats-server that exited is started again before the fleet is stopped.
@@ -108,7 +110,9 @@ def port_problems(settings: UpSettings, bind: Callable[[str, int], str | None] =
 
 
 def main(argv: list[str]) -> int:
-    settings, _ = parse_cli(UpSettings, argv, prog="infera up", description=__doc__)
+    # the services it starts read the same environment: a mistyped variable of theirs stops it too
+    settings, _ = parse_cli(UpSettings, argv, prog="infera up", description=__doc__,
+                            env_for=(ServerSettings, AgentSettings))
     if problems := port_problems(settings):
         for problem in problems:
             print(f"infera up: error: {problem}", file=sys.stderr)

@@ -8,6 +8,7 @@ once with the field's name, the value and what is allowed (argparse's exit code 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import types
 import typing
@@ -16,6 +17,8 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from infera_common.typos import env_near_misses
 
 ENV_PREFIX = "INFERA_"
 
@@ -189,6 +192,19 @@ def build_parser(cls: type[BaseSettings], prog: str, description: str = "") -> a
     return parser
 
 
+def env_names(cls: type[BaseSettings]) -> frozenset[str]:
+    """Every environment variable ``cls`` reads (upper case): ``<prefix><FIELD>``, and its aliases."""
+    config = cls.model_config
+    prefix = config.get("env_prefix", ENV_PREFIX).upper()
+    alias_prefix = prefix if config.get("env_prefix_target") == "all" else ""
+    names = set()
+    for name, field in cls.model_fields.items():
+        names.add(prefix + name.upper())
+        if isinstance(field.validation_alias, AliasChoices):
+            names |= {alias_prefix + a.upper() for a in field.validation_alias.choices if isinstance(a, str)}
+    return frozenset(names)
+
+
 def parse_cli(
     cls: type[S],
     argv: list[str] | None = None,
@@ -196,14 +212,21 @@ def parse_cli(
     prog: str,
     description: str = "",
     allow_unknown: bool = False,
+    env_for: tuple[type[BaseSettings], ...] = (),
 ) -> tuple[S, list[str]]:
-    """Parse ``argv`` into ``cls``; with ``allow_unknown`` the unrecognised args are returned in order."""
+    """Parse ``argv`` into ``cls``; with ``allow_unknown`` the unrecognised args are returned in order.
+    An environment variable that looks like a mistyped one of ``cls`` (or of the ``env_for``
+    programs, whose environment this one passes on) exits 2 with the name it meant (``typos``)."""
     parser = build_parser(cls, prog, description)
     argv = list(sys.argv[1:] if argv is None else argv)
     if allow_unknown:
         ns, rest = parser.parse_known_args(argv)
     else:
         ns, rest = parser.parse_args(argv), []
+    known = env_names(cls).union(*(env_names(c) for c in env_for))
+    who = f"{prog} or the services it starts" if env_for else prog
+    if problems := env_near_misses(os.environ, known, cls.model_config.get("env_prefix", ENV_PREFIX), who):
+        parser.error("; ".join(problems))
     try:
         settings = cls(**vars(ns))
     except ValidationError as exc:

@@ -315,13 +315,13 @@ def test_the_gpus_the_agent_counts_are_the_ones_sglang_parses(launch, sglang):
 
 
 def test_no_sglang_flag_is_taken_for_a_mistyped_agent_flag(sglang):
-    """The agent refuses an engine argument that looks like a mistyped agent flag (``flag_typos``):
+    """The agent refuses an engine argument that looks like a mistyped agent flag (``infera_common.typos``):
     none of SGLang's own flags may look so."""
     import argparse
 
     from sglang.srt.server_args import ServerArgs
 
-    from infera_worker_agent.flag_typos import near_misses
+    from infera_common.typos import near_misses
     from infera_worker_agent.settings import agent_flags
 
     parser = argparse.ArgumentParser()

@@ -406,9 +406,9 @@ print(json.dumps([o for a in make_arg_parser(FlexibleArgumentParser())._actions 
 
 
 def test_no_vllm_flag_is_taken_for_a_mistyped_agent_flag():
-    """The agent refuses an engine argument that looks like a mistyped agent flag (``flag_typos``):
+    """The agent refuses an engine argument that looks like a mistyped agent flag (``infera_common.typos``):
     none of vLLM's own flags may look so."""
-    from infera_worker_agent.flag_typos import near_misses
+    from infera_common.typos import near_misses
     from infera_worker_agent.settings import agent_flags
 
     out = subprocess.run([vllm_python(), "-c", LIST_FLAGS], capture_output=True, text=True, timeout=300)

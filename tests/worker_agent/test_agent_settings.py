@@ -86,7 +86,7 @@ def test_a_mistyped_agent_flag_is_refused_not_handed_to_the_engine(typo, meant, 
 
 def test_no_flag_of_the_mock_engine_is_taken_for_a_mistyped_agent_flag():
     from infera_mock_engine.main import build_parser as mock_parser
-    from infera_worker_agent.flag_typos import near_misses
+    from infera_common.typos import near_misses
     from infera_worker_agent.settings import agent_flags
 
     agent = agent_flags()

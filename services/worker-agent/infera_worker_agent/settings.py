@@ -17,7 +17,7 @@ from pydantic import Field, field_validator, model_validator
 
 from infera_common.settings import DrainSettings, LogSettings, PlaneSettings, build_parser, parse_cli
 from infera_common.subjects import TOKEN_RE
-from infera_worker_agent.flag_typos import near_misses
+from infera_common.typos import near_misses
 
 PROG = "infera-worker-agent"
 #: a DNS host name (labels of letters, digits, '-', and '_' as some clusters use), optionally fully qualified
@@ -181,7 +181,7 @@ def split_engine_tail(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def parse_agent_cli(argv: list[str]) -> tuple[AgentSettings, list[str]]:
     """Parse the agent's own flags; returns the settings and the engine's arguments, in order. An
-    engine argument that looks like a mistyped agent flag (``flag_typos``) exits 2, as a bad value does."""
+    engine argument that looks like a mistyped agent flag (``infera_common.typos``) exits 2, as a bad value does."""
     own, tail = split_engine_tail(argv)
     settings, unknown = parse_cli(AgentSettings, own, prog=PROG, description=DESCRIPTION, allow_unknown=True)
     problems = near_misses(unknown, agent_flags())
