@@ -5,7 +5,7 @@ so several frontends share the load:
 
 - ``API_CHAT_COMPLETIONS`` (``infera.api.v1.chat.completions``) and ``API_COMPLETIONS``
   (``infera.api.v1.completions``): request data = the OpenAI JSON body, exactly as it would be
-  POSTed; optional NATS header ``X-Request-Id`` (1-128 of ``[A-Za-z0-9._:-]``, else generated).
+  POSTed; optional NATS header ``X-Request-Id`` (echoed; generated when absent).
 - ``API_MODELS`` / ``API_WORKERS``: empty request; the reply is the JSON of ``GET /v1/models`` /
   ``GET /v1/workers``.
 

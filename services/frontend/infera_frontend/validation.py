@@ -20,6 +20,7 @@ from infera_common.block_hash import token_array
 from infera_common.schemas import Endpoint
 
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_NOT_IN_ID = re.compile(r"[^A-Za-z0-9._:-]")
 
 Number = StrictFloat  # strict floats accept JSON integers too
 
@@ -211,15 +212,16 @@ def parse_body(endpoint: Endpoint, body: bytes) -> Parsed:
 def request_ids(value: str | None, fresh) -> tuple[str, str]:
     """(the id echoed to the client, the id its request carries to the worker and the engine).
 
-    Absent: one ``fresh()`` id for both. Given: the client's own id, carried as ``<id>-<8 hex>``, so
-    that requests sent at once under one id (a client library that fixes the header, a retry while
-    the first try still runs) stay apart on the worker, whose cancels and frames go by id, and on
-    the engine (vLLM suffixes client ids the same way since PR 27987); the engine's log still shows
-    the client's id. ``ApiError`` 400 if malformed.
+    Absent or empty: one ``fresh()`` id for both. Given: the client's own id, echoed as given and
+    carried as ``<id>-<8 hex>``, so that requests sent at once under one id (a client library that
+    fixes the header, a retry while the first try still runs) stay apart on the worker, whose
+    cancels and frames go by id, and on the engine (vLLM suffixes client ids the same way since
+    its PR 27987); the engine's log still shows the client's id. An id of other characters than
+    ``REQUEST_ID_RE``'s, or longer, is carried with each of them as ``_``, cut at 128: a proxy's id
+    (base64 ``+/=``, braces) is never a reason to refuse the request, as it was until session 22.
     """
-    if value is None:
+    if not value:
         rid = fresh()
         return rid, rid
-    if not REQUEST_ID_RE.fullmatch(value):
-        raise invalid("X-Request-Id must be 1-128 characters of letters, digits and . _ : -", param="X-Request-Id")
-    return value, f"{value}-{fresh()[:8]}"
+    safe = value if REQUEST_ID_RE.fullmatch(value) else _NOT_IN_ID.sub("_", value[:128])
+    return value, f"{safe}-{fresh()[:8]}"
