@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from infera_common.dp_pin import RANK_HEADER
 from infera_common.engine_relay import Abort, FrameSink, Outcome, Publish, Relay
 from infera_common.logs import get_logger
 from infera_common.recent import RecentIds
@@ -160,6 +161,18 @@ class RequestRunner:
     def in_flight_by_router(self) -> dict[str, int]:
         """The requests being handled, counted per router that leased them."""
         return dict(Counter(entry.envelope.router_id for entry in self._inflight.values()))
+
+    def in_flight_by_rank(self) -> dict[int, tuple[int, int]]:
+        """Per DP rank the router pinned requests to (``dp_pin.RANK_HEADER``): the requests being
+        handled there and the frames they have sent so far (a mark that moves while the rank works)."""
+        ranks: dict[int, tuple[int, int]] = {}
+        for entry in self._inflight.values():
+            rank = entry.envelope.headers.get(RANK_HEADER)
+            if rank is None or not rank.isdigit():
+                continue
+            count, frames = ranks.get(int(rank), (0, 0))
+            ranks[int(rank)] = (count + 1, frames + entry.sink.seq)
+        return ranks
 
     def frames_sent(self, worker_id: str, request_id: str) -> int | None:
         """How many frames the request has sent to its requester so far (all of them once finished);

@@ -7,7 +7,7 @@ import pytest
 from infera_common.schemas import Role
 from infera_worker_agent.engine_watch import finds_hangs
 from infera_worker_agent.liveness import CanaryReason as R
-from infera_worker_agent.liveness import Liveness, StallCheck
+from infera_worker_agent.liveness import Liveness, RankStallCheck, StallCheck
 from infera_worker_agent.settings import parse_agent_cli
 
 
@@ -88,6 +88,30 @@ def test_an_idle_engine_gets_a_canary_once_idle_for_long_enough():
     assert check.canary_due(0, 109.0, 120) is R.IDLE
     check.canary_done(silent=True, now=150)  # hung while idle
     assert check.canary_due(0, 109.0, 160) is R.SUSPECT
+
+
+def test_a_rank_is_due_after_a_whole_round_with_requests_and_no_frame_while_other_ranks_work():
+    check = RankStallCheck()
+    assert check.rank_due({0: (2, 10), 1: (1, 1)}) is None  # the first round only takes note
+    assert check.rank_due({0: (2, 40), 1: (1, 1)}) == 1  # rank 0 sent 30 frames, rank 1 none
+    assert check.rank_due({0: (2, 70), 1: (1, 2)}) is None  # rank 1 got a frame: it works
+    assert check.rank_due({0: (0, 0), 1: (0, 0)}) is None  # nothing held
+    assert check.rank_due({1: (1, 0)}) is None  # a new request: not yet a whole round
+    assert check.rank_due({1: (1, 0)}) == 1
+
+
+def test_after_a_silent_rank_canary_that_rank_is_tested_every_round_until_it_answers_or_moves():
+    check = RankStallCheck()
+    check.rank_due({1: (1, 1)})
+    assert check.rank_due({1: (1, 1)}) == 1
+    check.canary_done(1, silent=True)
+    assert check.rank_due({}) == 1  # its requests were handed back: still under test
+    assert check.rank_due({0: (1, 5)}) == 1
+    check.canary_done(1, silent=False)  # answered
+    assert check.rank_due({0: (1, 9)}) is None
+    check.canary_done(1, silent=True)
+    check.rank_due({1: (1, 3)})
+    assert check.rank_due({1: (1, 4)}) is None and check.suspect is None  # its mark moved
 
 
 def test_an_idle_canary_needs_no_counters():

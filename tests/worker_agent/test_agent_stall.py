@@ -102,8 +102,8 @@ async def test_a_refused_canary_counts_as_healthy_and_is_logged_once(vllm_engine
     url = server.url
     refused = []
 
-    async def canary(timeout, moved):
-        return await send_canary(session, url, "not-served", timeout, moved)
+    async def canary(timeout, moved, rank):
+        return await send_canary(session, url, "not-served", timeout, moved, dp_rank=rank)
 
     async def on_change(_healthy: bool) -> None:
         pass

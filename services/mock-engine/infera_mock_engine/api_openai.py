@@ -1,7 +1,8 @@
 """OpenAI-compatible endpoints as SGLang and vLLM serve them: /v1/chat/completions, /v1/completions.
 
 Streaming is framed `data: {json}\\n\\n` ... `data: [DONE]\\n\\n`; the first chat chunk carries the
-role; with stream_options.include_usage a last chunk with empty choices carries the usage. A
+role, sent with the engine's first output (after prefill), as SGLang's and vLLM's serving_chat send
+it; with stream_options.include_usage a last chunk with empty choices carries the usage. A
 completions `prompt` may be a batch (a list of texts or of token-id lists), and `n` asks for several
 samples of each prompt: one choice per sample, `index` = prompt's place × n + sample, streamed
 interleaved, usage summed (each prompt counted once). Logprobs when asked (`logprobs.py`).
@@ -218,14 +219,17 @@ async def _stream(request: web.Request, engine: Engine, body: _OpenAIRequest, ch
         """One choice's chunks, tagged with its index (interleaved with the others', as vLLM's are)."""
         fast = c.logprobs is None  # the common case: each text delta spliced into a fixed frame
         delta = TextSplice(dumps(chunk(shape.delta_choice(TEXT_SLOT, None, index=c.index)))) if fast else None
-        if shape.chat:
-            await sse.send(chunk(shape.delta_choice("", None, role=True, index=c.index)))
-        elif c.echo:
-            first = shape.delta_choice(c.echo, None, index=c.index)
-            if c.logprobs is not None:
-                first["logprobs"] = c.logprobs.prompt(c.stream.params.prompt_ids, engine.tokenizer.token_text)
-            await sse.send(chunk(first))
+        opened = False
         async for out in c.stream:
+            if not opened:  # as both engines do, once the engine's first output is in: not before prefill
+                opened = True
+                if shape.chat:
+                    await sse.send(chunk(shape.delta_choice("", None, role=True, index=c.index)))
+                elif c.echo:
+                    first = shape.delta_choice(c.echo, None, index=c.index)
+                    if c.logprobs is not None:
+                        first["logprobs"] = c.logprobs.prompt(c.stream.params.prompt_ids, engine.tokenizer.token_text)
+                    await sse.send(chunk(first))
             if out.finish_reason is None:
                 if not out.text and not out.token_ids:
                     continue

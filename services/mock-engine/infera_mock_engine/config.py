@@ -36,6 +36,7 @@ class EngineConfig:
     kv_events_ignored: tuple[str, ...] = ()  # keys the flavour's engine ignores (warned about at start)
     kv_hash_seed: str | None = None  # seeds the engine's block hashes (PYTHONHASHSEED, as vLLM); None = random
     dp_size: int = 1  # data-parallel ranks, each with its own scheduler and KV cache
+    hang_ranks: tuple[int, ...] | None = None  # the ranks a simulated hang stops (None: all)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)  # prefill/decode role (pd_config.py)
     ignored_args: tuple[str, ...] = ()
     model_config: dict[str, Any] = field(default_factory=dict, compare=False)

@@ -236,9 +236,11 @@ class Engine:
             await pub.close()
 
     def hang_gpu(self) -> None:
-        """Simulate a hung GPU on every rank (SIGUSR1): see ``Scheduler.hang``."""
+        """Simulate a hung GPU (SIGUSR1) on every rank, or on ``--hang-ranks``: see ``Scheduler.hang``."""
+        hang = self.config.hang_ranks
         for rank in self.ranks:
-            rank.scheduler.hang()
+            if hang is None or rank.dp_rank in hang:
+                rank.scheduler.hang()
 
     def resume_gpu(self) -> None:
         """End a simulated hang (SIGUSR2): the step under way completes and serving goes on."""

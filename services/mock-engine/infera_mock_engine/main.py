@@ -21,6 +21,16 @@ from infera_mock_engine.pd_config import SGLANG_MODES, TRANSFER_BACKENDS, Disagg
 log = logging.getLogger("infera_mock_engine")
 
 
+def _rank_list(text: str) -> tuple[int, ...]:
+    try:
+        ranks = tuple(sorted({int(part) for part in text.split(",")}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected DP ranks separated by commas, e.g. 0,2 (got {text!r})") from None
+    if min(ranks) < 0:
+        raise argparse.ArgumentTypeError(f"a DP rank is 0 or more (got {text!r})")
+    return ranks
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -113,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data-parallel ranks, each with its own scheduler and KV cache (default 1); a request is "
                    "pinned with routed_dp_rank/data_parallel_rank (SGLang body) or X-data-parallel-rank (vLLM "
                    "header), a disaggregated SGLang request goes to bootstrap_room %% dp_size, others round-robin")
+    p.add_argument("--hang-ranks", type=_rank_list, default=None, metavar="R[,R...]",
+                   help="mock only: the DP ranks a simulated GPU hang (SIGUSR1) stops, e.g. 1 (default: every "
+                   "rank); with plain data parallelism each rank is its own scheduler, so one can hang alone")
     p.add_argument("--disaggregation-mode", choices=SGLANG_MODES, default=None,
                    help="SGLang prefill/decode disaggregation role (default null = aggregated); see README")
     p.add_argument("--disaggregation-bootstrap-port", type=_port, default=None,
@@ -161,6 +174,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, str]:
     tok_dir = Path(ns.tokenizer_path).expanduser() if ns.tokenizer_path else model_dir
     if not (tok_dir / "tokenizer.json").is_file():
         parser.error(f"{tok_dir / 'tokenizer.json'} not found: the mock engine needs the model's tokenizer.json")
+    if ns.hang_ranks and max(ns.hang_ranks) >= ns.dp_size:
+        parser.error(f"--hang-ranks {max(ns.hang_ranks)}: this engine has DP ranks 0..{ns.dp_size - 1} (--dp-size)")
     model_config = read_model_config(model_dir)
     kv_events, kv_ignored = None, []
     if ns.kv_events_config is not None:
@@ -201,6 +216,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, str]:
         kv_events_ignored=tuple(kv_ignored),
         kv_hash_seed=os.environ.get("PYTHONHASHSEED"),
         dp_size=ns.dp_size,
+        hang_ranks=ns.hang_ranks,
         disagg=disagg,
         ignored_args=tuple(unknown),
         model_config=model_config,

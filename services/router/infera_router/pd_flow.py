@@ -31,7 +31,7 @@ from infera_router.jetstream import PubResult
 from infera_router.leases import Lease
 from infera_router.metrics import RouterMetrics
 from infera_router.pd_pairs import Action, PdPairs
-from infera_router.dp_pin import rank_headers
+from infera_common.dp_pin import rank_headers
 from infera_router.pd_protocol import several_sequences
 from infera_router.pd_protocols import PROTOCOLS
 from infera_router.state import WorkerState

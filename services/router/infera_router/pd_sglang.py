@@ -9,7 +9,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from infera_router.dp_pin import pin_body
+from infera_common.dp_pin import pin_body
 from infera_router.pd_protocol import PdContext, bootstrap_endpoint
 from infera_router.state import WorkerState
 

@@ -17,7 +17,7 @@ from infera_common.subjects import request_stream
 from infera_common.tracing import Span, engine_headers, finish, start_span, traceparent
 
 from infera_router.core import Plan
-from infera_router.dp_pin import pin_bytes, rank_headers
+from infera_common.dp_pin import pin_bytes, rank_headers
 from infera_router.jetstream import PubResult
 from infera_router.kv_local import LocalKvIndex
 from infera_router.kv_view import KvView, without_index

@@ -40,6 +40,7 @@ class EngineWatch:
     def __init__(self, settings: AgentSettings, session: aiohttp.ClientSession, local_url: str, *, model: str,
                  role: Role, family: Family, metrics: AgentMetrics, in_flight: Callable[[], int],
                  sequences: Callable[[], int], by_router: Callable[[], dict[str, int]],
+                 by_rank: Callable[[], dict[int, tuple[int, int]]],
                  publish_load: Callable[[LoadReport], Awaitable[None]], on_health: Callable[[bool], Awaitable[None]],
                  health_generates: bool = False) -> None:
         self._metrics = metrics
@@ -54,7 +55,7 @@ class EngineWatch:
             stall: StallProbe | None = None
             if stall_checked(settings, role, family):
                 reporter = self.reporter
-                stall = engine_stall_probe(session, local_url, model, lambda: reporter.last, sequences)
+                stall = engine_stall_probe(session, local_url, model, lambda: reporter.last, sequences, by_rank)
             self.health = HealthWatch(
                 session, local_url, interval=settings.health_check_interval, timeout=settings.health_check_timeout,
                 failures=settings.health_check_failures, on_change=on_health, stall=stall,

@@ -12,10 +12,11 @@ from typing import Any
 
 import aiohttp
 
+from infera_common.dp_pin import pin_body, rank_headers
 from infera_common.logs import get_logger
 from infera_common.tasks import stop_tasks
 from infera_worker_agent.engine_proc import EngineProcess
-from infera_worker_agent.liveness import CanaryReason, Liveness, StallCheck
+from infera_worker_agent.liveness import CanaryReason, Liveness, RankStallCheck, StallCheck
 from infera_worker_agent.load import EngineLoad
 
 log = get_logger("worker_agent.health")
@@ -48,12 +49,13 @@ class Canary(StrEnum):
 
 
 async def send_canary(session: aiohttp.ClientSession, base_url: str, model: str, timeout: float,
-                      moved: Callable[[], bool], poll: float = 0.25) -> Canary:
+                      moved: Callable[[], bool], poll: float = 0.25, dp_rank: int | None = None) -> Canary:
     """A one-token completion to the engine, as SGLang's /health sends itself one; passed as soon as
     ``moved()`` says the engine made progress anyway (SGLang's rule). The request is dropped (its
-    connection closed, which aborts it in the engine) whichever way the wait ends."""
-    body = {"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0, "stream": False}
-    headers = {"X-Request-Id": f"infera-canary-{uuid.uuid4().hex[:12]}"}
+    connection closed, which aborts it in the engine) whichever way the wait ends. With ``dp_rank``
+    it is pinned to that data-parallel rank, both ways the engines read it (``dp_pin``)."""
+    body = pin_body({"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0, "stream": False}, dp_rank)
+    headers = {"X-Request-Id": f"infera-canary-{uuid.uuid4().hex[:12]}", **rank_headers(dp_rank)}
 
     async def post() -> Canary:
         try:
@@ -85,18 +87,23 @@ class StallProbe:
 
     work: Callable[[], int]  # requests the engine holds (running + waiting, or in flight through the agent)
     progress: Callable[[], float | None]  # its token counters summed (None: it has none)
-    canary: Callable[[float, Callable[[], bool]], Awaitable[Canary]]  # (timeout, moved) -> outcome
+    # (timeout, moved, DP rank or None) -> outcome
+    canary: Callable[[float, Callable[[], bool], int | None], Awaitable[Canary]]
+    # per DP rank the agent's requests were pinned to: (requests in flight, frames they sent)
+    ranks: Callable[[], dict[int, tuple[int, int]]] = dict
 
 
 def engine_stall_probe(session: aiohttp.ClientSession, base_url: str, model: str,
-                       last_load: Callable[[], EngineLoad], in_flight: Callable[[], int]) -> StallProbe:
+                       last_load: Callable[[], EngineLoad], in_flight: Callable[[], int],
+                       by_rank: Callable[[], dict[int, tuple[int, int]]] = dict) -> StallProbe:
     """The stall probe of a serving engine: its load from the latest scrape, what the agent has in
-    flight on it (in sequences: ``n`` samples each), and canaries to its OpenAI completions endpoint
-    for the model it serves."""
+    flight on it (in sequences: ``n`` samples each; per DP rank, ``by_rank``), and canaries to its
+    OpenAI completions endpoint for the model it serves."""
     return StallProbe(
         work=lambda: max(last_load().work, in_flight()),
         progress=lambda: last_load().tokens,
-        canary=lambda timeout, moved: send_canary(session, base_url, model, timeout, moved),
+        canary=lambda timeout, moved, rank: send_canary(session, base_url, model, timeout, moved, dp_rank=rank),
+        ranks=by_rank,
     )
 
 
@@ -119,8 +126,10 @@ class HealthWatch:
         self.liveness = Liveness(failures)
         self._on_change = on_change
         self._stall, self._check = stall, StallCheck(idle_canary_after)
+        self._rank_check = RankStallCheck()
         self._on_canary = on_canary
         self._told_refused = False
+        self._told_rank: int | None = None  # the rank last said to be stalled (said once, not every round)
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -140,14 +149,23 @@ class HealthWatch:
         loop = asyncio.get_running_loop()
         work, mark = stall.work(), stall.progress()
         reason = self._check.canary_due(work, mark, loop.time())
-        if reason is None:
+        ranks = stall.ranks()
+        rank = self._rank_check.rank_due(ranks) if reason is None else None
+        if reason is None and rank is None:
             self.liveness.observe(True)
             return
-        outcome = await stall.canary(self._timeout, lambda: stall.progress() != mark)
-        self._check.canary_done(outcome is Canary.SILENT, loop.time())
+        if rank is None:
+            outcome = await stall.canary(self._timeout, lambda: stall.progress() != mark, None)
+            self._check.canary_done(outcome is Canary.SILENT, loop.time())
+        else:
+            reason, sent = CanaryReason.RANK, ranks.get(rank, (0, 0))
+            outcome = await stall.canary(self._timeout, lambda: stall.ranks().get(rank) != sent, rank)
+            self._rank_check.canary_done(rank, outcome is Canary.SILENT)
+            if outcome is not Canary.SILENT:
+                self._told_rank = None
         self._on_canary(reason, outcome)
         if outcome is Canary.SILENT:
-            self._tell_stalled(reason, work)
+            self._tell_stalled(reason, work if rank is None else ranks.get(rank, (0, 0))[0], rank)
             self.liveness.stalled()
             return
         if outcome is Canary.REFUSED and not self._told_refused:  # once, not every round
@@ -157,16 +175,20 @@ class HealthWatch:
                         "cannot tell a hang from work (logged once)")
         self.liveness.observe(outcome is not Canary.FAILED)
 
-    def _tell_stalled(self, reason: CanaryReason, work: int) -> None:
-        if reason is CanaryReason.SUSPECT:  # said when it stalled; the verdict stands, quietly
-            return
+    def _tell_stalled(self, reason: CanaryReason, work: int, rank: int | None) -> None:
+        if reason is CanaryReason.SUSPECT or (rank is not None and self._told_rank == rank):
+            return  # said when it stalled; the verdict stands, quietly
+        self._told_rank = rank
         if reason is CanaryReason.IDLE:
             what = "the engine held no request and left a one-token completion unanswered"
+        elif reason is CanaryReason.RANK:
+            what = (f"DP rank {rank} of the engine holds requests, sent none of them a frame for a whole health "
+                    "round while the other ranks may work, and did not answer a one-token completion pinned to it")
         else:
             what = "the engine holds requests, counts no token and did not answer a one-token completion"
         log.error("engine_stalled", url=self._url, reason=reason.value, requests=work, canary_timeout_s=self._timeout,
-                  hint=f"{what}; a hung GPU or collective looks like this. It gets no new requests until it makes "
-                  "progress again (restart it if it stays so)")
+                  dp_rank=rank, hint=f"{what}; a hung GPU or collective looks like this. It gets no new requests "
+                  "until it makes progress again (restart it if it stays so)")
 
     async def _run(self) -> None:
         told = True  # the verdict the worker's record carries (it went active healthy)

@@ -11,6 +11,7 @@ engine unhealthy at once (``Liveness.stalled``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
 
 
@@ -52,6 +53,7 @@ class CanaryReason(StrEnum):
     STALLED = "stalled"  # it held work through a whole round and counted no token
     SUSPECT = "suspect"  # an earlier canary went unanswered: one every round until it makes progress
     IDLE = "idle"  # it held nothing and counted nothing for ``idle_after`` seconds
+    RANK = "rank"  # one DP rank held the agent's requests through a whole round and sent no frame
 
 
 class StallCheck:
@@ -104,3 +106,41 @@ class StallCheck:
         self.suspect = silent
         if not silent:
             self._active_at = now
+
+
+class RankStallCheck:
+    """When a health round should send a canary pinned to one DP rank, and to which.
+
+    With plain data parallelism (SGLang ``--dp`` without DP attention, vLLM's for a dense model)
+    each rank is its own scheduler on its own GPU: one that hangs leaves the others counting
+    tokens, so ``StallCheck`` never fires, and a /health that generates lands on any rank. The
+    agent knows the rank the router pinned each request to. Each round gives, per rank, the
+    requests in flight there and the frames they have sent so far (the mark). A rank is due when
+    it held requests at this round and at the one before and its mark did not move between them:
+    a whole round in which not one of its requests got a token, a head or an answer. After a
+    canary to it went unanswered, that rank is due every round until one passes or its mark
+    moves (requests handed back leave it under test, as ``StallCheck.suspect`` does).
+    """
+
+    __slots__ = ("_last", "suspect")
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[int, int]] = {}
+        self.suspect: int | None = None
+
+    def rank_due(self, ranks: Mapping[int, tuple[int, int]]) -> int | None:
+        last, self._last = self._last, dict(ranks)
+        if self.suspect is not None:
+            now, before = ranks.get(self.suspect), last.get(self.suspect)
+            if now is None or before is None or now[1] == before[1]:
+                return self.suspect
+            self.suspect = None  # its requests got frames since the last round: it works again
+        for rank in sorted(ranks):
+            work, mark = ranks[rank]
+            before = last.get(rank)
+            if before is not None and work > 0 and before[0] > 0 and before[1] == mark:
+                return rank
+        return None
+
+    def canary_done(self, rank: int, silent: bool) -> None:
+        self.suspect = rank if silent else None

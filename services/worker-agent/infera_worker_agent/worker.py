@@ -123,6 +123,10 @@ class RequestWorker:
     def in_flight_sequences(self) -> int:
         return self._runner.in_flight_sequences
 
+    def in_flight_by_rank(self) -> dict[int, tuple[int, int]]:
+        """Per DP rank its requests were pinned to: (requests in flight, frames they have sent)."""
+        return self._runner.in_flight_by_rank()
+
     def in_flight_by_router(self) -> dict[str, int]:
         """The requests being handled, counted per router that leased them."""
         return self._runner.in_flight_by_router()
