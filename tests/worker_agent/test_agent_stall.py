@@ -10,6 +10,7 @@ import asyncio
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from infera_mock_engine.main import parse_args
 from infera_mock_engine.server import start_server
@@ -116,3 +117,58 @@ async def test_a_refused_canary_counts_as_healthy_and_is_logged_once(vllm_engine
     assert refused == [Canary.REFUSED] * 3 and watch.liveness.healthy  # the first round only takes note
     captured = capsys.readouterr()
     assert (captured.out + captured.err).count("engine_canary_refused") == 1
+
+
+async def test_a_failed_probe_after_a_round_with_work_and_no_token_is_unhealthy_at_once():
+    """A frozen engine process (SIGSTOP, a wedged host) times its /health out. Three such probes
+    took ~2 minutes at the defaults; when the engine held requests and counted no token through
+    the round before, the first failed probe is enough. While tokens still move, it is one strike."""
+    frozen = asyncio.Event()
+
+    async def health(_request):
+        if frozen.is_set():
+            await asyncio.sleep(3600)
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    tokens = {"count": 0.0}
+
+    canaries = []
+
+    async def canary(_timeout, _moved, rank):
+        canaries.append(rank)
+        return Canary.ANSWERED
+
+    async def on_change(_healthy: bool) -> None:
+        pass
+
+    def watch() -> HealthWatch:
+        return HealthWatch(session, url, interval=0.1, timeout=0.3, failures=3, on_change=on_change,
+                           stall=StallProbe(work=lambda: 2, progress=lambda: tokens["count"], canary=canary))
+
+    async with aiohttp.ClientSession() as session:
+        try:
+            moving = watch()
+            await moving.probe_once()
+            frozen.set()
+            tokens["count"] += 10  # tokens counted since the last round: the engine worked
+            await moving.probe_once()
+            assert moving.liveness.healthy and moving.liveness.failed_in_a_row == 1  # one strike of three
+
+            stuck = watch()
+            frozen.clear()
+            await stuck.probe_once()  # holds 2 requests
+            frozen.set()
+            await stuck.probe_once()  # still 2, not one token since, and no answer within the timeout
+            assert not stuck.liveness.healthy and canaries == []  # at once, and no canary was needed
+            frozen.clear()
+            await stuck.probe_once()  # answers again, yet nothing moved: a canary tests it, and it answers
+            assert canaries == [None] and stuck.liveness.healthy
+        finally:
+            await runner.cleanup()

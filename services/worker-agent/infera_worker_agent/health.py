@@ -140,15 +140,27 @@ class HealthWatch:
         await stop_tasks(task)
 
     async def probe_once(self) -> None:
-        """One round: /health, then a canary when one is due; updates ``liveness``."""
+        """One round: /health, then a canary when one is due; updates ``liveness``. A failed probe
+        is one of ``failures`` strikes, unless the engine held work through the whole round before
+        it without counting a token: then it is unhealthy at once, as after a silent canary."""
         ok = await is_healthy(self._session, self._url, self._timeout)
         stall = self._stall
-        if not ok or stall is None:
+        if stall is None:
             self.liveness.observe(ok)
             return
         loop = asyncio.get_running_loop()
         work, mark = stall.work(), stall.progress()
         reason = self._check.canary_due(work, mark, loop.time())
+        if not ok:
+            if reason in (CanaryReason.STALLED, CanaryReason.SUSPECT):
+                # it held work through a whole round, counted nothing, and now fails its probe (a frozen
+                # process times out, SGLang's generating /health answers 503): no canary could say more
+                self._check.canary_done(True, loop.time())  # under test until it answers again
+                self._tell_stalled(reason, work, None, probe_failed=True)
+                self.liveness.stalled()
+            else:
+                self.liveness.observe(False)
+            return
         ranks = stall.ranks()
         rank = self._rank_check.rank_due(ranks) if reason is None else None
         if reason is None and rank is None:
@@ -175,11 +187,14 @@ class HealthWatch:
                         "cannot tell a hang from work (logged once)")
         self.liveness.observe(outcome is not Canary.FAILED)
 
-    def _tell_stalled(self, reason: CanaryReason, work: int, rank: int | None) -> None:
+    def _tell_stalled(self, reason: CanaryReason, work: int, rank: int | None, probe_failed: bool = False) -> None:
         if reason is CanaryReason.SUSPECT or (rank is not None and self._told_rank == rank):
             return  # said when it stalled; the verdict stands, quietly
         self._told_rank = rank
-        if reason is CanaryReason.IDLE:
+        if probe_failed:
+            what = ("the engine holds requests, counted no token for a whole round and then failed its health "
+                    "probe (no answer within --health-check-timeout, or an error)")
+        elif reason is CanaryReason.IDLE:
             what = "the engine held no request and left a one-token completion unanswered"
         elif reason is CanaryReason.RANK:
             what = (f"DP rank {rank} of the engine holds requests, sent none of them a frame for a whole health "
