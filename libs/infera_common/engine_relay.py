@@ -136,7 +136,10 @@ class Relay:
             await sink.error(502, f"engine timed out: {exc or type(exc).__name__}")
             return "error"
         except (aiohttp.ClientError, OSError) as exc:
-            await sink.error(502, f"engine unreachable or connection lost: {exc or type(exc).__name__}")
+            # aiohttp's own text names transfer details ("TransferEncodingError: 400, ...") that read
+            # as the client's fault: say what happened, and keep its class for the logs' sake
+            what = "the engine's connection broke mid-answer" if sink.seq else "the engine could not be reached"
+            await sink.error(502, f"{what} (the engine may have stopped): {type(exc).__name__}")
             return "error"
 
     async def _forward(self, env: WorkEnvelope, sink: FrameSink, trace_context: str | None) -> Outcome:

@@ -79,7 +79,7 @@ class JetStreamDispatcher:
         instead of waiting ``--upstream-timeout`` for frames from an agent that is gone. An agent
         that deregistered and still fails its requests itself (engine exit) sends its own error
         too: the frontend keeps whichever comes first. Returns how many requesters were told."""
-        frame = encode_frame("error", 0, 502, message=f"worker {worker_id} left the fleet before answering")
+        frame = encode_frame("error", 0, 502, message=f"worker {worker_id} left the fleet before its answer was complete")
         told = 0
         for lease in dropped:
             if lease.requester:  # a prefill leg answers this router: its pair is failed instead
