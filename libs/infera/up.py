@@ -8,9 +8,10 @@ kv-indexer, router and frontend run as one ``python -m infera.server``.
 Ctrl-C or SIGTERM stops everything it started (each child runs in its own process group and is
 stopped TERM-then-KILL), leaving no process behind: the frontend (or server) first, which refuses
 new requests and drains its answers under way; then all workers together; then the rest. A
-nats-server that exits is started again (at most ``BROKER_RESTARTS`` times) and the services
-restore their state in it; any other control process that exits stops the fleet; a worker that
-exits leaves it.
+nats-server, kv-indexer, router, frontend or server that exits is started again, with the same
+command line (at most ``RESTARTS`` times each; the services restore their state from the bus);
+etcd exiting stops the fleet; a worker that exits leaves it (its engine's cold start is the
+operator's call).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -41,8 +43,9 @@ from infera_router.settings import PolicyName
 from infera_worker_agent.settings import AgentSettings
 
 
-#: How many times a nats-server that exited is started again before the fleet is stopped.
-BROKER_RESTARTS = 5
+#: How many times nats-server, or a control-plane service, that exited is started again before the
+#: fleet is stopped (each counted apart; a service that fails at once fails this many times quickly).
+RESTARTS = 5
 
 
 class UpSettings(TracingSettings):  # --otlp-traces-endpoint: passed to every service
@@ -188,14 +191,18 @@ def main(argv: list[str]) -> int:
         where += [f"etcd {etcd_endpoint}"] if etcd_endpoint else []
         _print_banner(url, ", ".join(where), logs)
         reported: set[str] = set()
-        broker_restarts = 0
+        restarts: Counter[str] = Counter()
+        specs = {spec.name: spec for spec in plan if spec.name not in worker_names}
         while not stopping:
             for i, (name, proc) in enumerate(list(running)):
                 if proc.poll() is None or name in reported:
                     continue
-                if name == "nats-server" and broker_restarts < BROKER_RESTARTS:
-                    broker_restarts += 1
-                    restarted = _restart_nats(nats_port, state, logs, proc.returncode)
+                if (name == "nats-server" or name in specs) and restarts[name] < RESTARTS:
+                    restarts[name] += 1
+                    if name == "nats-server":
+                        restarted = _restart_nats(nats_port, state, logs, proc.returncode)
+                    else:
+                        restarted = _restart(specs[name], logs, proc.returncode, restarts[name])
                     if restarted is not None:
                         running[i] = (name, restarted)
                         continue
@@ -204,7 +211,7 @@ def main(argv: list[str]) -> int:
                       file=sys.stderr)
                 _tail(logs / f"{name}.log")
                 if name not in worker_names:
-                    return 1  # the control plane is gone: stop the fleet
+                    return 1  # the control plane is gone for good: stop the fleet
                 # a worker leaving is what the fleet is built to survive: the rest keep serving
             time.sleep(0.2)
         return 0
@@ -245,6 +252,15 @@ def _restart_nats(port: int, state: Path, logs: Path, code: int | None) -> subpr
     except (OSError, RuntimeError, TimeoutError) as exc:
         print(f"infera up: nats-server did not come back: {exc}; see {logs / 'nats-server.log'}", file=sys.stderr)
         return None
+
+
+def _restart(spec: ProcSpec, logs: Path, code: int | None, attempt: int) -> subprocess.Popen:
+    """A control-plane service exited under the fleet: start it again with the same command line
+    (ports included). A router or kv-indexer keeps no state of its own that the bus does not give
+    back (discovery, the KV event stream), and the frontend holds only requests under way."""
+    print(f"infera up: {spec.name} exited with {code}; starting it again ({attempt} of {RESTARTS}); "
+          f"see {logs / (spec.name + '.log')}", file=sys.stderr)
+    return _spawn(spec, logs)
 
 
 def _spawn(spec: ProcSpec, logs: Path) -> subprocess.Popen:

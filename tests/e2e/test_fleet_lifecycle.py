@@ -26,8 +26,8 @@ CHAT = json.dumps({"model": BUNDLED_MODEL_NAME, "messages": [{"role": "user", "c
                    "max_tokens": 4}).encode()
 
 
-def _chat(url: str) -> int:
-    req = urllib.request.Request(url + "/v1/chat/completions", data=CHAT, headers={"Content-Type": "application/json"})
+def _chat(url: str, body: bytes = CHAT) -> int:
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return resp.status
@@ -143,17 +143,43 @@ def test_a_hung_engine_stops_getting_requests_until_it_answers_again(tmp_path, p
         fleet.stop()
 
 
-def test_infera_up_starts_its_nats_server_again_and_the_fleet_serves_on(tmp_path):
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
+
+
+def _chat_or_down(url: str) -> int:
+    try:
+        return _chat(url)
+    except OSError:  # the frontend's port is closed while it restarts
+        return 0
+
+
+def test_infera_up_starts_its_nats_server_and_control_services_again_and_the_fleet_serves_on(tmp_path):
+    """SIGKILL nats-server, then the router, the kv-indexer and the frontend, one at a time: each
+    is started again on its own ports, and the fleet serves on with both workers (it used to stop
+    the whole fleet when any control service but nats-server exited)."""
     fleet = Fleet(tmp_path, workers=2, env=env_with()).start()
     try:
         assert _chat(fleet.url) == 200
-        [broker] = [p for p in process_tree(fleet.proc.pid) if b"nats-server" in Path(f"/proc/{p}/cmdline").read_bytes()]
-        os.kill(broker, signal.SIGKILL)
-        deadline = time.monotonic() + 20
-        while _chat(fleet.url) != 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _chat(fleet.url) == 200 and fleet.proc.poll() is None
+        for marker in (b"nats-server", b"infera_router", b"infera_kv_indexer", b"infera_frontend"):
+            def with_marker() -> list[int]:
+                return [p for p in process_tree(fleet.proc.pid) if marker in _cmdline(p)]
+
+            [old] = with_marker()
+            os.kill(old, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not (with_marker() and old not in with_marker()
+                                                       and _chat_or_down(fleet.url) == 200):
+                time.sleep(0.2)
+            assert len(with_marker()) == 1 and old not in with_marker(), marker  # started again
+            assert _chat_or_down(fleet.url) == 200 and fleet.proc.poll() is None, marker
         assert len([w for w in fleet.workers_list() if w["status"] == "active"]) == 2
+        long_prompt = {"model": BUNDLED_MODEL_NAME, "max_tokens": 2,  # several KV blocks: the index is asked
+                       "messages": [{"role": "user", "content": "word " * 300}]}
+        assert _chat(fleet.url, json.dumps(long_prompt).encode()) == 200
     finally:
         assert fleet.stop() == 0
 
