@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 import nats
@@ -73,6 +74,32 @@ class Reconnects:
             self._task = None
 
 
+#: Seconds between two log lines of one NATS error while it repeats: nats-py reports every reconnect
+#: attempt, every 0.5 s while the broker is away.
+ERROR_LOG_EVERY = 30.0
+
+
+class RepeatedErrors:
+    """Which errors to log (pure; the clock is given): the first of its kind at once, the same one
+    again at most every ``every`` seconds, with how many were held back meanwhile."""
+
+    def __init__(self, every: float) -> None:
+        self.every = every
+        self._seen: dict[str, tuple[float, int]] = {}  # error -> (when last logged, held back since)
+
+    def let_through(self, error: str, now: float) -> int | None:
+        """None: hold this one back; else log it, with the count held back since the last one logged."""
+        seen = self._seen.get(error)
+        if seen is not None and now - seen[0] < self.every:
+            self._seen[error] = (seen[0], seen[1] + 1)
+            return None
+        self._seen[error] = (now, 0)
+        return 0 if seen is None else seen[1]
+
+    def clear(self) -> None:
+        self._seen.clear()
+
+
 #: Why a service run on its own dials NATS although its plane flags need none (etcd, http, zmq).
 BETWEEN_SERVICES = ("the frontend, router and kv-indexer, run as separate processes, talk to one another over NATS "
                     "whatever the plane flags; to run them without a broker, run them as one process: "
@@ -91,13 +118,19 @@ async def connect(url: str, name: str, connect_timeout: float = 10.0, reconnects
     attempt runs as a task with a deadline and is re-cancelled until it has really stopped.
     """
 
+    repeats = RepeatedErrors(ERROR_LOG_EVERY)
+
     async def on_error(exc: Exception) -> None:
-        log.warning("nats_error", error=str(exc))
+        error = str(exc) or type(exc).__name__
+        held = repeats.let_through(error, time.monotonic())
+        if held is not None:
+            log.warning("nats_error", error=error, **({"repeated": held} if held else {}))
 
     async def on_disconnect() -> None:
         log.warning("nats_disconnected")
 
     async def on_reconnect() -> None:
+        repeats.clear()  # a later outage is logged from its first error
         log.info("nats_reconnected")
         if reconnects is not None:
             reconnects.reconnected()

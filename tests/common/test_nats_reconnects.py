@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from infera_common import nats_conn
-from infera_common.nats_conn import Reconnects
+from infera_common.nats_conn import Reconnects, RepeatedErrors
 
 
 async def test_steps_run_in_order_and_a_failing_step_is_retried_until_it_succeeds(monkeypatch):
@@ -75,3 +75,13 @@ async def test_a_step_that_never_succeeds_is_given_up_and_logged_and_the_next_st
     r.add("fine", fine)
     await r.run()
     assert calls == ["broken"] * 3 + ["fine"]
+
+
+def test_a_repeating_nats_error_is_logged_once_then_once_per_period_with_the_count_held_back():
+    """An agent cut off from the broker heard "Connection refused" every 0.5 s, each one a log line."""
+    repeats = RepeatedErrors(every=30.0)
+    said = [(t, repeats.let_through("[Errno 111] Connection refused", t)) for t in (0.0, 0.5, 1.0, 29.5, 30.0, 31.0)]
+    assert said == [(0.0, 0), (0.5, None), (1.0, None), (29.5, None), (30.0, 3), (31.0, None)]
+    assert repeats.let_through("another error", 31.0) == 0  # each error on its own
+    repeats.clear()  # reconnected: the next outage is told from its first error
+    assert repeats.let_through("[Errno 111] Connection refused", 32.0) == 0
