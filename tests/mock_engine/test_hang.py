@@ -69,3 +69,23 @@ async def test_another_requests_output_passes_the_sglang_probe(start_engine, mon
     assert time.monotonic() - t0 < 2
     assert not busy.done()
     busy.cancel()
+
+
+async def test_a_chat_stream_gets_its_headers_at_once_and_its_role_chunk_only_with_the_first_output(start_engine):
+    """SGLang's and vLLM's serving_chat send the `role` chunk inside their loop over the engine's
+    outputs: a client (or the worker-agent, which reads the first data chunk as "prefill done")
+    gets nothing of the body while the prompt waits for a GPU step."""
+    for flavor in ("sglang", "vllm"):
+        client = await start_engine("--speedup", "10", "--engine-flavor", flavor)
+        client.server.engine.hang_gpu()
+        body = {**CHAT, "max_tokens": 3, "stream": True, "model": client.server.engine.config.served_model_name}
+        async with client.session.post("/v1/chat/completions", json=body) as r:
+            assert r.status == 200 and r.content_type == "text/event-stream"
+            first = asyncio.create_task(r.content.readline())
+            await asyncio.sleep(0.3)
+            assert not first.done(), flavor  # no role chunk before the engine's first output
+            client.server.engine.resume_gpu()
+            line = await asyncio.wait_for(first, 10)
+            assert b'"role":"assistant"' in line.replace(b" ", b""), line
+            rest = await r.read()
+        assert rest.rstrip().endswith(b"data: [DONE]")
