@@ -126,8 +126,13 @@ async def connect(url: str, name: str, connect_timeout: float = 10.0, reconnects
         if held is not None:
             log.warning("nats_error", error=error, **({"repeated": held} if held else {}))
 
+    connected: list[NATS] = []  # the client, once connected: a disconnect while it closes is no news
+
     async def on_disconnect() -> None:
-        log.warning("nats_disconnected")
+        if connected and connected[0].is_closed:
+            log.info("nats_closed")
+        else:
+            log.warning("nats_disconnected")
 
     async def on_reconnect() -> None:
         repeats.clear()  # a later outage is logged from its first error
@@ -161,7 +166,8 @@ async def connect(url: str, name: str, connect_timeout: float = 10.0, reconnects
             + "; start nats-server with JetStream (nats-server -js) or pass --nats-url / INFERA_NATS_URL"
             + ("" if planes_need_it else f" ({BETWEEN_SERVICES})")
         ) from cause
-    return task.result()
+    connected.append(task.result())
+    return connected[0]
 
 
 #: what to tell the user when a JetStream API call answers "service unavailable" (503) at start

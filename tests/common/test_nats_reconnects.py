@@ -85,3 +85,10 @@ def test_a_repeating_nats_error_is_logged_once_then_once_per_period_with_the_cou
     assert repeats.let_through("another error", 31.0) == 0  # each error on its own
     repeats.clear()  # reconnected: the next outage is told from its first error
     assert repeats.let_through("[Errno 111] Connection refused", 32.0) == 0
+
+
+async def test_closing_the_client_is_not_logged_as_a_disconnect(nats_server, capsys):
+    nc = await nats_conn.connect(nats_server, "closing-test")
+    await nc.close()
+    logged = capsys.readouterr()
+    assert "nats_closed" in logged.out + logged.err and "nats_disconnected" not in logged.out + logged.err
