@@ -122,7 +122,8 @@ async def test_a_refused_canary_counts_as_healthy_and_is_logged_once(vllm_engine
 async def test_a_failed_probe_after_a_round_with_work_and_no_token_is_unhealthy_at_once():
     """A frozen engine process (SIGSTOP, a wedged host) times its /health out. Three such probes
     took ~2 minutes at the defaults; when the engine held requests and counted no token through
-    the round before, the first failed probe is enough. While tokens still move, it is one strike."""
+    the round before, or its /metrics has been silent as long, the first failed probe is enough.
+    While tokens still move and its metrics answer, it is one strike."""
     frozen = asyncio.Event()
 
     async def health(_request):
@@ -148,9 +149,12 @@ async def test_a_failed_probe_after_a_round_with_work_and_no_token_is_unhealthy_
     async def on_change(_healthy: bool) -> None:
         pass
 
+    silent = {"for": 0.0}  # seconds since the engine's /metrics last answered
+
     def watch() -> HealthWatch:
         return HealthWatch(session, url, interval=0.1, timeout=0.3, failures=3, on_change=on_change,
-                           stall=StallProbe(work=lambda: 2, progress=lambda: tokens["count"], canary=canary))
+                           stall=StallProbe(work=lambda: 2, progress=lambda: tokens["count"], canary=canary,
+                                            metrics_silent_for=lambda: silent["for"]))
 
     async with aiohttp.ClientSession() as session:
         try:
@@ -170,5 +174,14 @@ async def test_a_failed_probe_after_a_round_with_work_and_no_token_is_unhealthy_
             frozen.clear()
             await stuck.probe_once()  # answers again, yet nothing moved: a canary tests it, and it answers
             assert canaries == [None] and stuck.liveness.healthy
+
+            # frozen right after a scrape that saw tokens move: its /metrics is as silent as /health
+            frozen_late = watch()
+            await frozen_late.probe_once()
+            frozen.set()
+            tokens["count"] += 10
+            silent["for"] = 0.3
+            await frozen_late.probe_once()
+            assert not frozen_late.liveness.healthy and canaries == [None]
         finally:
             await runner.cleanup()

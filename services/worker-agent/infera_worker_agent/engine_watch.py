@@ -55,7 +55,8 @@ class EngineWatch:
             stall: StallProbe | None = None
             if stall_checked(settings, role, family):
                 reporter = self.reporter
-                stall = engine_stall_probe(session, local_url, model, lambda: reporter.last, sequences, by_rank)
+                stall = engine_stall_probe(session, local_url, model, lambda: reporter.last, sequences, by_rank,
+                                           reporter.silent_for)
             self.health = HealthWatch(
                 session, local_url, interval=settings.health_check_interval, timeout=settings.health_check_timeout,
                 failures=settings.health_check_failures, on_change=on_health, stall=stall,

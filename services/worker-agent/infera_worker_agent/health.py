@@ -91,11 +91,14 @@ class StallProbe:
     canary: Callable[[float, Callable[[], bool], int | None], Awaitable[Canary]]
     # per DP rank the agent's requests were pinned to: (requests in flight, frames they sent)
     ranks: Callable[[], dict[int, tuple[int, int]]] = dict
+    # seconds since the engine's /metrics last answered
+    metrics_silent_for: Callable[[], float] = lambda: 0.0
 
 
 def engine_stall_probe(session: aiohttp.ClientSession, base_url: str, model: str,
                        last_load: Callable[[], EngineLoad], in_flight: Callable[[], int],
-                       by_rank: Callable[[], dict[int, tuple[int, int]]] = dict) -> StallProbe:
+                       by_rank: Callable[[], dict[int, tuple[int, int]]] = dict,
+                       metrics_silent_for: Callable[[], float] = lambda: 0.0) -> StallProbe:
     """The stall probe of a serving engine: its load from the latest scrape, what the agent has in
     flight on it (in sequences: ``n`` samples each; per DP rank, ``by_rank``), and canaries to its
     OpenAI completions endpoint for the model it serves."""
@@ -104,6 +107,7 @@ def engine_stall_probe(session: aiohttp.ClientSession, base_url: str, model: str
         progress=lambda: last_load().tokens,
         canary=lambda timeout, moved, rank: send_canary(session, base_url, model, timeout, moved, dp_rank=rank),
         ranks=by_rank,
+        metrics_silent_for=metrics_silent_for,
     )
 
 
@@ -141,8 +145,9 @@ class HealthWatch:
 
     async def probe_once(self) -> None:
         """One round: /health, then a canary when one is due; updates ``liveness``. A failed probe
-        is one of ``failures`` strikes, unless the engine held work through the whole round before
-        it without counting a token: then it is unhealthy at once, as after a silent canary."""
+        is one of ``failures`` strikes, unless the engine holds work and either counted no token
+        through the whole round before it or left its /metrics unanswered for as long as the probe
+        waited: then it is unhealthy at once, as after a silent canary."""
         ok = await is_healthy(self._session, self._url, self._timeout)
         stall = self._stall
         if stall is None:
@@ -152,11 +157,13 @@ class HealthWatch:
         work, mark = stall.work(), stall.progress()
         reason = self._check.canary_due(work, mark, loop.time())
         if not ok:
-            if reason in (CanaryReason.STALLED, CanaryReason.SUSPECT):
-                # it held work through a whole round, counted nothing, and now fails its probe (a frozen
+            if reason in (CanaryReason.STALLED, CanaryReason.SUSPECT) or (
+                    work > 0 and stall.metrics_silent_for() >= self._timeout):
+                # it held work through a whole round and counted nothing, or its /metrics has not
+                # answered for as long as this probe waited, and now it fails its probe (a frozen
                 # process times out, SGLang's generating /health answers 503): no canary could say more
                 self._check.canary_done(True, loop.time())  # under test until it answers again
-                self._tell_stalled(reason, work, None, probe_failed=True)
+                self._tell_stalled(reason or CanaryReason.STALLED, work, None, probe_failed=True)
                 self.liveness.stalled()
             else:
                 self.liveness.observe(False)
@@ -192,8 +199,9 @@ class HealthWatch:
             return  # said when it stalled; the verdict stands, quietly
         self._told_rank = rank
         if probe_failed:
-            what = ("the engine holds requests, counted no token for a whole round and then failed its health "
-                    "probe (no answer within --health-check-timeout, or an error)")
+            what = ("the engine holds requests, counted no token for a whole round (or its /metrics did not "
+                    "answer for as long) and then failed its health probe (no answer within "
+                    "--health-check-timeout, or an error)")
         elif reason is CanaryReason.IDLE:
             what = "the engine held no request and left a one-token completion unanswered"
         elif reason is CanaryReason.RANK:

@@ -7,6 +7,7 @@ rank when the engine runs several); KV-cache usage is their mean, as a fraction 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -138,9 +139,14 @@ class LoadReporter:
         self._unseen = 0  # from the last successful scrape (a failed one says nothing new)
         self._task: asyncio.Task | None = None
         self._warned = False
+        self._answered_at = time.monotonic()  # when the engine's /metrics last answered (or the start)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="load-reporter")
+
+    def silent_for(self) -> float:
+        """Seconds since the engine's /metrics last answered (since the start, if it never has)."""
+        return time.monotonic() - self._answered_at
 
     async def stop(self) -> None:
         task, self._task = self._task, None
@@ -153,6 +159,7 @@ class LoadReporter:
         before = self._sequences()
         try:
             load = await self.scrape()
+            self._answered_at = time.monotonic()
             if load is not None:
                 self.last = load
                 if self._counts_unseen:
