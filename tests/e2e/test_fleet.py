@@ -248,10 +248,12 @@ async def _until_running(workers, want: int, timeout: float = 3.0) -> float:
     return running
 
 
-async def test_requests_given_one_x_request_id_at_once_are_served_and_cancelled_apart(fleet):
+async def test_requests_given_one_x_request_id_at_once_are_served_and_cancelled_apart(ll_fleet):
     """A client library that sends a fixed X-Request-Id, or a retry while the first try still runs:
     three streams at once under one id (two workers, so two share one) each get their answer, each
-    sees its id echoed, and the one whose client leaves is the only one the engines stop."""
+    sees its id echoed, and the one whose client leaves is the only one the engines stop. (The
+    engines at speedup 2: the answers run for seconds, however late the test looks at them.)"""
+    fleet = ll_fleet
     workers = fleet.workers_list()
     body = {**CHAT, "max_tokens": 4000, "stream": True}
     async with aiohttp.ClientSession() as s:
