@@ -55,7 +55,11 @@ async def test_one_hung_dp_rank_among_working_ones_takes_the_worker_out_of_routi
         while not frames or frames[-1].kind not in ("end", "error"):
             frames.append(decode(Frame, (await stuck.next_msg(timeout=10)).data))
         assert frames[-1].kind == "error" and frames[-1].status == 503
+        statuses = set()
+        for _ in range(30):  # ~10 health rounds with nothing left on the rank: still tested, still out
+            statuses.add(bus.watcher.view.get("w-dp").status)
+            await asyncio.sleep(0.1)
+        assert statuses == {WorkerStatus.UNHEALTHY}
     finally:
         os.kill(engine_pid, signal.SIGUSR2)
     await bus.active("w-dp", timeout=15)  # the rank answers again: back in routing
-    await asyncio.sleep(0)

@@ -177,8 +177,13 @@ class HealthWatch:
             outcome = await stall.canary(self._timeout, lambda: stall.progress() != mark, None)
             self._check.canary_done(outcome is Canary.SILENT, loop.time())
         else:
-            reason, sent = CanaryReason.RANK, ranks.get(rank, (0, 0))
-            outcome = await stall.canary(self._timeout, lambda: stall.ranks().get(rank) != sent, rank)
+            reason, before = CanaryReason.RANK, ranks.get(rank)
+
+            def moved() -> bool:  # the rank's requests got frames meanwhile (none held: the canary decides)
+                now = stall.ranks().get(rank)
+                return now is not None and before is not None and now[1] != before[1]
+
+            outcome = await stall.canary(self._timeout, moved, rank)
             self._rank_check.canary_done(rank, outcome is Canary.SILENT)
             if outcome is not Canary.SILENT:
                 self._told_rank = None
