@@ -14,7 +14,7 @@ from infera.server_settings import ServerSettings
 from infera.tools.preflight.settings import PreflightSettings
 from infera.up import UpSettings
 from infera_common.settings import ENV_PREFIX, env_names, parse_cli
-from infera_common.typos import CUTOFF, _closest, env_near_misses
+from infera_common.typos import CUTOFF, env_near_misses
 from infera_frontend.settings import FrontendSettings
 from infera_kv_indexer.settings import KvIndexerSettings
 from infera_router.settings import RouterSettings
@@ -53,11 +53,8 @@ def test_no_programs_variable_looks_like_a_mistyped_one_of_another_program():
     clashes = []
     for mine, theirs in itertools.permutations(PROGRAMS, 2):
         own = env_names(mine)
-        prefix = mine.model_config.get("env_prefix", ENV_PREFIX).upper()
-        tails = [n[len(prefix):] for n in own if n.startswith(prefix)]
-        for name in env_names(theirs) - own:
-            if name.startswith(prefix) and (meant := _closest(name[len(prefix):], tails)):
-                clashes.append((mine.__name__, name, prefix + meant))
+        clashes += env_near_misses(env_names(theirs) - own, own, mine.model_config.get("env_prefix", ENV_PREFIX),
+                                   mine.__name__)
     assert clashes == [], f"within {CUTOFF} of another program's variable: {clashes}"
 
 

@@ -218,6 +218,18 @@ async def test_oversize_body_413(fleet):
     assert json.loads(raw)["error"]["message"]
 
 
+def _running(workers) -> float:
+    """The requests the engines run, summed over the fleet's workers (their own gauges)."""
+    return sum(scrape(w["url"]).get("sglang:num_running_reqs", 0) for w in workers)
+
+
+async def _until_running(workers, want: int, timeout: float = 3.0) -> float:
+    deadline = time.monotonic() + timeout
+    while (running := _running(workers)) != want and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return running
+
+
 async def test_client_disconnect_mid_stream_aborts_engine_request(fleet):
     workers = fleet.workers_list()
     body = {**CHAT, "max_tokens": 4000, "stream": True}
@@ -225,27 +237,15 @@ async def test_client_disconnect_mid_stream_aborts_engine_request(fleet):
         resp = await s.post(fleet.url + "/v1/chat/completions", json=body)
         assert resp.status == 200
         await resp.content.readline()  # the stream has started
-        running = sum(scrape(w["url"]).get("sglang:num_running_reqs", 0) for w in workers)
-        assert running >= 1
+        assert _running(workers) >= 1
         resp.close()  # the client goes away
     deadline = time.monotonic() + 1.0  # the engine request is aborted within 1 s
     while time.monotonic() < deadline:
-        running = sum(scrape(w["url"]).get("sglang:num_running_reqs", 0) for w in workers)
+        running = _running(workers)
         if running == 0:
             break
         await asyncio.sleep(0.05)
     assert running == 0
-
-
-async def _running(workers) -> float:
-    return sum(scrape(w["url"]).get("sglang:num_running_reqs", 0) for w in workers)
-
-
-async def _until_running(workers, want: int, timeout: float = 3.0) -> float:
-    deadline = time.monotonic() + timeout
-    while (running := await _running(workers)) != want and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    return running
 
 
 async def test_requests_given_one_x_request_id_at_once_are_served_and_cancelled_apart(ll_fleet):
