@@ -99,10 +99,12 @@ class Registrar:
         self.record = self.record.model_copy(update={"status": status})
         await self._put()
 
-    async def stop(self) -> None:
+    async def stop(self, leave: bool = True) -> None:
+        """Stop beating; ``leave``: delete the entry now (False when the broker cannot be reached: the
+        entry then ages out within its TTL, and a delete would only wait out its timeout)."""
         task, self._task = self._task, None
         await stop_tasks(task)
-        if self._kv is not None:
+        if self._kv is not None and leave:
             try:
                 await self._kv.delete(self.record.worker_id)
             except Exception as exc:  # broker gone: the entry ages out on its own

@@ -123,10 +123,11 @@ class EtcdRegistrar:
     async def restore(self) -> None:
         """Nothing to redo when NATS reconnects: etcd keeps the fleet, and this class follows it itself."""
 
-    async def stop(self) -> None:
+    async def stop(self, leave: bool = True) -> None:
+        """Stop refreshing; ``leave``: revoke the lease now (False: it expires within its TTL)."""
         task, self._task = self._task, None
         await stop_tasks(task)
-        if self.lease_id is not None:
+        if self.lease_id is not None and leave:
             try:
                 await self._client.revoke(self.lease_id)
             except (EtcdUnavailable, EtcdError) as exc:  # etcd gone: the lease expires on its own

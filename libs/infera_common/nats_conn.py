@@ -314,16 +314,22 @@ async def delete_stream_quietly(js: JetStreamContext, name: str) -> None:
 async def close_connection(nc: NATS, timeout: float = 5.0) -> None:
     """Drain ``nc`` (deliver what is in flight), else close it, never waiting more than ``timeout``.
 
-    With the server gone, nats-py's drain waits for a reconnect that never comes: bounded here so a
-    service stopping at the same time as its broker still exits.
+    With the server gone, nats-py's drain waits for a reconnect that never comes: a connection that is
+    not up (reconnecting) is closed at once, and the drain is bounded, so a service stopping during
+    a broker outage still exits in time.
     """
-    try:
-        await asyncio.wait_for(nc.drain(), timeout)
-    except Exception:  # already closed, broker gone, or the drain timed out
+    if nc.is_closed:
+        return
+    if nc.is_connected:
         try:
-            await asyncio.wait_for(nc.close(), timeout)
-        except Exception:  # nothing more can be done: the process is exiting
-            log.warning("nats_close_timed_out")
+            await asyncio.wait_for(nc.drain(), timeout)
+            return
+        except Exception:  # the broker went away meanwhile, or the drain timed out
+            pass
+    try:
+        await asyncio.wait_for(nc.close(), timeout)
+    except Exception as exc:  # nothing more can be done: the process is exiting
+        log.info("nats_close_incomplete", error=str(exc) or type(exc).__name__)
 
 
 def nats_log_fields(nats_url: str, used: bool) -> dict[str, str]:

@@ -30,8 +30,8 @@ from infera_common.engine_relay import EngineAborter, Relay
 from infera_common.logs import get_logger
 from infera_common.metrics import start_metrics_server
 from infera_common.nats_conn import (
-    NO_JETSTREAM, Reconnects, connect, delete_stream_quietly, ensure_kv_event_stream, ensure_request_stream,
-    flush_all, nats_log_fields, no_jetstream,
+    NO_JETSTREAM, Reconnects, close_connection, connect, delete_stream_quietly, ensure_kv_event_stream,
+    ensure_request_stream, flush_all, nats_log_fields, no_jetstream,
 )
 from infera_common.request_runner import ENGINE_UNHEALTHY
 from infera_common.runtime import freeze_startup_heap
@@ -421,10 +421,13 @@ class Agent:
         await self._stop_health()  # (its verdicts would overwrite 'draining')
         log.info("draining", worker_id=self.worker_id, in_flight=self._worker.in_flight if self._worker else None,
                  drain_timeout_s=self.s.drain_timeout)
-        try:
-            await self._registrar.set_status(WorkerStatus.DRAINING)
-        except Exception as exc:
-            log.warning("draining_status_not_published", error=str(exc))
+        if self._discovery_unreachable():
+            log.warning("draining_status_not_published", error="NATS unreachable")
+        else:
+            try:
+                await self._registrar.set_status(WorkerStatus.DRAINING)
+            except Exception as exc:
+                log.warning("draining_status_not_published", error=str(exc))
         if self._worker is not None:  # NATS request plane
             await self._worker.drain(DRAIN_REFUSAL, DRAIN_CANCEL, self.s.drain_timeout, self._force)
         else:
@@ -442,15 +445,29 @@ class Agent:
         if self._watch is not None:
             await self._watch.stop_health()
 
+    def _broker_unreachable(self) -> bool:
+        """NATS is in use and its connection is down (reconnecting): a broker call now would only wait
+        out its timeout, so the stop path skips them (a SIGTERM during an outage still stops in
+        seconds; what the broker holds ages out or goes with it)."""
+        return self._nc is not None and not self._nc.is_connected
+
+    def _discovery_unreachable(self) -> bool:
+        return self.s.discovery_backend == "nats" and self._broker_unreachable()
+
     async def _deregister(self) -> None:
         if self._registrar is not None:
             registrar, self._registrar = self._registrar, None
-            if self._nc is not None:  # every frame and Release sent so far is on the broker before the leave
+            # every frame and Release sent so far is on the broker before the leave
+            if self._nc is not None and not self._broker_unreachable():
                 try:
                     await flush_all(self._nc, timeout=2)
                 except Exception as exc:  # broker gone: nothing sent now would arrive anyway
                     log.info("flush_before_leave_failed", error=str(exc) or type(exc).__name__)
-            await registrar.stop()
+            leave = not self._discovery_unreachable()
+            if not leave:
+                log.warning("deregister_skipped", worker_id=self.worker_id, error="NATS unreachable",
+                            entry_expires_within_s=registrar.record.ttl)
+            await registrar.stop(leave=leave)
 
     async def _close_worker(self) -> None:
         if self._worker is not None:
@@ -463,7 +480,7 @@ class Agent:
             self.metrics.engine_exit_code.set(exit_status(code) if code else 0)
 
     async def _delete_stream(self) -> None:
-        if self._nc is not None and self._stream is not None:
+        if self._nc is not None and self._stream is not None and not self._broker_unreachable():
             await delete_stream_quietly(self._nc.jetstream(), self._stream)
             self._stream = None
 
@@ -477,7 +494,7 @@ class Agent:
             ("deregister", self._deregister),
             ("engine", self._stop_engine if self._engine else None),
             ("http_session", self._session.close if self._session else None),
-            ("nats", self._nc.close if self._nc else None),
+            ("nats", (lambda: close_connection(self._nc, timeout=2)) if self._nc else None),
             ("metrics_server", self._metrics_runner.cleanup if self._metrics_runner else None),
         ]
         for name, step in steps:

@@ -163,6 +163,9 @@ class RequestWorker:
         """Take no more envelopes: the broker refuses every publish to this worker's queue from now on
         (routers try another worker), and what it already holds is still delivered."""
         self._sealed = True
+        if not self._nc.is_connected:  # reconnecting: the update would only wait out its timeout
+            log.warning("queue_not_sealed", error="NATS unreachable")
+            return
         try:
             await seal_request_stream(self._js, self.worker_id)
         except Exception as exc:  # broker gone or stream already deleted: nothing more arrives anyway
@@ -175,6 +178,9 @@ class RequestWorker:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
+            if not self._nc.is_connected:  # nothing is delivered while the broker is away
+                log.warning("queue_state_unknown", error="NATS unreachable")
+                return 0
             try:
                 info = await self._js.consumer_info(request_stream(self.worker_id), work_consumer(self.worker_id))
             except Exception as exc:  # broker gone or consumer deleted: nothing more can be delivered
