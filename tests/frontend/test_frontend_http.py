@@ -144,6 +144,21 @@ async def test_oversize_body_is_413(make_frontend, fleet):
     assert (await post(fe, "/v1/chat/completions", chat_body("x" * 3000)))[0] == 200
 
 
+async def test_a_request_for_more_sequences_than_the_limit_is_400_and_names_the_setting(make_frontend, fleet):
+    fe = await make_frontend(max_sequences_per_request=8)
+    await wait_until(lambda: fe.models.is_known(MODEL))
+    status, _, raw = await post(fe, "/v1/chat/completions", {**chat_body(), "n": 9})
+    err = openai_error(raw)
+    assert status == 400 and err["param"] == "n" and err["code"] == "too_many_sequences"
+    assert "9 sequences" in err["message"] and "--max-sequences-per-request" in err["message"]
+    batch = {"model": MODEL, "prompt": ["a", "b", "c"], "n": 3}  # 3 samples of each of 3 prompts
+    status, _, raw = await post(fe, "/v1/completions", batch)
+    assert status == 400 and openai_error(raw)["param"] == "prompt" and "9 sequences" in openai_error(raw)["message"]
+    assert fleet.routed == []
+    assert (await post(fe, "/v1/chat/completions", {**chat_body(), "n": 8}))[0] == 200  # at the limit: served
+    assert fleet.routed[-1].sequences == 8
+
+
 async def test_model_without_active_worker_is_503(frontend, fleet):
     registrar = Registrar(fleet.nc.jetstream(), worker_record("w2", model="warming-up", status=WorkerStatus.STARTING))
     await registrar.start()

@@ -134,3 +134,14 @@ async def test_n_samples_of_each_prompt_in_vllms_order_with_the_prompt_counted_o
     _, events = await client.sse("/v1/chat/completions", {**CHAT, "max_tokens": 3, "n": 2, "stream": True})
     finished = [e["choices"][0]["index"] for e in events[:-1] if e["choices"] and e["choices"][0]["finish_reason"]]
     assert sorted(finished) == [0, 1]
+
+
+async def test_the_vllm_flavour_refuses_n_past_its_limit_and_several_greedy_samples(start_engine, monkeypatch):
+    monkeypatch.setenv("VLLM_MAX_N_SEQUENCES", "4")  # read per request, as vLLM reads its env
+    client = await start_engine("--speedup", "10", "--engine-flavor", "vllm")
+    status, body = await client.post("/v1/completions", {"prompt": "Tell me", "max_tokens": 2, "n": 5})
+    assert status == 400 and body["error"]["param"] == "n" and "VLLM_MAX_N_SEQUENCES" in body["error"]["message"]
+    status, body = await client.post("/v1/chat/completions", {**CHAT, "max_tokens": 2, "n": 2, "temperature": 0})
+    assert status == 400 and body["error"]["param"] == "n" and "greedy" in body["error"]["message"]
+    status, body = await client.post("/v1/completions", {"prompt": "Tell me", "max_tokens": 2, "n": 4})
+    assert status == 200 and len(body["choices"]) == 4

@@ -19,7 +19,9 @@ from infera_common.tokenizer import ChatTokenizer
 from infera_frontend.exchange import Exchange
 from infera_frontend.failover import Attempts, engine_status_reason, retry_reason
 from infera_frontend.metrics import UNKNOWN_MODEL, FrontendMetrics
-from infera_frontend.prepare import OFFLOAD_CHARS, ModelTable, Tokens, prompt_chars, samples, sequences, tokenize
+from infera_frontend.prepare import (
+    OFFLOAD_CHARS, ModelTable, Tokens, check_sequences, prompt_chars, samples, sequences, tokenize,
+)
 from infera_frontend.relay import Relay
 from infera_frontend.validation import ApiError, Parsed, parse_body, request_ids
 
@@ -33,7 +35,7 @@ def new_request_id() -> str:
 class Pipeline:
     def __init__(
         self, tokenizer: ChatTokenizer, models: ModelTable, relay: Relay, metrics: FrontendMetrics,
-        max_body_bytes: int, max_retries: int = 0,
+        max_body_bytes: int, max_retries: int = 0, max_sequences: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.models = models
@@ -41,6 +43,7 @@ class Pipeline:
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.max_retries = max_retries
+        self.max_sequences = max_sequences
 
     @staticmethod
     def request_ids(header: str | None) -> tuple[str, str]:
@@ -54,7 +57,10 @@ class Pipeline:
     def parse(self, endpoint: Endpoint, body: bytes) -> Parsed:
         if len(body) > self.max_body_bytes:
             raise self.too_large(len(body))
-        return parse_body(endpoint, body)
+        parsed = parse_body(endpoint, body)
+        if self.max_sequences is not None:
+            check_sequences(parsed, self.max_sequences)
+        return parsed
 
     def model_label(self, parsed: Parsed | None) -> str:
         """The metrics label of a request's model: only models the fleet knows (bounded cardinality)."""

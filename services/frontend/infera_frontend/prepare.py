@@ -101,6 +101,18 @@ def sequences(parsed: Parsed) -> int:
     return n * prompt_count(parsed.data["prompt"])
 
 
+def check_sequences(parsed: Parsed, limit: int) -> None:
+    """400 when the request asks for more than ``limit`` sequences (``--max-sequences-per-request``)."""
+    wanted = sequences(parsed)
+    if wanted <= limit:
+        return
+    n = samples(parsed)
+    what = f"n={n}" if wanted == n else f"n={n} for each of {wanted // n} prompts"
+    raise ApiError(400, f"This request asks for {wanted} sequences ({what}); this server allows at most {limit} "
+                   "per request (--max-sequences-per-request, env INFERA_MAX_SEQUENCES_PER_REQUEST).",
+                   type="invalid_request_error", param="n" if wanted == n else "prompt", code="too_many_sequences")
+
+
 def prompt_chars(parsed: Parsed) -> int:
     """A cheap size of the text to tokenize, to decide whether to leave the event loop."""
     data = parsed.data

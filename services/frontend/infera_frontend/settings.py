@@ -28,6 +28,13 @@ class FrontendSettings(DrainSettings, PlaneSettings, LogSettings):
     max_body_bytes: int = Field(
         8 * 1024 * 1024, ge=1024, description="Largest request body accepted, in bytes; larger bodies get 413."
     )
+    max_sequences_per_request: int = Field(
+        256, ge=1,
+        description="Most sequences one request may ask the engines for: n samples of each of its prompts (a "
+        "completions batch has several); more gets 400. 256 is the engines' default batch (SGLang's and the "
+        "mock's max running requests, vLLM's --max-num-seqs on most GPUs): a wider request would fill a "
+        "whole engine by itself. Raise it for best-of-n or rollout traffic.",
+    )
     upstream_timeout: float = Field(
         60.0, gt=0,
         description="Seconds to wait for word from the worker: its response frames, and until the answer "

@@ -11,6 +11,7 @@ interleaved, usage summed (each prompt counted once). Logprobs when asked (`logp
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Coroutine
 from contextlib import AsyncExitStack
@@ -59,9 +60,23 @@ class _Shape:
 CHAT, COMPLETION = _Shape(chat=True), _Shape(chat=False)
 
 
+#: vLLM's bound on ``n`` (its guard against one request fanning out without end), and where it is set.
+VLLM_MAX_N_ENV, VLLM_MAX_N_DEFAULT = "VLLM_MAX_N_SEQUENCES", 16384
+#: Below this temperature vLLM samples greedily (its ``_SAMPLING_EPS``).
+VLLM_GREEDY_BELOW = 1e-5
+
+
 def _check_common(engine: Engine, body: _OpenAIRequest) -> None:
-    if engine.config.engine_flavor == "vllm" and body.model and body.model not in engine.config.served_model_names:
+    if engine.config.engine_flavor != "vllm":
+        return
+    if body.model and body.model not in engine.config.served_model_names:
         raise RequestError(f"The model `{body.model}` does not exist.", status=404, param="model")
+    max_n = int(os.environ.get(VLLM_MAX_N_ENV, VLLM_MAX_N_DEFAULT))
+    if body.n > max_n:
+        raise RequestError(f"n is {body.n}, above the limit of {max_n} ({VLLM_MAX_N_ENV} raises it)", param="n")
+    if body.n > 1 and body.temperature is not None and body.temperature < VLLM_GREEDY_BELOW:
+        raise RequestError(f"n is {body.n} with greedy sampling (temperature 0), where every sample would be "
+                           "the same: n must be 1", param="n")
 
 
 def _params(rid: str, prompt_ids: list[int], body: _OpenAIRequest, limit: int | None) -> GenerationParams:
