@@ -81,7 +81,7 @@ def test_the_record_advertises_every_rank_publisher_and_replay_at_the_advertise_
     plan = build_plan(s, ["--host", "0.0.0.0", "--port", "30000", "--dp-size", "2"], HostFacts(),
                       find_ports=lambda n: 40000)
     agent = Agent(s, plan)
-    agent._kv_sources = (KvSource(0, "tcp://0.0.0.0:40000", "tcp://0.0.0.0:40010"), KvSource(1, "tcp://*:40001"))
+    agent._kv.sources = (KvSource(0, "tcp://0.0.0.0:40000", "tcp://0.0.0.0:40010"), KvSource(1, "tcp://*:40001"))
     record = agent._record("smol", "active")
     assert record.url == "http://10.1.2.3:30000"
     assert (record.request_transport, record.kv_event_transport, record.max_pending) == ("http", "zmq", 9)

@@ -43,18 +43,10 @@ from infera_worker_agent.engine_proc import EngineProcess, exit_status
 from infera_worker_agent.engine_watch import EngineWatch, finds_hangs
 from infera_worker_agent.interpreter_probe import installed
 from infera_worker_agent.health import (
-    Startup, bootstrap_ranks, engine_json, engine_text, served_model, wait_healthy,
+    Startup, bootstrap_ranks, engine_json, served_model, wait_healthy,
 )
 from infera_worker_agent.engine_drain import drain_engine
-from infera_worker_agent.kv_capacity import capacity_tokens
-from infera_worker_agent.kv_config import (
-    KvSource,
-    advertised_endpoint,
-    block_size,
-    block_size_notes,
-    index_block_size,
-    resolve_sources,
-)
+from infera_worker_agent.kv_learn import EngineKv
 from infera_worker_agent.kv_probe import KvBlockSizeProbe
 from infera_worker_agent.kv_relay import KvRelayer
 from infera_worker_agent.load import scrape_engine
@@ -95,10 +87,7 @@ class Agent:
         self._metrics_runner = None
         self._stream: str | None = None
         self._started_at = time.time()
-        self._kv_block_size: int | None = None  # the engine's page size
-        self._kv_index_block_size: int | None = None  # what the router hashes at (a multiple of the page)
-        self._kv_capacity_tokens: int | None = None  # the KV cache of each DP rank, in tokens
-        self._kv_sources: tuple[KvSource, ...] = ()
+        self._kv = EngineKv(settings.kv_index_block_size)  # learnt from the running engine
         self._kv_relayer: KvRelayer | KvBlockSizeProbe | None = None
         assert plan.pd is not None, "plan_engine reads the role from the engine's flags"
         self._pd_plan: PdPlan = plan.pd
@@ -167,7 +156,7 @@ class Agent:
         model = await served_model(self._session, self.plan.local_url) or self.plan.model_hint or "unknown"
         info = await engine_json(self._session, f"{self.plan.local_url}/server_info")
         info = info if isinstance(info, dict) else None
-        await self._learn_kv(info)
+        await self._kv.learn(self._session, self.plan, info)
         await self._learn_pd(info)
         js = self._nc.jetstream() if self._nc is not None else None
         await self._start_kv_relay(js)
@@ -287,47 +276,8 @@ class Agent:
             kv_event_transport=self.s.kv_event_transport, status=status, max_pending=self.s.max_pending,
             finds_hangs=self._finds_hangs(),
             version=installed(["infera"]).get("infera", ""), ttl=self.s.discovery_ttl, started_at=self._started_at,
-            kv_block_size=self._kv_block_size, kv_index_block_size=self._kv_index_block_size,
-            kv_capacity_tokens=self._kv_capacity_tokens,
-            kv_events_endpoints=[advertised_endpoint(s.endpoint, self.plan.advertise_host) for s in self._kv_sources],
-            kv_replay_endpoints=[advertised_endpoint(s.replay_endpoint, self.plan.advertise_host)
-                                 if s.replay_endpoint else "" for s in self._kv_sources],
+            **self._kv.record_fields(self.plan.advertise_host),
         )
-
-    # --- KV events -----------------------------------------------------------------------------
-    async def _learn_kv(self, info: dict | None) -> None:
-        """The engine's resolved block size, its KV capacity and the KV-event publishers it actually bound."""
-        assert self._session is not None
-        base = self.plan.local_url
-        self._set_block_size(block_size(self.s.engine, info, self.plan.engine_args))
-        metrics = await engine_text(self._session, f"{base}/metrics") if self.s.engine == "vllm" else None
-        self._kv_capacity_tokens = capacity_tokens(self.s.engine, info, metrics)
-        if self._kv_capacity_tokens is None:
-            log.warning("kv_capacity_unknown", engine=self.s.engine,
-                        note="routers will not weigh what placing a prompt here evicts (kv-aware)")
-        kv = self.plan.kv_events
-        if kv is None or not kv.enabled:
-            return
-        event_sources = None
-        if self.s.engine in ("vllm", "mock"):
-            event_sources = await engine_json(self._session, f"{base}/kv_event_sources")
-        self._kv_sources = resolve_sources(kv.sources, event_sources, info)
-        log.info("kv_events_found", block_size=self._kv_block_size, index_block_size=self._kv_index_block_size,
-                 capacity_tokens=self._kv_capacity_tokens,
-                 sources=[(s.dp_rank, s.endpoint, s.replay_endpoint) for s in self._kv_sources])
-        self._note_block_size()
-
-    def _index_size_for(self, page: int | None) -> int | None:
-        return index_block_size(page, self.s.kv_index_block_size)[0]
-
-    def _set_block_size(self, page: int | None) -> None:
-        """The engine's page size and the index block size it gives."""
-        self._kv_block_size = page
-        self._kv_index_block_size = self._index_size_for(page)
-
-    def _note_block_size(self) -> None:
-        for level, event, fields in block_size_notes(self._kv_block_size, self.s.kv_index_block_size):
-            getattr(log, level)(event, **fields)
 
     # --- prefill/decode role --------------------------------------------------------------------
     async def _learn_pd(self, info: dict | None) -> None:
@@ -345,29 +295,30 @@ class Agent:
                  protocol=pd.protocol if pd else None, bootstrap_port=pd.bootstrap_port if pd else None,
                  engine_id=pd.engine_id if pd else None)
 
+    # --- KV events -----------------------------------------------------------------------------
     async def _start_kv_relay(self, js) -> None:
-        if not self._kv_sources:
+        if not self._kv.sources:
             return
         if self.s.kv_event_transport == "zmq":  # the kv-indexer reads the publishers the record advertises
             self._kv_relayer = KvBlockSizeProbe(
-                self.worker_id, self._kv_sources, self._kv_block_size,
+                self.worker_id, self._kv.sources, self._kv.block_size,
                 replay_timeout=self.s.kv_replay_timeout, on_block_size=self._on_engine_block_size,
             )
             await self._kv_relayer.start()
             return
         await ensure_kv_event_stream(js)
         self._kv_relayer = KvRelayer(
-            self.worker_id, self._kv_sources, self._kv_block_size, self._publish_kv, self.metrics,
+            self.worker_id, self._kv.sources, self._kv.block_size, self._publish_kv, self.metrics,
             replay_timeout=self.s.kv_replay_timeout, on_block_size=self._on_engine_block_size,
-            index_size_for=self._index_size_for,
+            index_size_for=self._kv.index_size_for,
         )
         await self._kv_relayer.start()
 
     async def _on_engine_block_size(self, size: int) -> None:
         """The engine's KV events show another block size than the one registered: register theirs
         (the router hashes requests at the registered size; a wrong one would never match)."""
-        self._set_block_size(size)
-        self._note_block_size()
+        self._kv.set_block_size(size)
+        self._kv.note_block_size()
         if self._registrar is not None:
             status = self._registrar.record.status
             self._registrar.record = self._record(self._model, status)
