@@ -114,6 +114,9 @@ def test_pick_rank():
     assert pick_rank(4, pinned=3, room=1) == 3
     assert pick_rank(4, room=2**62 + 1) == 1
     assert [pick_rank(3, round_robin=i) for i in range(4)] == [0, 1, 2, 0]
+    # vLLM's balancer: the least waiting × 4 + running, ties to the lowest rank, whatever the turn
+    assert [pick_rank(3, round_robin=i, queues=[(0, 0)] * 3) for i in range(3)] == [0, 0, 0]
+    assert pick_rank(3, queues=[(1, 0), (0, 3), (0, 4)]) == 1 and pick_rank(2, queues=[(0, 2), (0, 1)]) == 1
     with pytest.raises(RequestError, match="dp_size=2"):
         pick_rank(2, pinned=2)
 

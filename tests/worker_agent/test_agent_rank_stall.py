@@ -63,3 +63,29 @@ async def test_one_hung_dp_rank_among_working_ones_takes_the_worker_out_of_routi
     finally:
         os.kill(engine_pid, signal.SIGUSR2)
     await bus.active("w-dp", timeout=15)  # the rank answers again: back in routing
+
+
+async def test_a_dp_rank_that_hangs_while_idle_is_found_by_idle_canaries_that_take_the_ranks_in_turn(bus, agents):
+    """vLLM's balancer sends every request of an idle engine to rank 0, an unpinned idle canary
+    included: rank 1 hanging while idle was never met. The idle canaries are pinned to each rank in
+    turn, and the one after a silent canary stays on its rank (rank 0 answering must not clear it)."""
+    agent = agents("w-dp-idle", ["--health-check-interval", "0.3", "--health-check-timeout", "1",
+                                 "--engine-idle-canary-after", "0.5", "--load-interval", "0.1"],
+                   ["--engine-flavor", "vllm", "--dp-size", "2", "--hang-ranks", "1"])
+    model = (await bus.active("w-dp-idle")).model
+    engine_pid = agent.engine_pid()
+    os.kill(engine_pid, signal.SIGUSR1)  # rank 1's GPU hangs with nothing on it
+    try:
+        assert await eventually(lambda: bus.watcher.view.get("w-dp-idle").status == WorkerStatus.UNHEALTHY, 15)
+        stalled = agent.event("engine_stalled")
+        assert stalled is not None and stalled["reason"] == "idle" and stalled["dp_rank"] == 1
+        statuses = set()
+        for _ in range(30):  # ~10 health rounds: the canary stays on rank 1, the worker stays out
+            statuses.add(bus.watcher.view.get("w-dp-idle").status)
+            await asyncio.sleep(0.1)
+        assert statuses == {WorkerStatus.UNHEALTHY}
+    finally:
+        os.kill(engine_pid, signal.SIGUSR2)
+    await bus.active("w-dp-idle", timeout=15)  # rank 1 answers again: back in routing
+    sub = await submit_pinned(bus, "w-dp-idle", "after", chat(3, stream=False, model=model), 1)
+    assert decode(Frame, (await sub.next_msg(timeout=10)).data).status == 200

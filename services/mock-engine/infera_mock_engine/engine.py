@@ -286,8 +286,11 @@ class Engine:
     def _rank_for(self, routing: Routing | None) -> EngineRank:
         routing = routing or Routing()
         room = routing.pd.room if routing.pd is not None else None
+        queues = None
+        if self.config.engine_flavor == "vllm":
+            queues = [(r.scheduler.num_waiting, r.scheduler.num_running) for r in self.ranks]
         index = pick_rank(self.config.dp_size, pinned=routing.dp_rank, room=room, round_robin=self._round_robin,
-                          pinned_by=routing.dp_rank_field)
+                          pinned_by=routing.dp_rank_field, queues=queues)
         if routing.dp_rank is None and room is None:
             self._round_robin += 1
         return self.ranks[index]

@@ -5,6 +5,7 @@ front is shared; `pick_rank` decides which rank runs a request (pure)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from infera_mock_engine.engine_errors import RequestError
@@ -23,9 +24,12 @@ class EngineRank:
 
 
 def pick_rank(dp_size: int, *, pinned: int | None = None, room: int | None = None, round_robin: int = 0,
-              pinned_by: str = "routed_dp_rank") -> int:
+              pinned_by: str = "routed_dp_rank", queues: Sequence[tuple[int, int]] | None = None) -> int:
     """The DP rank of a request: the pinned one (checked), else `room % dp_size` for a disaggregated
-    request (SGLang's rule, which the decode side relies on), else the round-robin turn."""
+    request (SGLang's rule, which the decode side relies on), else, given each rank's (waiting,
+    running) `queues`, the least loaded by waiting × 4 + running, ties to the lowest rank (vLLM's
+    balancer as one API server runs it: an idle engine sends every request to rank 0), else the
+    round-robin turn (SGLang's default)."""
     if pinned is not None:
         if not 0 <= pinned < dp_size:
             raise RequestError(f"{pinned_by}={pinned} is out of range: this engine has dp_size={dp_size} "
@@ -33,6 +37,8 @@ def pick_rank(dp_size: int, *, pinned: int | None = None, room: int | None = Non
         return pinned
     if room is not None:
         return room % dp_size
+    if queues is not None:
+        return min(range(dp_size), key=lambda r: (queues[r][0] * 4 + queues[r][1], r))
     return round_robin % dp_size
 
 

@@ -42,7 +42,7 @@ class EngineWatch:
                  sequences: Callable[[], int], by_router: Callable[[], dict[str, int]],
                  by_rank: Callable[[], dict[int, tuple[int, int]]],
                  publish_load: Callable[[LoadReport], Awaitable[None]], on_health: Callable[[bool], Awaitable[None]],
-                 health_generates: bool = False) -> None:
+                 health_generates: bool = False, dp_size: int = 1) -> None:
         self._metrics = metrics
         self.reporter: LoadReporter | None = LoadReporter(
             worker_id=settings.worker_id or "", session=session, metrics_url=f"{local_url}/metrics",
@@ -56,7 +56,7 @@ class EngineWatch:
             if stall_checked(settings, role, family):
                 reporter = self.reporter
                 stall = engine_stall_probe(session, local_url, model, lambda: reporter.last, sequences, by_rank,
-                                           reporter.silent_for)
+                                           reporter.silent_for, dp_size)
             self.health = HealthWatch(
                 session, local_url, interval=settings.health_check_interval, timeout=settings.health_check_timeout,
                 failures=settings.health_check_failures, on_change=on_health, stall=stall,

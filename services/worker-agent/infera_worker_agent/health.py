@@ -93,12 +93,14 @@ class StallProbe:
     ranks: Callable[[], dict[int, tuple[int, int]]] = dict
     # seconds since the engine's /metrics last answered
     metrics_silent_for: Callable[[], float] = lambda: 0.0
+    # the engine's data-parallel ranks: idle canaries take them in turn (each its own scheduler)
+    dp_size: int = 1
 
 
 def engine_stall_probe(session: aiohttp.ClientSession, base_url: str, model: str,
                        last_load: Callable[[], EngineLoad], in_flight: Callable[[], int],
                        by_rank: Callable[[], dict[int, tuple[int, int]]] = dict,
-                       metrics_silent_for: Callable[[], float] = lambda: 0.0) -> StallProbe:
+                       metrics_silent_for: Callable[[], float] = lambda: 0.0, dp_size: int = 1) -> StallProbe:
     """The stall probe of a serving engine: its load from the latest scrape, what the agent has in
     flight on it (in sequences: ``n`` samples each; per DP rank, ``by_rank``), and canaries to its
     OpenAI completions endpoint for the model it serves."""
@@ -108,6 +110,7 @@ def engine_stall_probe(session: aiohttp.ClientSession, base_url: str, model: str
         canary=lambda timeout, moved, rank: send_canary(session, base_url, model, timeout, moved, dp_rank=rank),
         ranks=by_rank,
         metrics_silent_for=metrics_silent_for,
+        dp_size=dp_size,
     )
 
 
@@ -134,6 +137,8 @@ class HealthWatch:
         self._on_canary = on_canary
         self._told_refused = False
         self._told_rank: int | None = None  # the rank last said to be stalled (said once, not every round)
+        self._idle_turn = 0  # the DP rank the next idle canary is pinned to (mod dp_size)
+        self._suspect_pin: int | None = None  # the rank a canary that went unanswered was pinned to
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -173,9 +178,12 @@ class HealthWatch:
         if reason is None and rank is None:
             self.liveness.observe(True)
             return
+        pin = None
         if rank is None:
-            outcome = await stall.canary(self._timeout, lambda: stall.progress() != mark, None)
+            pin = self._whole_engine_pin(reason, stall.dp_size)
+            outcome = await stall.canary(self._timeout, lambda: stall.progress() != mark, pin)
             self._check.canary_done(outcome is Canary.SILENT, loop.time())
+            self._suspect_pin = pin if outcome is Canary.SILENT else None
         else:
             reason, before = CanaryReason.RANK, ranks.get(rank)
 
@@ -189,7 +197,7 @@ class HealthWatch:
                 self._told_rank = None
         self._on_canary(reason, outcome)
         if outcome is Canary.SILENT:
-            self._tell_stalled(reason, work if rank is None else ranks.get(rank, (0, 0))[0], rank)
+            self._tell_stalled(reason, work if rank is None else ranks.get(rank, (0, 0))[0], rank, pin=pin)
             self.liveness.stalled()
             return
         if outcome is Canary.REFUSED and not self._told_refused:  # once, not every round
@@ -199,7 +207,21 @@ class HealthWatch:
                         "cannot tell a hang from work (logged once)")
         self.liveness.observe(outcome is not Canary.FAILED)
 
-    def _tell_stalled(self, reason: CanaryReason, work: int, rank: int | None, probe_failed: bool = False) -> None:
+    def _whole_engine_pin(self, reason: CanaryReason | None, dp_size: int) -> int | None:
+        """The DP rank a canary that tests the engine as a whole is pinned to: an idle canary takes
+        the ranks in turn (unpinned, the engine's own balancer may send every one to the same rank,
+        and a rank that hung while idle would never be met); a canary after one that went
+        unanswered goes to the same rank (another rank answering would not clear it). A canary
+        for a stall under load goes unpinned: any rank that works answers it."""
+        if reason is CanaryReason.SUSPECT:
+            return self._suspect_pin
+        if reason is CanaryReason.IDLE and dp_size > 1:
+            self._idle_turn = (self._idle_turn + 1) % dp_size
+            return self._idle_turn
+        return None
+
+    def _tell_stalled(self, reason: CanaryReason, work: int, rank: int | None, probe_failed: bool = False,
+                      pin: int | None = None) -> None:
         if reason is CanaryReason.SUSPECT or (rank is not None and self._told_rank == rank):
             return  # said when it stalled; the verdict stands, quietly
         self._told_rank = rank
@@ -208,14 +230,16 @@ class HealthWatch:
                     "answer for as long) and then failed its health probe (no answer within "
                     "--health-check-timeout, or an error)")
         elif reason is CanaryReason.IDLE:
-            what = "the engine held no request and left a one-token completion unanswered"
+            pinned = f" pinned to DP rank {pin}" if pin is not None else ""
+            what = f"the engine held no request and left a one-token completion{pinned} unanswered"
         elif reason is CanaryReason.RANK:
             what = (f"DP rank {rank} of the engine holds requests, sent none of them a frame for a whole health "
                     "round while the other ranks may work, and did not answer a one-token completion pinned to it")
         else:
             what = "the engine holds requests, counts no token and did not answer a one-token completion"
         log.error("engine_stalled", url=self._url, reason=reason.value, requests=work, canary_timeout_s=self._timeout,
-                  dp_rank=rank, hint=f"{what}; a hung GPU or collective looks like this. It gets no new requests "
+                  dp_rank=rank if pin is None else pin,
+                  hint=f"{what}; a hung GPU or collective looks like this. It gets no new requests "
                   "until it makes progress again (restart it if it stays so)")
 
     async def _run(self) -> None:

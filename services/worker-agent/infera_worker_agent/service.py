@@ -175,6 +175,7 @@ class Agent:
             by_router=lambda: self._worker.in_flight_by_router() if self._worker else {},
             by_rank=lambda: self._worker.in_flight_by_rank() if self._worker else {},
             publish_load=self._publish_load, on_health=self._on_health, health_generates=self._health_generates,
+            dp_size=self._pd.dp_size,
         )
         self._watch.start()
         log.info("worker_active", worker_id=self.worker_id, model=model, url=self.plan.url, frozen_objects=frozen)
