@@ -8,8 +8,10 @@ special tokens (its post-processor, e.g. a BOS), and a prompt given as token ids
 
 ``ChatTokenizer`` does exactly that with the ``tokenizers`` library and a sandboxed Jinja
 environment; the compiled template is kept, so a render is a plain function call. No I/O after
-``ChatTokenizer.from_dir``. ``tokenizers``' encode releases the GIL, so callers may run very long
-prompts in a worker thread.
+``ChatTokenizer.from_dir``. ``tokenizers``' ``encode`` holds the GIL for the whole call (a 6 MB
+prompt: ~4 s in which no other thread of the process runs, the event loop included), its
+``encode_batch`` releases it: texts longer than ``LONG_TEXT_CHARS`` go through ``encode_batch`` (the
+same ids), so callers may run very long prompts in a worker thread while the loop serves on.
 
 Encoding costs ~1-2.5 us per token, and chat prompts repeat themselves (the system prompt, every
 earlier turn of a conversation). ``tokenizers`` cuts a text at its added tokens (``<|im_start|>``
@@ -101,6 +103,10 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
             d["content"] = flatten_content(content)
             out.append(d)
     return out
+
+
+#: Texts longer than this (characters) are encoded with the GIL released (module doc).
+LONG_TEXT_CHARS = 8_192
 
 
 class SegmentCache:
@@ -227,6 +233,8 @@ class ChatTokenizer:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if len(text) > LONG_TEXT_CHARS:  # the GIL released meanwhile (module doc)
+            return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_cached(self, text: str) -> list[int]:
@@ -249,7 +257,7 @@ class ChatTokenizer:
     def _piece(self, piece: str) -> array:
         ids = self.cache.get(piece)
         if ids is None:
-            ids = self.cache.put(piece, self.tokenizer.encode(piece, add_special_tokens=False).ids)
+            ids = self.cache.put(piece, self.encode(piece))
         return ids
 
     def chat_ids(

@@ -114,6 +114,19 @@ def test_piecewise_cached_encoding_equals_one_encode_call(tok):
     assert tok.cache.hits > 0
 
 
+def test_a_long_prompt_encodes_to_the_same_ids_by_the_path_that_releases_the_gil(tok):
+    """Past ``LONG_TEXT_CHARS`` the text goes through ``encode_batch`` (``bench/tokenizer_gil.py``
+    shows the event loop it frees); the ids must be those of one plain ``encode``."""
+    from infera_common.tokenizer import LONG_TEXT_CHARS
+
+    convo = [{"role": "user", "content": "hello world, é日本🙂 <|im_end|> " * 4_000}]
+    text = tok.render_chat(convo)
+    assert len(text) > LONG_TEXT_CHARS
+    assert tok.encode(text) == tok.tokenizer.encode(text, add_special_tokens=False).ids
+    assert tok.prompt_ids(text) == tok.tokenizer.encode(text, add_special_tokens=True).ids
+    assert tok.chat_ids(convo) == tok.encode(text)
+
+
 def test_segment_cache_is_bounded():
     from infera_common.tokenizer import SegmentCache
 
