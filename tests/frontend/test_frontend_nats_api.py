@@ -40,6 +40,9 @@ async def test_raw_nats_request_gets_body_and_status_header(frontend, fleet, nat
         assert msg.headers[HEADER_STATUS] == "200" and msg.headers[HEADER_REQUEST_ID] == "nats-req-1"
         [req] = fleet.routed
         assert req.request_id.startswith("nats-req-1-") and req.body == raw and req.prompt_tokens == 35
+        # header names compare without case, as over HTTP (the id was dropped and a new one made)
+        msg = await nc.request(API_CHAT_COMPLETIONS, raw, timeout=5, headers={"x-request-id": "lower-1"})
+        assert msg.headers[HEADER_REQUEST_ID] == "lower-1" and fleet.routed[-1].request_id.startswith("lower-1-")
 
         msg = await nc.request(API_CHAT_COMPLETIONS, b"{oops", timeout=5)
         assert msg.headers[HEADER_STATUS] == "400" and msg.headers[HEADER_KIND] == "error"

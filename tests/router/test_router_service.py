@@ -225,6 +225,41 @@ async def test_worker_leaving_discovery_drops_its_leases_and_tells_their_request
     assert [(await bench.route()).worker_id for _ in range(2)] == ["b", "b"]
 
 
+@pytest.mark.parametrize("stream_kept", [False, True], ids=["stream-gone", "stored-then-left"])
+async def test_a_worker_that_leaves_while_a_request_awaits_its_ack_is_not_charged_to_the_next_one(bench, stream_kept):
+    """The worker leaves between the lease and the broker's ack. Gone with its stream: the request
+    goes to the next worker and its requester hears nothing of the first (a 502 sent at the leave
+    reached the frontend before the route reply and was charged to the worker that reply named).
+    Stored before it went: the reply names it, and only then is the requester told it left."""
+    await bench.worker("a")
+    await bench.worker("b")
+    inbox = "_INBOX.client.ack"
+    heard = await bench.nc.subscribe(inbox)
+    dispatcher = bench.router._dispatcher
+    real_send = dispatcher.send
+
+    async def leave_first(worker_id, env, timeout, on_result):
+        if worker_id == "a":
+            await bench.registrars.pop("a").stop()
+            await eventually(lambda: bench.router.core.fleet.get("a") is None)
+            if not stream_kept:
+                await bench.js.delete_stream(request_stream("a"))
+        await real_send(worker_id, env, timeout, on_result)
+
+    dispatcher.send = leave_first
+    reply = await bench.route(request_id="q-ack", reply_subject=inbox)  # round-robin: "a" first
+    assert reply.status == 200
+    if stream_kept:
+        assert reply.worker_id == "a"
+        frame = decode_frame((await heard.next_msg(timeout=2)).data)
+        assert (frame.kind, frame.status) == ("error", 502) and "worker a left" in frame.message
+    else:
+        assert reply.worker_id == "b" and bench.leases("b") == 1
+        with pytest.raises(nats.errors.TimeoutError):  # nothing charged to b's answer
+            await heard.next_msg(timeout=0.5)
+    assert bench.leases("a") == 0
+
+
 async def test_draining_worker_gets_no_new_work_but_keeps_its_leases(bench):
     reg = await bench.worker("a")
     await bench.worker("b")

@@ -67,11 +67,19 @@ _ALIVE = {HEADER_KIND: KIND_ALIVE}
 ALIVE_ANSWER_WAIT = 1.0
 
 
+def header(headers: dict[str, str], name: str) -> str | None:
+    """A request header's value, its name compared without case (as HTTP's; NATS keeps the case sent)."""
+    found = headers.get(name)
+    if found is not None:
+        return found
+    lower = name.lower()
+    return next((value for key, value in headers.items() if key.lower() == lower), None)
+
+
 def alive_every(headers: dict[str, str]) -> float | None:
     """The seconds of the request's ``Infera-Alive-Every`` header (its name compared without case);
     None when absent; ApiError (400) when it is not a number of seconds in range."""
-    lower = HEADER_ALIVE_EVERY.lower()
-    text = next((value for name, value in headers.items() if name.lower() == lower), None)
+    text = header(headers, HEADER_ALIVE_EVERY)
     if text is None:
         return None
     try:
@@ -201,9 +209,9 @@ class NatsApi:
         headers = msg.headers or {}
         request_id = carried = new_request_id()
         m.started("nats")
-        span = start_span(f"NATS {ep}", headers.get(TRACE_HEADER), SpanKind.SERVER)
+        span = start_span(f"NATS {ep}", header(headers, TRACE_HEADER), SpanKind.SERVER)
         try:
-            request_id, carried = self.pipeline.request_ids(headers.get(HEADER_REQUEST_ID))
+            request_id, carried = self.pipeline.request_ids(header(headers, HEADER_REQUEST_ID))
             span.set_attribute("infera.request_id", request_id)
             span.set_attribute("infera.carried_request_id", carried)
             every = alive_every(headers)

@@ -176,7 +176,8 @@ class RoutePath:
             cached = cost.matched_blocks * cost.block_size
         hashes = r.hashes.get(worker.record.index_block_size or 0)
         lease = r.lease = self.core.acquire(worker, request, time.monotonic(), cached, hashes, r.plan)
-        lease.requester = request.reply_subject
+        # no ``requester`` yet: a worker that leaves before its ack is another candidate's to answer
+        # (``_on_published``), not a 502 to the requester, who would charge it to the worker named next
         self._lease_gauge(lease)
         try:
             env = WorkEnvelope(
@@ -204,7 +205,12 @@ class RoutePath:
             lease = r.lease
             assert lease is not None
             if result.kind == "stored":
+                lease.requester = r.request.reply_subject
                 await self._reply(r, 200, worker_id=wid, lease_id=lease.lease_id)
+                if lease.lease_id not in self.core.leases and self._dispatcher is not None:
+                    # the worker left between the store and its ack: the requester, told of it only
+                    # now (after the reply that names it), tries another worker
+                    await self._dispatcher.worker_left(wid, [lease])
                 return
             self._drop(lease)
             if result.kind == "timeout":
