@@ -105,6 +105,8 @@ def router_prefilled_subject(router_id: str) -> str:
 
 # --- frontend API for NATS clients -------------------------------------------
 FRONTEND_QUEUE = "infera-frontend"
+#: Every API subject starts so (a request whose reply subject does is refused: it would call the API).
+API_PREFIX = f"{PREFIX}.api."
 API_CHAT_COMPLETIONS = f"{PREFIX}.api.v1.chat.completions"
 API_COMPLETIONS = f"{PREFIX}.api.v1.completions"
 API_MODELS = f"{PREFIX}.api.v1.models"

@@ -8,7 +8,7 @@ import pytest
 
 from infera.client import InferaClient, InferaError
 from infera_common.nats_api import HEADER_ALIVE_EVERY, HEADER_KIND, HEADER_REQUEST_ID, HEADER_STATUS
-from infera_common.nats_conn import connect
+from infera_common.nats_conn import connect, flush_all
 from infera_common.schemas import Endpoint, Frame, encode
 from infera_common.subjects import API_CHAT_COMPLETIONS, API_MODELS
 from tests.frontend.frontend_fakes import (
@@ -50,6 +50,27 @@ async def test_raw_nats_request_gets_body_and_status_header(frontend, fleet, nat
 
         msg = await nc.request(API_MODELS, b"", timeout=5)
         assert [m["id"] for m in json.loads(msg.data)["data"]] == [MODEL]
+
+        msg = await nc.request(API_CHAT_COMPLETIONS, b'{"model": "\xff\xfe"}', timeout=5)
+        assert "not valid UTF-8 (byte 0xff at offset 11)" in json.loads(msg.data)["error"]["message"]
+    finally:
+        await nc.close()
+
+
+async def test_a_request_whose_reply_subject_is_an_api_subject_is_dropped_not_answered(frontend, fleet, nats_server):
+    """Its answers would arrive as new requests to the API (each alive message too)."""
+    nc = await connect(nats_server, "loop-client")
+    try:
+        before = len(fleet.routed)
+        await nc.publish(API_CHAT_COMPLETIONS, json.dumps(chat_body()).encode(), reply=API_MODELS)
+        await nc.publish(API_MODELS, b"", reply="wild.*")
+        await flush_all(nc)
+        refused = frontend.metrics.nats_api_refused
+        await wait_until(lambda: refused.labels("api_subject")._value.get() == 1
+                         and refused.labels("invalid")._value.get() == 1)
+        assert len(fleet.routed) == before
+        msg = await nc.request(API_CHAT_COMPLETIONS, json.dumps(chat_body()).encode(), timeout=5)
+        assert msg.headers[HEADER_STATUS] == "200"
     finally:
         await nc.close()
 

@@ -85,6 +85,12 @@ class FrontendMetrics:
             "Times a worker sent the frames of a request again, after they were lost on the way (a broker outage).",
             registry=r,
         )
+        self.nats_api_refused = Counter(
+            "infera_frontend_nats_api_refused",
+            "NATS API requests dropped unanswered, by reason: their reply subject is not a publishable subject "
+            "(invalid), or is an API subject (api_subject: the answers would be requests to the API).",
+            ["reason"], registry=r,
+        )
         self.senders_gone = Counter(
             "infera_frontend_senders_gone",
             "Times the process sending silent requests' frames (a worker-agent, or a router on --request-transport "

@@ -44,7 +44,9 @@ from infera_common.openai_errors import error_body
 from infera_common.schemas import Endpoint
 from infera_common.tracing import HEADER as TRACE_HEADER
 from infera_common.tracing import SpanKind, finish, start_span, traceparent
+from infera_common.subject_match import subject_error
 from infera_common.subjects import (
+    API_PREFIX,
     API_CHAT_COMPLETIONS,
     API_COMPLETIONS,
     API_MODELS,
@@ -65,6 +67,17 @@ _DATA = {HEADER_KIND: KIND_DATA}
 _ALIVE = {HEADER_KIND: KIND_ALIVE}
 #: Seconds an ``alive`` message waits for the client's (optional) answer before the next one is due.
 ALIVE_ANSWER_WAIT = 1.0
+
+
+def reply_refusal(reply: str) -> str | None:
+    """Why the frontend will not answer on ``reply`` (a metrics reason), or None: a subject no client
+    can subscribe to as published (a wildcard, an empty token), or an API subject, where each answer
+    (and each ``alive`` message) would arrive as a new request."""
+    if subject_error(reply, pattern=False) is not None:
+        return "invalid"
+    if reply.startswith(API_PREFIX):
+        return "api_subject"
+    return None
 
 
 def header(headers: dict[str, str], name: str) -> str | None:
@@ -181,7 +194,7 @@ class NatsApi:
 
     def _listing(self, build: Callable[[FleetView], dict[str, Any]]):
         async def cb(msg: Msg) -> None:
-            if msg.reply:
+            if self._answerable(msg):
                 try:
                     await self._nc.publish(msg.reply, json.dumps(build(self.view)).encode(),
                                            headers={HEADER_STATUS: "200"})
@@ -196,8 +209,18 @@ class NatsApi:
             HEADER_KIND: KIND_ERROR, HEADER_STATUS: str(err.status), HEADER_REQUEST_ID: request_id,
         })
 
+    def _answerable(self, msg: Msg) -> bool:
+        """Whether ``msg`` has a reply subject to answer on (none: a publish, dropped quietly)."""
+        if not msg.reply:
+            return False
+        why = reply_refusal(msg.reply)
+        if why is not None:
+            self.metrics.nats_api_refused.labels(why).inc()
+            return False
+        return True
+
     async def _serve(self, msg: Msg, endpoint: Endpoint) -> None:
-        if not msg.reply:  # a publish without a reply subject: nobody to answer
+        if not self._answerable(msg):
             return
         reply = Reply(self._nc, msg.reply)
         t0 = time.perf_counter()

@@ -197,6 +197,11 @@ def parse_body(endpoint: Endpoint, body: bytes) -> Parsed:
     try:
         data = orjson.loads(body)  # a 16k-token prompt is ~80 kB of JSON: the C parser is 3-5x faster
     except ValueError as exc:
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as bad:  # say so: orjson's words ("surrogates not allowed") mislead
+            raise invalid(f"The request body is not valid UTF-8 (byte 0x{body[bad.start]:02x} at offset "
+                          f"{bad.start}); JSON must be sent as UTF-8.") from None
         raise invalid(f"We could not parse the JSON body of your request: {exc}") from None
     if not isinstance(data, dict):
         raise invalid("The request body must be a JSON object.")
