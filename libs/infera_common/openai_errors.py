@@ -2,12 +2,17 @@
 
 Pure helpers, no web framework: build an error body for a status, and convert whatever an engine
 answered with (OpenAI-shaped, FastAPI ``{"detail": ...}``, SGLang ``{"message": ...}``, plain
-text) into the OpenAI shape.
+text) into the OpenAI shape, with OpenAI's kind of ``type`` and ``code``: the engines name the
+type after an exception or status class (vLLM ``BadRequestError``, SGLang ``BadRequest``,
+``INTERNAL_SERVER_ERROR``) and repeat the HTTP status as an integer ``code``; clients behind one
+endpoint get ``invalid_request_error`` and friends, and a string code or null, whatever engine
+answered.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 #: The OpenAI error ``type`` for an HTTP status (the nearest of OpenAI's own names).
@@ -25,6 +30,24 @@ _TYPE_BY_STATUS = {
     503: "service_unavailable_error",
     504: "timeout_error",
 }
+
+
+#: OpenAI's spelling of an error type (``invalid_request_error``); an engine's that is not is replaced.
+_OPENAI_TYPE = re.compile(r"[a-z][a-z0-9_]*_error")
+
+
+def _openai_type(status: int, engine_type: Any) -> str:
+    return engine_type if isinstance(engine_type, str) and _OPENAI_TYPE.fullmatch(engine_type) else error_type(status)
+
+
+def _openai_code(status: int, code: Any) -> str | None:
+    """A string code as given; an engine's integer code (its HTTP status, as a rule) as null when it
+    only repeats ``status``, else as a string."""
+    if isinstance(code, bool) or code is None:
+        return None
+    if isinstance(code, int):
+        return None if code == status else str(code)
+    return code if isinstance(code, str) else None
 
 
 def error_type(status: int) -> str:
@@ -89,19 +112,18 @@ def normalize_error(status: int, body: bytes) -> bytes:
         obj = None
     if is_openai_error(obj):
         err = obj["error"]
-        if all(k in err for k in ("type", "param", "code")):
+        etype, code = _openai_type(status, err.get("type")), _openai_code(status, err.get("code"))
+        param = err.get("param") if isinstance(err.get("param"), str) else None
+        if err.get("type") == etype and err.get("code") == code and "param" in err and err["param"] == param:
             return body
-        return json.dumps(error_body(status, err["message"], type=err.get("type"), param=err.get("param"),
-                                     code=err.get("code"))).encode()
+        return json.dumps(error_body(status, err["message"], type=etype, param=param, code=code)).encode()
     message = _message_of(obj) if obj is not None else (text or None)
     if obj is not None and message is None:
         message = text
     kw: dict[str, Any] = {}
     if isinstance(obj, dict):  # vLLM/SGLang ErrorResponse: {"object": "error", "message", "type", "param", "code"}
-        if isinstance(obj.get("type"), str):
-            kw["type"] = obj["type"]
+        kw["type"] = _openai_type(status, obj.get("type"))
         if isinstance(obj.get("param"), str):
             kw["param"] = obj["param"]
-        if isinstance(obj.get("code"), (str, int)):
-            kw["code"] = obj["code"]
+        kw["code"] = _openai_code(status, obj.get("code"))
     return error_json(status, message or f"upstream error (HTTP {status})", **kw)

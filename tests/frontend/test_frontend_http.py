@@ -251,7 +251,8 @@ async def test_engine_error_status_is_passed_through_in_openai_shape(frontend, f
         status, headers, raw = await post(frontend, "/v1/chat/completions", chat_body(stream=stream))
         assert status == 400 and headers["Content-Type"].startswith("application/json")
         err = openai_error(raw)
-        assert err["message"] == "max_tokens is too large" and err["type"] == "BadRequestError"
+        assert err["message"] == "max_tokens is too large" and err["type"] == "invalid_request_error"
+        assert err["code"] is None  # the engine's integer 400 only repeated the status
 
 
 async def test_agent_error_frames(frontend, fleet):

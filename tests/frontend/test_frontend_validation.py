@@ -111,10 +111,12 @@ def test_error_body_shape():
 @pytest.mark.parametrize(
     ("raw", "message", "etype"),
     [
-        (b'{"error": {"message": "m1", "type": "t", "param": null, "code": 1}}', "m1", "t"),
+        (b'{"error": {"message": "m1", "type": "t", "param": null, "code": 1}}', "m1", "invalid_request_error"),
         (b'{"error": {"message": "m2"}}', "m2", "invalid_request_error"),
         (b'{"object": "error", "message": "m3", "type": "BadRequestError", "param": null, "code": 400}', "m3",
-         "BadRequestError"),
+         "invalid_request_error"),  # SGLang's shape, vLLM's type name: OpenAI's type
+        (b'{"error": {"message": "m6", "type": "BadRequest", "param": "n", "code": 400}}', "m6",
+         "invalid_request_error"),
         (b'{"detail": "m4"}', "m4", "invalid_request_error"),
         (b'{"detail": [{"loc": ["body"], "msg": "m5"}]}', "m5", "invalid_request_error"),
         (b"plain text failure", "plain text failure", "invalid_request_error"),
@@ -128,8 +130,18 @@ def test_engine_errors_become_openai_errors(raw, message, etype):
 
 
 def test_an_openai_shaped_engine_error_is_passed_verbatim():
-    raw = b'{"error": {"message": "m", "type": "t", "param": null, "code": null}}'
+    raw = b'{"error": {"message": "m", "type": "invalid_request_error", "param": null, "code": "too_long"}}'
     assert normalize_error(400, raw) is raw
+
+
+def test_an_engine_codes_and_types_become_openais():
+    """The engines repeat the status as an integer code and name the type after a class."""
+    err = json.loads(normalize_error(400, b'{"error": {"message": "m", "type": "BadRequestError", '
+                                          b'"param": "max_tokens", "code": 400}}'))["error"]
+    assert err == {"message": "m", "type": "invalid_request_error", "param": "max_tokens", "code": None}
+    err = json.loads(normalize_error(500, b'{"error": {"message": "m", "type": "INTERNAL_SERVER_ERROR", '
+                                          b'"code": 9}}'))["error"]
+    assert (err["type"], err["code"]) == ("internal_server_error", "9")
 
 
 def _rec(wid: str, model: str, status: WorkerStatus) -> WorkerRecord:
