@@ -136,7 +136,8 @@ async def test_n_samples_of_each_prompt_in_vllms_order_with_the_prompt_counted_o
     assert sorted(finished) == [0, 1]
 
 
-async def test_the_vllm_flavour_refuses_n_past_its_limit_and_several_greedy_samples(start_engine, monkeypatch):
+async def test_the_vllm_flavour_refuses_what_vllm_refuses(start_engine, monkeypatch):
+    """n past VLLM_MAX_N_SEQUENCES, several greedy samples, a completions suffix, tool_choice without tools."""
     monkeypatch.setenv("VLLM_MAX_N_SEQUENCES", "4")  # read per request, as vLLM reads its env
     client = await start_engine("--speedup", "10", "--engine-flavor", "vllm")
     status, body = await client.post("/v1/completions", {"prompt": "Tell me", "max_tokens": 2, "n": 5})
@@ -145,3 +146,9 @@ async def test_the_vllm_flavour_refuses_n_past_its_limit_and_several_greedy_samp
     assert status == 400 and body["error"]["param"] == "n" and "greedy" in body["error"]["message"]
     status, body = await client.post("/v1/completions", {"prompt": "Tell me", "max_tokens": 2, "n": 4})
     assert status == 200 and len(body["choices"]) == 4
+    status, body = await client.post("/v1/completions", {"prompt": "Tell me", "max_tokens": 2, "suffix": "x"})
+    assert status == 400 and body["error"]["param"] == "suffix"
+    status, body = await client.post("/v1/chat/completions", {**CHAT, "max_tokens": 2, "tool_choice": "auto"})
+    assert status == 400 and body["error"]["param"] == "tool_choice"
+    status, _ = await client.post("/v1/chat/completions", {**CHAT, "max_tokens": 2, "tool_choice": "none"})
+    assert status == 200

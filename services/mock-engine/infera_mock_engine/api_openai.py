@@ -143,6 +143,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     require_ready(engine)
     body = await parse_body(request, ChatCompletionRequest)
     _check_common(engine, body)
+    if engine.config.engine_flavor == "vllm" and body.tool_choice not in (None, "none") and body.tools is None:
+        raise RequestError("tool_choice needs tools: set `tools`, or leave tool_choice out (vLLM refuses it alone)",
+                           param="tool_choice")
     if body.top_logprobs and not body.logprobs:
         raise RequestError("when using `top_logprobs`, `logprobs` must be set to true", param="top_logprobs")
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
@@ -160,6 +163,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     require_ready(engine)
     body = await parse_body(request, CompletionRequest)
     _check_common(engine, body)
+    if engine.config.engine_flavor == "vllm" and body.suffix is not None:
+        raise RequestError("suffix is not supported by this engine (vLLM refuses it)", param="suffix")
     rid = request_id(request, body.rid, body.request_id)
     prompts = _batch(body)
     batch = [_prompt_ids(engine, p) for p in prompts]

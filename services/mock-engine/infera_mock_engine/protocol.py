@@ -64,6 +64,7 @@ class ChatCompletionRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool = False
@@ -81,6 +82,7 @@ class ChatCompletionRequest(_OpenAIRequest):
 
 class CompletionRequest(_OpenAIRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    suffix: str | None = None
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
