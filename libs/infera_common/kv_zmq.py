@@ -15,13 +15,20 @@ happens to an in-order batch is the caller's ``on_batch(source, seq, payload)``.
   rank's ordering starts over, and the batch is handled as the new engine's (replay fills what
   came before it).
 - A bad message, a failed replay or a failing ``on_batch`` is logged and reported to the
-  ``KvReadObserver``; the reader keeps going.
+  ``KvReadObserver``; the reader keeps going. A rank whose socket cannot be opened (the endpoint
+  to bind still held, a monitor address taken) is tried again every ``SUBSCRIBE_RETRY`` seconds
+  at most, never given up while the reader runs.
+- Each monitor socket gets its own inproc address: pyzmq's default names it after the socket's file
+  descriptor, which a new socket reuses while a closed one's name is still held (EADDRINUSE), and a
+  worker that left and joined again within moments was never read again.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+import itertools
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +46,25 @@ _log = get_logger("kv_zmq")
 #: Seconds a replay may take before what arrived is used and the rest counted lost.
 REPLAY_TIMEOUT = 3.0
 _UP_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED
-_DOWN_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
+#: Not EVENT_MONITOR_STOPPED: asked for, libzmq waits to deliver it when the monitor stops (``_close``
+#: stops it first), to a reader that is gone: the close then hung, or, without the stop, kept three
+#: file descriptors of every closed SUB socket (a kv-indexer following workers that come and go ran
+#: out of them after ~300 leaves and joins).
+_DOWN_EVENTS = zmq.EVENT_DISCONNECTED
+#: Longest wait (seconds) between two attempts to open a rank's socket that could not be opened.
+SUBSCRIBE_RETRY = 5.0
+_monitor_ids = itertools.count()
+
+
+def _close(sock: zmq.asyncio.Socket) -> None:
+    """Close ``sock``, its monitor stopped first: a SUB closed while its monitor still had an event
+    to hand over (closed just after connecting) kept three file descriptors for good."""
+    if not sock.closed:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:  # it had none
+            pass
+        sock.close(linger=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,20 +142,43 @@ class KvZmqReader:
         for source in self.sources:
             try:
                 sub, mon = self._subscribe(source)
-            except zmq.ZMQError as exc:  # e.g. an endpoint that is not one: this rank is not read
+            except zmq.ZMQError as exc:  # the endpoint to bind still held, say: tried again, never given up
                 self._log.warning("kv_subscribe_failed", dp_rank=source.dp_rank, endpoint=source.endpoint,
-                                  error=str(exc))
-                self._rank_ready()
+                                  error=str(exc), retry_within_s=SUBSCRIBE_RETRY)
+                self._rank_ready()  # not read yet: readiness does not wait for it
+                self._tasks.append(asyncio.create_task(self._subscribe_again(source),
+                                                       name=f"kv-zmq-retry-{source.dp_rank}"))
                 continue
-            if mon is not None:
-                self._tasks.append(asyncio.create_task(self._watch(source, mon), name=f"kv-zmq-mon-{source.dp_rank}"))
-            self._tasks.append(asyncio.create_task(self._run_rank(source, sub), name=f"kv-zmq-{source.dp_rank}"))
+            self._start_rank(source, sub, mon)
+
+    def _start_rank(self, source: ZmqKvSource, sub: zmq.asyncio.Socket, mon: zmq.asyncio.Socket | None,
+                    counted: bool = True) -> None:
+        if mon is not None:
+            self._tasks.append(asyncio.create_task(self._watch(source, mon), name=f"kv-zmq-mon-{source.dp_rank}"))
+        self._tasks.append(asyncio.create_task(self._run_rank(source, sub, counted), name=f"kv-zmq-{source.dp_rank}"))
+
+    async def _subscribe_again(self, source: ZmqKvSource) -> None:
+        delay, attempts = 0.25, 1
+        while True:
+            await asyncio.sleep(delay)
+            attempts += 1
+            try:
+                sub, mon = self._subscribe(source)
+            except zmq.ZMQError as exc:
+                if attempts % 12 == 0:  # about once a minute at the longest wait
+                    self._log.warning("kv_subscribe_failed", dp_rank=source.dp_rank, endpoint=source.endpoint,
+                                      error=str(exc), attempts=attempts)
+                delay = min(delay * 2, SUBSCRIBE_RETRY)
+                continue
+            self._log.info("kv_subscribed", dp_rank=source.dp_rank, endpoint=source.endpoint, attempts=attempts)
+            self._start_rank(source, sub, mon, counted=False)
+            return
 
     async def close(self) -> None:
         await stop_tasks(*self._tasks)
         self._tasks.clear()
         for sock in self._sockets:
-            sock.close(linger=0)
+            _close(sock)
         self._sockets.clear()
         if self._owns_ctx and self._ctx is not None:
             self._ctx.destroy(linger=0)
@@ -147,13 +195,21 @@ class KvZmqReader:
         if "[" in source.endpoint:
             sub.setsockopt(zmq.IPV6, 1)
         mon = None
-        if self._monitor:
-            mon = sub.get_monitor_socket(_UP_EVENTS | _DOWN_EVENTS)
-            self._sockets.append(mon)
-        if source.bind:
-            sub.bind(source.endpoint)
-        else:
-            sub.connect(source.endpoint)
+        try:
+            if self._monitor:
+                addr = f"inproc://infera-kv-monitor-{os.getpid()}-{next(_monitor_ids)}"  # (module doc)
+                mon = sub.get_monitor_socket(_UP_EVENTS | _DOWN_EVENTS, addr=addr)
+                self._sockets.append(mon)
+            if source.bind:
+                sub.bind(source.endpoint)
+            else:
+                sub.connect(source.endpoint)
+        except zmq.ZMQError:
+            for sock in (mon, sub):
+                if sock is not None:
+                    self._sockets.remove(sock)
+                    _close(sock)
+            raise
         return sub, mon
 
     def _rank_ready(self) -> None:
@@ -161,9 +217,11 @@ class KvZmqReader:
         if self._waiting <= 0:
             self.ready.set()
 
-    async def _run_rank(self, source: ZmqKvSource, sub: zmq.asyncio.Socket) -> None:
+    async def _run_rank(self, source: ZmqKvSource, sub: zmq.asyncio.Socket, counted: bool = True) -> None:
+        """Read one rank; ``counted``: its first replay is one ``ready`` waits for (False: it was
+        opened late, after readiness gave up on it)."""
         state = RankSeq(detect_restarts=self._on_restart is not None)
-        first_replay_over = False
+        first_replay_over = not counted
         try:
             if source.replay_endpoint:  # whatever was published before the subscription took hold
                 replayed = await self._replay(source, 0)
@@ -176,8 +234,9 @@ class KvZmqReader:
                         handed += 1
                 if handed:
                     self.observer.replayed(source, handed)
-            first_replay_over = True
-            self._rank_ready()
+            if not first_replay_over:
+                first_replay_over = True
+                self._rank_ready()
             while True:
                 frames = await sub.recv_multipart()
                 await self._on_message(source, state, frames)
@@ -188,7 +247,7 @@ class KvZmqReader:
         finally:
             if not first_replay_over:
                 self._rank_ready()
-            sub.close(linger=0)
+            _close(sub)
 
     async def _on_message(self, source: ZmqKvSource, state: RankSeq, frames: list[bytes]) -> None:
         if len(frames) != 3:
@@ -293,8 +352,6 @@ class KvZmqReader:
                     self.observer.connected(source, up)
                     self._log.info("kv_endpoint_up" if up else "kv_endpoint_down", dp_rank=source.dp_rank,
                                    endpoint=source.endpoint)
-                if event == zmq.EVENT_MONITOR_STOPPED:
-                    return
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a monitor failure only loses the connection report

@@ -80,3 +80,81 @@ async def test_a_reader_without_restart_handler_drops_a_new_engines_old_seqs_and
         for reader in readers:
             await reader.close()
         await pub.close()
+
+
+async def test_readers_opened_and_closed_in_turn_on_one_context_keep_no_file_descriptor_and_all_open():
+    """The kv-indexer closes a leaving worker's reader and opens one for each worker that joins, on
+    one ZMQ context. Two faults met an etcd blip (every worker leaving and joining at once): each
+    closed reader kept three file descriptors (its monitor's MONITOR_STOPPED, never taken), and a
+    monitor named after its socket's descriptor collided with a closed one's name (EADDRINUSE), so
+    that worker was never read again."""
+    import asyncio
+    import os
+
+    import zmq.asyncio
+    from structlog.testing import capture_logs
+
+    async def on_batch(src, seq, payload):
+        pass
+
+    pub = FakePublisher()
+    ctx = zmq.asyncio.Context()
+    before = len(os.listdir("/proc/self/fd"))
+    try:
+        with capture_logs() as logs:
+            for _ in range(200):
+                reader = KvZmqReader([source(pub, replay=False)], on_batch, context=ctx, monitor=True)
+                reader.start()
+                await asyncio.sleep(0)
+                await reader.close()
+        failed = [e for e in logs if e["event"] == "kv_subscribe_failed"]
+        assert not failed, failed[0]  # every one opened its socket and monitor
+        assert len(os.listdir("/proc/self/fd")) - before < 20  # (was 3 per reader: 600)
+    finally:
+        ctx.destroy(linger=0)
+        await pub.close()
+
+
+async def test_a_rank_whose_socket_cannot_be_opened_is_tried_again_until_it_can():
+    """A reader binding an endpoint another socket still holds waits for it, not gives up."""
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    from infera.procs import free_port
+
+    port = free_port()
+    ctx = zmq.asyncio.Context()
+    holder = ctx.socket(zmq.PUB)
+    holder.bind(f"tcp://127.0.0.1:{port}")
+    got: list[int] = []
+
+    async def on_batch(src, seq, payload):
+        got.append(seq)
+
+    reader = KvZmqReader([ZmqKvSource(0, f"tcp://127.0.0.1:{port}", None, bind=True)], on_batch, monitor=True)
+    reader.start()
+    try:
+        await eventually(reader.ready.is_set)  # readiness does not wait for a rank that cannot open
+        holder.close(linger=0)  # the port is free again: the next attempt binds it
+        engine = ctx.socket(zmq.PUB)  # the engine connects out to the bound reader
+        engine.connect(f"tcp://127.0.0.1:{port}")
+        try:
+            from tests.kv_indexer.zmq_helpers import empty_batch as batch
+            from infera_common.kv_wire import encode_seq
+
+            async def sent() -> bool:
+                await engine.send_multipart([b"", encode_seq(0), batch(0.0)])
+                return bool(got)
+
+            for _ in range(100):
+                if await sent():
+                    break
+                await asyncio.sleep(0.1)
+            assert got and got[0] == 0
+        finally:
+            engine.close(linger=0)
+    finally:
+        await reader.close()
+        ctx.destroy(linger=0)
