@@ -8,10 +8,10 @@ kv-indexer, router and frontend run as one ``python -m infera.server``.
 Ctrl-C or SIGTERM stops everything it started (each child runs in its own process group and is
 stopped TERM-then-KILL), leaving no process behind: the frontend (or server) first, which refuses
 new requests and drains its answers under way; then all workers together; then the rest. A
-nats-server, kv-indexer, router, frontend or server that exits is started again, with the same
-command line (at most ``RESTARTS`` times each; the services restore their state from the bus);
-etcd exiting stops the fleet; a worker that exits leaves it (its engine's cold start is the
-operator's call).
+nats-server, etcd, kv-indexer, router, frontend or server that exits is started again, with the
+same command line, ports and store (at most ``RESTARTS`` times each within ``RESTART_WINDOW``
+seconds; the services ride out the outage and restore their state from the bus and etcd); a worker
+that exits leaves the fleet (its engine's cold start is the operator's call).
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -43,9 +42,11 @@ from infera_router.settings import PolicyName
 from infera_worker_agent.settings import AgentSettings
 
 
-#: How many times nats-server, or a control-plane service, that exited is started again before the
-#: fleet is stopped (each counted apart; a service that fails at once fails this many times quickly).
+#: How many times nats-server, etcd or a control-plane service that exited is started again within
+#: ``RESTART_WINDOW`` seconds before the fleet is stopped (each counted apart; a service that fails
+#: at once fails this many times quickly; one crash a day is restarted every day).
 RESTARTS = 5
+RESTART_WINDOW = 600.0
 
 
 class UpSettings(TracingSettings):  # --otlp-traces-endpoint: passed to every service
@@ -123,6 +124,7 @@ def main(argv: list[str]) -> int:
     nats_port = settings.nats_port or free_port()
     nats_url = f"nats://127.0.0.1:{nats_port}"
     etcd_port = (settings.etcd_port or free_port()) if settings.discovery_backend == "etcd" else None
+    etcd_peer_port = free_port() if etcd_port else None  # the same on a restart: its store names it
     etcd_endpoint = f"127.0.0.1:{etcd_port}" if etcd_port else None
     engine_args = [a for raw in settings.engine_arg for a in shlex.split(raw)]
     total = settings.workers + settings.prefill_workers + settings.decode_workers
@@ -167,7 +169,7 @@ def main(argv: list[str]) -> int:
         if etcd_port:
             try:
                 with open(logs / "etcd.log", "ab") as f:
-                    running.append(("etcd", start_etcd(etcd_port, state / "etcd", log_file=f)))
+                    running.append(("etcd", start_etcd(etcd_port, state / "etcd", etcd_peer_port, log_file=f)))
             except (OSError, RuntimeError, TimeoutError) as exc:  # not installed, port taken, ...
                 print(f"infera up: error: cannot start etcd: {exc}; see {logs / 'etcd.log'}", file=sys.stderr)
                 return 1
@@ -191,18 +193,22 @@ def main(argv: list[str]) -> int:
         where += [f"etcd {etcd_endpoint}"] if etcd_endpoint else []
         _print_banner(url, ", ".join(where), logs)
         reported: set[str] = set()
-        restarts: Counter[str] = Counter()
+        restarts = RestartBudget(RESTARTS, RESTART_WINDOW)
         specs = {spec.name: spec for spec in plan if spec.name not in worker_names}
+        stores: dict[str, tuple[int, Callable[[Any], subprocess.Popen]]] = {
+            "nats-server": (nats_port, lambda f: start_nats(nats_port, state / "jetstream", log_file=f)),
+        }
+        if etcd_port:
+            stores["etcd"] = (etcd_port, lambda f: start_etcd(etcd_port, state / "etcd", etcd_peer_port, log_file=f))
         while not stopping:
             for i, (name, proc) in enumerate(list(running)):
                 if proc.poll() is None or name in reported:
                     continue
-                if (name == "nats-server" or name in specs) and restarts[name] < RESTARTS:
-                    restarts[name] += 1
-                    if name == "nats-server":
-                        restarted = _restart_nats(nats_port, state, logs, proc.returncode)
+                if (name in stores or name in specs) and restarts.take(name, time.monotonic()):
+                    if name in stores:
+                        restarted = _restart_store(name, *stores[name], logs, proc.returncode)
                     else:
-                        restarted = _restart(specs[name], logs, proc.returncode, restarts[name])
+                        restarted = _restart(specs[name], logs, proc.returncode, restarts.used(name))
                     if restarted is not None:
                         running[i] = (name, restarted)
                         continue
@@ -242,15 +248,37 @@ def _stop_order(running: list[tuple[str, subprocess.Popen]],
     return [(front, DRAIN_GRACE), (workers, DRAIN_GRACE), (rest, STOP_GRACE), (backing, STOP_GRACE)]
 
 
-def _restart_nats(port: int, state: Path, logs: Path, code: int | None) -> subprocess.Popen | None:
-    """nats-server exited under the fleet: start it again on the same port and store (the services
-    reconnect and restore their queues, records and watches); None when it does not come up."""
-    print(f"infera up: nats-server exited with {code}; starting it again on port {port}", file=sys.stderr)
+class RestartBudget:
+    """At most ``limit`` restarts of each process within any ``window`` seconds (pure)."""
+
+    def __init__(self, limit: int, window: float) -> None:
+        self.limit, self.window = limit, window
+        self._times: dict[str, list[float]] = {}
+
+    def take(self, name: str, now: float) -> bool:
+        """One restart of ``name`` at ``now``, if the budget allows it."""
+        recent = [t for t in self._times.get(name, []) if now - t < self.window]
+        if len(recent) >= self.limit:
+            self._times[name] = recent
+            return False
+        self._times[name] = [*recent, now]
+        return True
+
+    def used(self, name: str) -> int:
+        return len(self._times.get(name, []))
+
+
+def _restart_store(name: str, port: int, start: Callable[[Any], subprocess.Popen], logs: Path,
+                   code: int | None) -> subprocess.Popen | None:
+    """nats-server or etcd exited under the fleet: start it again on the same port and store (the
+    services reconnect and restore their queues, records, leases and watches); None when it does
+    not come up."""
+    print(f"infera up: {name} exited with {code}; starting it again on port {port}", file=sys.stderr)
     try:
-        with open(logs / "nats-server.log", "ab") as f:
-            return start_nats(port, state / "jetstream", log_file=f)
+        with open(logs / f"{name}.log", "ab") as f:
+            return start(f)
     except (OSError, RuntimeError, TimeoutError) as exc:
-        print(f"infera up: nats-server did not come back: {exc}; see {logs / 'nats-server.log'}", file=sys.stderr)
+        print(f"infera up: {name} did not come back: {exc}; see {logs / (name + '.log')}", file=sys.stderr)
         return None
 
 
@@ -258,7 +286,8 @@ def _restart(spec: ProcSpec, logs: Path, code: int | None, attempt: int) -> subp
     """A control-plane service exited under the fleet: start it again with the same command line
     (ports included). A router or kv-indexer keeps no state of its own that the bus does not give
     back (discovery, the KV event stream), and the frontend holds only requests under way."""
-    print(f"infera up: {spec.name} exited with {code}; starting it again ({attempt} of {RESTARTS}); "
+    print(f"infera up: {spec.name} exited with {code}; starting it again ({attempt} of {RESTARTS} within "
+          f"{RESTART_WINDOW:.0f} s); "
           f"see {logs / (spec.name + '.log')}", file=sys.stderr)
     return _spawn(spec, logs)
 

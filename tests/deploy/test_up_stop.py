@@ -60,3 +60,16 @@ def test_a_group_is_told_to_stop_together_and_whoever_outlasts_the_grace_is_kill
         for p in [*graceful, stubborn]:
             if p.poll() is None:
                 p.kill()
+
+
+def test_a_process_is_restarted_at_most_five_times_within_ten_minutes_and_again_after():
+    """A crash a day is restarted every day; a process that fails at once stops the fleet quickly."""
+    from infera.up import RESTART_WINDOW, RESTARTS, RestartBudget
+
+    budget = RestartBudget(RESTARTS, RESTART_WINDOW)
+    assert [budget.take("etcd", float(t)) for t in range(RESTARTS + 1)] == [True] * RESTARTS + [False]
+    assert budget.take("router", 5.0)  # counted apart
+    assert budget.take("etcd", RESTART_WINDOW + 0.5)  # the first restart left the window
+    assert not budget.take("etcd", RESTART_WINDOW + 0.6)
+    day = 86_400.0
+    assert all(budget.take("server", n * day) for n in range(1, 20))

@@ -184,6 +184,29 @@ def test_infera_up_starts_its_nats_server_and_control_services_again_and_the_fle
         assert fleet.stop() == 0
 
 
+def test_infera_up_starts_its_etcd_again_and_the_no_broker_fleet_serves_on(tmp_path):
+    """SIGKILL etcd under a no-broker fleet: the services ride out the outage and `infera up` starts
+    it again on its port and store (it used to stop the whole fleet)."""
+    fleet = Fleet(tmp_path, workers=2, env=env_with(INFERA_DISCOVERY_TTL="3"), plane="no-broker").start()
+    try:
+        assert _chat(fleet.url) == 200
+
+        def etcds() -> list[int]:
+            return [p for p in process_tree(fleet.proc.pid) if b"--data-dir" in _cmdline(p)]
+
+        [old] = etcds()
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 45
+        while time.monotonic() < deadline and not (etcds() and old not in etcds() and _chat_or_down(fleet.url) == 200
+                                                   and len(fleet.workers_list()) == 2):
+            time.sleep(0.3)
+        assert len(etcds()) == 1 and old not in etcds() and fleet.proc.poll() is None, fleet.logs()
+        assert _chat_or_down(fleet.url) == 200
+        assert sorted(w["status"] for w in fleet.workers_list()) == ["active", "active"]
+    finally:
+        assert fleet.stop() == 0
+
+
 def test_infera_up_sigterm_stops_every_process_it_started(tmp_path):
     fleet = Fleet(tmp_path, workers=2, env=env_with()).start()
     tree = process_tree(fleet.proc.pid)
