@@ -82,6 +82,10 @@ class EngineWatch:
         if reporter is not None:
             await reporter.stop()
 
+    def engine_work(self) -> int | None:
+        """The engine's running + waiting requests at the last scrape (None: no scrape yet, or stopped)."""
+        return self.reporter.last.work if self.reporter is not None else None
+
     def _on_load(self, load: EngineLoad) -> None:
         self._metrics.engine_running.set(load.running)
         self._metrics.engine_waiting.set(load.waiting)

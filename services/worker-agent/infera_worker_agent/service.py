@@ -149,7 +149,8 @@ class Agent:
             self.plan.argv, grace=self.s.engine_stop_timeout, echo=sys.stdout.buffer,
             env=engine_env(os.environ, self.plan),
         )
-        startup = await wait_healthy(self._session, self.plan.local_url, self._engine, self.s.health_timeout, self._stop)
+        startup = await wait_healthy(self._session, self.plan.local_url, self._engine, self.s.health_timeout,
+                                     self._stop)
         if startup is not Startup.HEALTHY:
             return await self._startup_failed(startup)
 
@@ -245,9 +246,10 @@ class Agent:
         if healthy:
             log.info("engine_healthy_again", worker_id=self.worker_id)
         else:  # what waits for a first token there is not coming: let the frontends try elsewhere
-            stopped = self._worker.stop_unanswered(ENGINE_UNHEALTHY) if self._worker is not None else 0
+            # (on --request-transport http the routers call the engine and hand back their own calls)
+            handed = {"requests_handed_back": self._worker.stop_unanswered(ENGINE_UNHEALTHY)} if self._worker else {}
             log.error("engine_unhealthy", worker_id=self.worker_id, failed_probes=self.s.health_check_failures,
-                      url=f"{self.plan.local_url}/health", requests_handed_back=stopped,
+                      url=f"{self.plan.local_url}/health", **handed,
                       hint="the engine process runs but does not answer; it gets no new requests until a probe "
                       "passes (restart it if it stays so)")
         self.metrics.engine_up.set(1 if healthy else 0)
@@ -371,8 +373,10 @@ class Agent:
     async def _drain_and_stop(self) -> int:
         assert self._registrar is not None
         await self._stop_health()  # (its verdicts would overwrite 'draining')
-        log.info("draining", worker_id=self.worker_id, in_flight=self._worker.in_flight if self._worker else None,
-                 drain_timeout_s=self.s.drain_timeout)
+        # on http the agent sees no requests: the engine's own count says what there is to drain
+        held = ({"in_flight": self._worker.in_flight} if self._worker is not None
+                else {"engine_requests": self._watch.engine_work()} if self._watch is not None else {})
+        log.info("draining", worker_id=self.worker_id, drain_timeout_s=self.s.drain_timeout, **held)
         if self._discovery_unreachable():
             log.warning("draining_status_not_published", error="NATS unreachable")
         else:
