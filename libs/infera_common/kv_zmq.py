@@ -26,9 +26,9 @@ happens to an in-order batch is the caller's ``on_batch(source, seq, payload)``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Mapping
 import itertools
 import os
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
