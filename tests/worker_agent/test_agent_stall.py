@@ -14,7 +14,9 @@ from aiohttp import web
 
 from infera_mock_engine.main import parse_args
 from infera_mock_engine.server import start_server
-from infera_worker_agent.health import Canary, HealthWatch, StallProbe, engine_stall_probe, send_canary
+from infera_worker_agent.health import (
+    Canary, HealthWatch, ProbeFailRule, StallProbe, engine_stall_probe, send_canary,
+)
 from infera_worker_agent.load import scrape_engine
 
 
@@ -183,5 +185,29 @@ async def test_a_failed_probe_after_a_round_with_work_and_no_token_is_unhealthy_
             silent["for"] = 0.3
             await frozen_late.probe_once()
             assert not frozen_late.liveness.healthy and canaries == [None]
+
+            # an SGLang prefill or decode leg: no canary can test it, the probe rule alone holds
+            frozen.clear()
+            work = {"n": 0}
+            leg = HealthWatch(session, url, interval=0.1, timeout=0.3, failures=3, on_change=on_change,
+                              fail_rule=ProbeFailRule(work=lambda: work["n"], metrics_silent_for=lambda: silent["for"]))
+            await leg.probe_once()
+            frozen.set()
+            await leg.probe_once()  # nothing held: a strike, as before
+            assert leg.liveness.healthy and leg.liveness.failed_in_a_row == 1
+            work["n"] = 3
+            silent["for"] = 0.0
+            await leg.probe_once()  # work held, but its /metrics answered a moment ago: a strike
+            assert leg.liveness.healthy and leg.liveness.failed_in_a_row == 2
+            frozen.clear()
+            await leg.probe_once()  # answers: the strikes start over
+            assert leg.liveness.failed_in_a_row == 0
+            frozen.set()
+            silent["for"] = 0.3
+            await leg.probe_once()  # work held and /metrics as silent as /health: one probe, unhealthy now
+            assert not leg.liveness.healthy
+            frozen.clear()
+            await leg.probe_once()  # its generating /health passes: back
+            assert leg.liveness.healthy
         finally:
             await runner.cleanup()

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from infera_common.schemas import LoadReport, Role
-from infera_worker_agent.health import HealthWatch, StallProbe, engine_stall_probe
+from infera_worker_agent.health import HealthWatch, ProbeFailRule, StallProbe, engine_stall_probe
 from infera_worker_agent.load import EngineLoad, LoadReporter
 from infera_worker_agent.metrics import AgentMetrics
 from infera_worker_agent.pd_role import Family
@@ -53,16 +53,21 @@ class EngineWatch:
         self.health: HealthWatch | None = None
         if settings.health_check_interval > 0:
             stall: StallProbe | None = None
+            fail_rule: ProbeFailRule | None = None
+            reporter = self.reporter
             if stall_checked(settings, role, family):
-                reporter = self.reporter
                 stall = engine_stall_probe(session, local_url, model, lambda: reporter.last, sequences, by_rank,
                                            reporter.silent_for, dp_size)
+            elif settings.engine_stall_check:  # no canary for it (an SGLang leg): the probe rule alone
+                fail_rule = ProbeFailRule(work=lambda: max(reporter.last.work, sequences()),
+                                          metrics_silent_for=reporter.silent_for)
             self.health = HealthWatch(
                 session, local_url, interval=settings.health_check_interval, timeout=settings.health_check_timeout,
                 failures=settings.health_check_failures, on_change=on_health, stall=stall,
                 # an engine whose /health generates (SGLang's) is tested by every probe, idle or not
                 idle_canary_after=0.0 if health_generates else settings.engine_idle_canary_after,
                 on_canary=lambda reason, outcome: metrics.canaries.labels(outcome.value, reason.value).inc(),
+                fail_rule=fail_rule,
             )
 
     def start(self) -> None:

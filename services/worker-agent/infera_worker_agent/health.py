@@ -97,6 +97,17 @@ class StallProbe:
     dp_size: int = 1
 
 
+@dataclass(frozen=True)
+class ProbeFailRule:
+    """For an engine no canary can test (an SGLang prefill or decode leg): what makes one failed
+    health probe conclusive, as it is under the stall check (``HealthWatch.probe_once``): the engine
+    holds requests and its /metrics has not answered for as long as the probe waited. Without it a
+    frozen leg took three probes, each waiting out --health-check-timeout: ~2 minutes."""
+
+    work: Callable[[], int]
+    metrics_silent_for: Callable[[], float]
+
+
 def engine_stall_probe(session: aiohttp.ClientSession, base_url: str, model: str,
                        last_load: Callable[[], EngineLoad], in_flight: Callable[[], int],
                        by_rank: Callable[[], dict[int, tuple[int, int]]] = dict,
@@ -127,7 +138,8 @@ class HealthWatch:
     def __init__(self, session: aiohttp.ClientSession, base_url: str, *, interval: float, timeout: float,
                  failures: int, on_change: Callable[[bool], Awaitable[None]], stall: StallProbe | None = None,
                  idle_canary_after: float = 0.0,
-                 on_canary: Callable[[CanaryReason, Canary], None] = lambda _reason, _outcome: None) -> None:
+                 on_canary: Callable[[CanaryReason, Canary], None] = lambda _reason, _outcome: None,
+                 fail_rule: ProbeFailRule | None = None) -> None:
         self._session, self._url = session, base_url
         self._interval, self._timeout = interval, timeout
         self.liveness = Liveness(failures)
@@ -135,6 +147,7 @@ class HealthWatch:
         self._stall, self._check = stall, StallCheck(idle_canary_after)
         self._rank_check = RankStallCheck()
         self._on_canary = on_canary
+        self._fail_rule = fail_rule
         self._told_refused = False
         self._told_rank: int | None = None  # the rank last said to be stalled (said once, not every round)
         self._idle_turn = 0  # the DP rank the next idle canary is pinned to (mod dp_size)
@@ -156,6 +169,12 @@ class HealthWatch:
         ok = await is_healthy(self._session, self._url, self._timeout)
         stall = self._stall
         if stall is None:
+            rule = self._fail_rule
+            if not ok and rule is not None and (work := rule.work()) > 0 \
+                    and rule.metrics_silent_for() >= self._timeout:
+                self._tell_stalled(CanaryReason.STALLED, work, None, probe_failed=True)
+                self.liveness.stalled()
+                return
             self.liveness.observe(ok)
             return
         loop = asyncio.get_running_loop()
