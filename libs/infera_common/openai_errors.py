@@ -100,6 +100,11 @@ def _message_of(obj: Any) -> str | None:
     return None
 
 
+def error_message(status: int, body: bytes) -> str:
+    """The human message of an engine's error answer (``body``: JSON of any known shape, or text)."""
+    return json.loads(normalize_error(status, body))["error"]["message"]
+
+
 def normalize_error(status: int, body: bytes) -> bytes:
     """An engine's error body as OpenAI error JSON: kept verbatim if already OpenAI-shaped.
 

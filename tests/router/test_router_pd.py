@@ -151,6 +151,17 @@ def test_a_failed_prefill_cancels_the_decode_and_releases_both(guard):
     assert len(t) == 0 and t.released("D", "cancelled") == []  # the decode's own release finds nothing
 
 
+def test_a_prefill_refusing_the_request_releases_it_ok_and_hands_its_refusal_to_the_decode_cancel():
+    t = pair()
+    acts = t.prefill_drained("P", ok=False, status=400, message="prompt too long")
+    [cancel] = [a for a in acts if a.kind == "cancel"]
+    assert (cancel.lease_id, cancel.status, cancel.why) == ("D", 400, "prompt too long")
+    assert [a.outcome for a in acts if a.kind == "release" and a.lease_id == "P"] == ["ok"]  # not the worker's fault
+    t = pair()
+    [cancel] = [a for a in t.prefill_drained("P", ok=False, status=503, message="busy") if a.kind == "cancel"]
+    assert cancel.status == 502 and cancel.why.endswith("failed on worker p1: busy")
+
+
 @pytest.mark.parametrize("outcome", ["error", "cancelled"])
 def test_a_decode_that_fails_or_whose_client_left_cancels_a_running_prefill(outcome):
     t = pair()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -100,9 +101,26 @@ async def test_a_failed_prefill_drain_cancels_the_decode_leg(bench):
     await bench.nc.publish(pre.reply_subject, encode(Frame(kind="error", seq=0, status=500, message="boom")))
     await eventually(lambda: stopped == ["q1"])
     # the client reads the decode leg: it must see a server failure, not its own cancellation
-    assert bench.cancel_statuses == [(502, "the prefill leg of this disaggregated request failed")]
+    assert bench.cancel_statuses == [(502, "the prefill leg of this disaggregated request failed on worker p1: boom")]
     assert bench.leases("p1") == 0  # the failed prefill is released at once
     assert bench.metric("infera_router_pd_leg_failures_total", leg="prefill") == 1
+
+
+async def test_a_prefill_that_refuses_the_prompt_gives_the_client_its_400_and_trips_no_breaker(bench):
+    """The prompt too long for the model: the prefill engine's 400 is the client's answer (it raced a
+    502 'prefill leg failed' before), and the worker's circuit breaker does not count it."""
+    await pd_fleet(bench)
+    stopped = await cancels(bench, "d1")
+    refusal = b'{"object": "error", "message": "the prompt has 9031 tokens; the limit is 8192", "code": 400}'
+    for i in range(4):  # more than the breaker's failures in a row
+        await bench.route(request_id=f"long{i}", prompt_tokens=10)
+        [pre] = await bench.pull("p1")
+        await bench.nc.publish(pre.reply_subject, encode(Frame(kind="head", seq=0, status=400, body=refusal,
+                                                               final=True)))
+        await eventually(lambda: len(stopped) == i + 1)
+    assert set(bench.cancel_statuses) == {(400, "the prompt has 9031 tokens; the limit is 8192")}
+    state = bench.router.core.breaker.snapshot(time.monotonic()).get("p1")
+    assert state is None or state.state.value == "closed"  # (three such refusals used to open it)
 
 
 async def test_a_vanished_decode_worker_stops_the_prefill_leg(bench):

@@ -21,6 +21,7 @@ from nats.aio.subscription import Subscription
 
 from infera_common.logs import get_logger
 from infera_common.nats_conn import unsubscribe_quietly
+from infera_common.openai_errors import error_message
 from infera_common.schemas import Cancel, RouteRequest, WorkEnvelope, decode_frame, encode, encode_frame
 from infera_common.subjects import cancel_subject, router_pd_subject, router_pd_subjects
 from infera_common.tracing import engine_headers
@@ -219,7 +220,8 @@ class PdFlow:
             log.warning("bad_pd_frame", error=str(exc)[:300])
             return
         if frame.kind == "error" or (frame.kind == "head" and frame.status >= 400):
-            outcome = Drained(False, frame.status or 502, frame.message or frame.body.decode(errors="replace")[:500])
+            status = frame.status or 502
+            outcome = Drained(False, status, frame.message or error_message(status, frame.body)[:500])
         elif frame.kind == "end" or (frame.kind == "head" and frame.final):
             outcome = Drained(True, frame.status)
         else:
@@ -230,7 +232,7 @@ class PdFlow:
         waiter = self._waiters.pop(lease_id, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(outcome)
-        await self.execute(self.pairs.prefill_drained(lease_id, outcome.ok))
+        await self.execute(self.pairs.prefill_drained(lease_id, outcome.ok, outcome.status, outcome.message))
 
     # --- actions -----------------------------------------------------------------------------
     async def execute(self, actions: list[Action]) -> None:
@@ -242,7 +244,8 @@ class PdFlow:
             else:
                 self._metrics.pd_legs_cancelled.inc()
                 try:
-                    cancel = (Cancel(request_id=action.request_id, status=502, message=action.why) if action.why
+                    cancel = (Cancel(request_id=action.request_id, status=action.status, message=action.why)
+                              if action.why
                               else Cancel(request_id=action.request_id))
                     await self._nc.publish(cancel_subject(action.worker_id), encode(cancel))
                 except Exception as exc:  # connection gone: the leg ends by its deadline

@@ -31,6 +31,7 @@ class Action:
     request_id: str
     outcome: str | None = None  # release: how the leg ended, when known ("error" invalidates its session pin)
     why: str = ""  # cancel: set when the leg is stopped because the other one failed (the client sees it)
+    status: int = 502  # cancel with ``why``: the status the client gets (the other leg's own 4xx, or 502)
 
 
 @dataclass(slots=True)
@@ -82,14 +83,19 @@ class PdPairs:
         return actions
 
     # --- events ----------------------------------------------------------------------------
-    def prefill_drained(self, lease_id: str, ok: bool) -> list[Action]:
-        """The router read the prefill leg's last frame: its answer is complete (``ok``) or an error."""
+    def prefill_drained(self, lease_id: str, ok: bool, status: int | None = None, message: str = "") -> list[Action]:
+        """The router read the prefill leg's last frame: its answer is complete (``ok``) or an error
+        (``status``, ``message``). A client error (4xx but 429: the prompt too long, say) is the
+        request's fault, not the worker's: the leg is released ``ok`` (its breaker untouched) and the
+        decode leg is stopped with that status and message, which the client then gets as its answer."""
         pair = self._by_lease.get(lease_id)
         if pair is None or pair.prefill.lease_id != lease_id or pair.prefill.ended:
             return []
         pair.prefill.ended = True
         if not ok:
-            return self._fail(pair, failed=pair.prefill, outcome="error")
+            if status is not None and 400 <= status < 500 and status != 429:
+                return self._fail(pair, failed=pair.prefill, outcome="ok", status=status, why=message)
+            return self._fail(pair, failed=pair.prefill, outcome="error", detail=message)
         if self.guard == "completion":
             return self._release(pair, pair.prefill)
         return []
@@ -143,23 +149,31 @@ class PdPairs:
         return len({id(p) for p in self._by_lease.values()})
 
     # --- internals ---------------------------------------------------------------------------
-    def _fail(self, pair: Pair, failed: Leg | None, outcome: str | None = None) -> list[Action]:
-        """One leg failed (or its worker left): stop every other leg still running, release all."""
+    def _fail(self, pair: Pair, failed: Leg | None, outcome: str | None = None, *, status: int = 502,
+              why: str = "", detail: str = "") -> list[Action]:
+        """One leg failed (or its worker left): stop every other leg still running, release all. The
+        client hears ``why`` with ``status`` when given, else a 502 naming the failed leg's worker
+        (and ``detail``, what it said)."""
         actions: list[Action] = []
         for leg in (pair.prefill, pair.decode):
             if leg is None:
                 continue
             if leg is not failed and not leg.ended:
                 other = "prefill" if leg is pair.decode else "decode"
-                actions += self._stop(pair, leg, f"the {other} leg of this disaggregated request failed")
+                if not why:
+                    on = f" on worker {failed.worker_id}" if failed is not None else ""
+                    why = f"the {other} leg of this disaggregated request failed{on}"
+                    why += f": {detail}" if detail else ""
+                actions += self._stop(pair, leg, why, status)
             else:
                 actions += self._release(pair, leg, outcome if leg is failed else None)
         self._forget(pair)
         return actions
 
-    def _stop(self, pair: Pair, leg: Leg, why: str = "") -> list[Action]:
+    def _stop(self, pair: Pair, leg: Leg, why: str = "", status: int = 502) -> list[Action]:
         leg.ended = True
-        return [Action("cancel", leg.lease_id, leg.worker_id, pair.request_id, why=why), *self._release(pair, leg)]
+        return [Action("cancel", leg.lease_id, leg.worker_id, pair.request_id, why=why, status=status),
+                *self._release(pair, leg)]
 
     @staticmethod
     def _release(pair: Pair, leg: Leg, outcome: str | None = None) -> list[Action]:
