@@ -180,6 +180,16 @@ def test_a_vanished_worker_stops_its_partner():
     t = pair()
     acts = t.worker_left("d1", ["D"])
     assert kinds(acts) == [("cancel", "P"), ("release", "P")]
+    t = pair()
+    assert kinds(t.worker_left("p1", ["P"])) == [("cancel", "D"), ("release", "D")]  # no answer yet: no KV
+
+
+def test_a_prefill_worker_that_leaves_after_its_answer_leaves_the_decode_running():
+    """Its KV is handed over: a stream already decoding was cut when the prefill engine died."""
+    t = pair()
+    t.prefill_drained("P", ok=True)
+    assert t.worker_left("p1", ["P"]) == []
+    assert kinds(t.released("D", "ok")) == [("release", "D")] and len(t) == 0
 
 
 def test_no_decode_placed_abandons_the_prefill_and_a_late_decode_is_stopped():

@@ -126,15 +126,21 @@ class PdPairs:
         return actions
 
     def worker_left(self, worker_id: str, dropped_leases: list[str]) -> list[Action]:
-        """A worker left discovery and its leases were dropped: stop and release the other legs."""
+        """A worker left discovery and its leases were dropped: stop and release the other legs,
+        unless the leg that left is a prefill that had already answered (its KV handed over): the
+        decode goes on without it (a stream already decoding was cut for a prefill engine's death)."""
         actions: list[Action] = []
         for lease_id in dropped_leases:
             pair = self._by_lease.get(lease_id)
             if pair is None:
                 continue
+            answered = pair.prefill.lease_id == lease_id and pair.prefill.ended
             for leg in (pair.prefill, pair.decode):
                 if leg is not None and leg.lease_id == lease_id:
                     leg.ended = leg.released = True
+            if answered and pair.decode is not None and not pair.decode.ended:
+                self._by_lease.pop(lease_id, None)  # the pair ends with its decode leg
+                continue
             actions += self._fail(pair, failed=None)
         return actions
 
