@@ -170,8 +170,8 @@ class HealthWatch:
         stall = self._stall
         if stall is None:
             rule = self._fail_rule
-            if not ok and rule is not None and (work := rule.work()) > 0 \
-                    and rule.metrics_silent_for() >= self._timeout:
+            if not ok and rule is not None and self._metrics_silent_with_work(work := rule.work(),
+                                                                              rule.metrics_silent_for):
                 self._tell_stalled(CanaryReason.STALLED, work, None, probe_failed=True)
                 self.liveness.stalled()
                 return
@@ -181,8 +181,8 @@ class HealthWatch:
         work, mark = stall.work(), stall.progress()
         reason = self._check.canary_due(work, mark, loop.time())
         if not ok:
-            if reason in (CanaryReason.STALLED, CanaryReason.SUSPECT) or (
-                    work > 0 and stall.metrics_silent_for() >= self._timeout):
+            if reason in (CanaryReason.STALLED, CanaryReason.SUSPECT) or self._metrics_silent_with_work(
+                    work, stall.metrics_silent_for):
                 # it held work through a whole round and counted nothing, or its /metrics has not
                 # answered for as long as this probe waited, and now it fails its probe (a frozen
                 # process times out, SGLang's generating /health answers 503): no canary could say more
@@ -225,6 +225,11 @@ class HealthWatch:
                         "with an error status; its /health passed, so it counts as healthy, and the stall check "
                         "cannot tell a hang from work (logged once)")
         self.liveness.observe(outcome is not Canary.FAILED)
+
+    def _metrics_silent_with_work(self, work: int, metrics_silent_for: Callable[[], float]) -> bool:
+        """The engine holds requests and its /metrics has been silent as long as a probe waits: with
+        a failed probe, conclusive (a frozen process)."""
+        return work > 0 and metrics_silent_for() >= self._timeout
 
     def _whole_engine_pin(self, reason: CanaryReason | None, dp_size: int) -> int | None:
         """The DP rank a canary that tests the engine as a whole is pinned to: an idle canary takes
