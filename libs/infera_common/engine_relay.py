@@ -76,8 +76,9 @@ class FrameSink:
 
     async def send(
         self, kind: FrameKind, *, status: int = 200, body: bytes = b"", message: str = "", final: bool = False,
+        failed_worker: str = "",
     ) -> None:
-        data = encode_frame(kind, self.seq, status, body, message, final)
+        data = encode_frame(kind, self.seq, status, body, message, final, failed_worker)
         self.seq += 1
         if self._kept is not None:
             self._kept.append(data)
@@ -91,8 +92,8 @@ class FrameSink:
             first, self._on_first_data = self._on_first_data, None
             await first()
 
-    async def error(self, status: int, message: str) -> None:
-        await self.send("error", status=status, message=message)
+    async def error(self, status: int, message: str, failed_worker: str = "") -> None:
+        await self.send("error", status=status, message=message, failed_worker=failed_worker)
 
     @property
     def answer_begun(self) -> bool:

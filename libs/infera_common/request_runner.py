@@ -68,6 +68,9 @@ class StopReason:
     status: int
     message: str
     abort_engine: bool = True
+    #: the worker whose failure stopped this request, when not its own (the prefill worker of a
+    #: disaggregated pair): the error frame names it, and the requester's retry avoids it instead
+    failed_worker: str = ""
 
 
 CLIENT_CANCELLED = StopReason("cancelled", 499, "cancelled by the requester")
@@ -251,22 +254,29 @@ class RequestRunner:
         if refused is None:
             self._start(worker_id, env, engine, on_done)
             return
-        status, message, outcome = refused
         sink = FrameSink(self._publish, env.reply_subject, keep=1)
         self._retire(worker_id, env.request_id, sink)
-        await quietly(sink.error(status, message), "error_frame", env.request_id)
-        await self._finish(worker_id, env, on_done, outcome)
+        await quietly(sink.error(refused.status, refused.message, refused.failed_worker), "error_frame",
+                      env.request_id)
+        await self._finish(worker_id, env, on_done, refused.outcome)
 
-    def _refusal_for(self, worker_id: str, env: WorkEnvelope) -> tuple[int, str, Outcome] | None:
-        """Why ``env`` is answered at once instead of run: (status, message, outcome); None to run it."""
-        if self._cancelled.contains(_key(worker_id, env.request_id), time.monotonic()):
-            return CLIENT_CANCELLED.status, "cancelled before it started", "cancelled"
+    def _refusal_for(self, worker_id: str, env: WorkEnvelope) -> StopReason | None:
+        """Why ``env`` is answered at once instead of run; None to run it. An envelope whose ``Cancel``
+        came first gets that cancel's reason: a leg of a disaggregated pair stopped because the other
+        leg failed reports that failure, not a cancel by its client."""
+        cancelled = self._cancelled.get(_key(worker_id, env.request_id), time.monotonic())
+        if cancelled is not None:
+            reason, lease_id = cancelled
+            if not lease_id or lease_id == env.lease_id:  # (another lease: a retry after that attempt)
+                if reason is CLIENT_CANCELLED:
+                    return StopReason("cancelled", CLIENT_CANCELLED.status, "cancelled before it started")
+                return reason
         if env.deadline <= time.time():
-            return 504, "deadline passed before the worker started the request", "expired"
+            return StopReason("expired", 504, "deadline passed before the worker started the request")
         if self._refusal is not None:
-            return self._refusal.status, self._refusal.message, self._refusal.outcome
+            return self._refusal
         if (worker_id, env.request_id) in self._inflight:
-            return 409, f"request id {env.request_id} is already running on this worker", "error"
+            return StopReason("error", 409, f"request id {env.request_id} is already running on this worker")
         return None
 
     def _start(self, worker_id: str, env: WorkEnvelope, engine: Engine, on_done: Done | None) -> None:
@@ -328,7 +338,8 @@ class RequestRunner:
             while task is not None and task.uncancel():
                 pass
             if not sink.closed:
-                await quietly(sink.error(reason.status, reason.message), "error_frame", env.request_id)
+                await quietly(sink.error(reason.status, reason.message, reason.failed_worker), "error_frame",
+                              env.request_id)
             if reason.abort_engine:
                 await entry.engine.abort(env.request_id)
             return reason.outcome
@@ -386,13 +397,16 @@ class RequestRunner:
             log.warning("bad_cancel", error=str(exc)[:500])
             return
         self._hooks.cancel_received()
-        self._cancelled.add(_key(worker_id, cancel.request_id), time.monotonic())
-        entry = self._inflight.get((worker_id, cancel.request_id))
         reason = CLIENT_CANCELLED
         if cancel.worker_fault:  # the requester waited too long for this worker: its fault
             reason = StopReason("error", cancel.status, cancel.message or "timed out")
         elif cancel.status != CLIENT_CANCELLED.status:  # stopped for a failure elsewhere, not by its client
-            reason = StopReason("cancelled", cancel.status, cancel.message or "cancelled")
+            reason = StopReason("cancelled", cancel.status, cancel.message or "cancelled",
+                                failed_worker=cancel.failed_worker)
+        self._cancelled.add(_key(worker_id, cancel.request_id), time.monotonic(), (reason, cancel.lease_id))
+        entry = self._inflight.get((worker_id, cancel.request_id))
+        if entry is not None and cancel.lease_id and entry.envelope.lease_id != cancel.lease_id:
+            return  # another attempt of the request (a retry on this worker): not the one to stop
         if entry is not None and self._stop(entry, reason):
             log.info("request_cancelled", request_id=cancel.request_id, worker_id=worker_id, status=reason.status)
 

@@ -252,6 +252,9 @@ class Frame(_Msg):
     body: bytes = b""
     message: str = ""
     final: bool = False  # on a head: the response is complete (non-streaming), nothing follows
+    #: on an error: the worker whose failure ended the request when it is not the sender (the
+    #: prefill worker of a disaggregated pair, whose decode leg was stopped): a retry avoids it
+    failed_worker: str = ""
 
 
 class Release(_Msg):
@@ -283,6 +286,11 @@ class Cancel(_Msg):
     # the requester gave up on this worker (nothing from it for --upstream-timeout): the lease is
     # released as an ``error``, which the router's circuit breaker counts against the worker
     worker_fault: bool = False
+    #: router -> worker-agent: the worker whose leg failed (the prefill's), named in the error frame
+    failed_worker: str = ""
+    #: the attempt to stop, by its lease, when the sender knows it: an attempt of the same request on
+    #: the same worker under another lease (a retry after this one failed) is not stopped or refused
+    lease_id: str = ""
 
 
 class FramesQuery(_Msg):
@@ -425,6 +433,7 @@ class FrameWire(msgspec.Struct, gc=False):
     body: bytes = b""
     message: str = ""
     final: bool = False
+    failed_worker: str = ""
 
 
 _encode_frame = msgspec.msgpack.Encoder().encode
@@ -432,9 +441,9 @@ _decode_frame = msgspec.msgpack.Decoder(FrameWire).decode
 
 
 def encode_frame(kind: FrameKind, seq: int, status: int = 200, body: bytes = b"", message: str = "",
-                 final: bool = False) -> bytes:
+                 final: bool = False, failed_worker: str = "") -> bytes:
     """``encode(Frame(...))`` without building the model: the same bytes."""
-    return _encode_frame(FrameWire(kind, seq, status, body, message, final))
+    return _encode_frame(FrameWire(kind, seq, status, body, message, final, failed_worker))
 
 
 def decode_frame(data: bytes) -> FrameWire:
@@ -445,7 +454,8 @@ def decode_frame(data: bytes) -> FrameWire:
     except (msgspec.DecodeError, msgspec.ValidationError):
         pass
     frame = decode(Frame, data)
-    return FrameWire(frame.kind, frame.seq, frame.status, frame.body, frame.message, frame.final)
+    return FrameWire(frame.kind, frame.seq, frame.status, frame.body, frame.message, frame.final,
+                     frame.failed_worker)
 
 
 def decode(cls: type[M], data: bytes) -> M:

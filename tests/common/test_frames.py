@@ -16,6 +16,7 @@ def as_model(wire) -> Frame:
     {"kind": "data", "seq": 7, "body": b'{"choices": []}'},
     {"kind": "head", "seq": 0, "status": 400, "body": b"{}", "final": True},
     {"kind": "error", "seq": 3, "status": 502, "message": "engine gone"},
+    {"kind": "error", "seq": 0, "status": 502, "message": "prefill failed", "failed_worker": "w-p1"},
     {"kind": "end", "seq": 9},
 ])
 def test_the_fast_path_matches_the_model_both_ways(fields):
@@ -30,3 +31,9 @@ def test_anything_unusual_is_still_validated():
     for bad in (msgpack.packb({"kind": "nope", "seq": 1}), msgpack.packb([1, 2]), b"\xc1", b""):
         with pytest.raises(ValueError):
             decode_frame(bad)
+
+
+def test_a_frame_from_a_sender_that_names_no_failed_worker_still_decodes():
+    older = msgpack.packb({"kind": "error", "seq": 0, "status": 503, "body": b"", "message": "m", "final": False},
+                          use_bin_type=True)
+    assert decode_frame(older).failed_worker == ""

@@ -183,3 +183,39 @@ async def test_a_non_streaming_answer_of_a_pair_longer_than_the_upstream_timeout
             usage = (await r.json())["usage"]
     assert usage["completion_tokens"] == 1000
     assert time.monotonic() - started > 3  # (it did outlast the timeout)
+
+
+@pytest.fixture(scope="module", params=["nats", "no-broker"])
+def two_prefills(tmp_path_factory, request):
+    """2P1D with vLLM's handshake at speedup 1: a 30k-token prefill takes about a second."""
+    f = Fleet(tmp_path_factory.mktemp("two-prefills"), workers=0, plane=request.param,
+              extra=["--prefill-workers", "2", "--decode-workers", "1", "--pd-protocol", "vllm-mooncake",
+                     "--engine-arg=--speedup 1", "--engine-arg=--context-length 65536"],
+              env=env_with(INFERA_DISCOVERY_TTL="2")).start()
+    yield f
+    f.stop()
+
+
+async def test_a_prefill_engine_that_dies_during_its_prefill_is_replaced_by_the_other_prefill(two_prefills):
+    """Nothing was handed over to the decode yet: the router sends the prefill to the model's other
+    prefill worker, and the client gets its answer (it got a 502 'prefill worker … failed')."""
+    prefills = [w["url"] for w in two_prefills.workers_list() if w["role"] == "prefill"]
+    assert len(prefills) == 2
+    body = {"model": BUNDLED_MODEL_NAME, "prompt": [100 + (i * 7919) % 40000 for i in range(30000)], "max_tokens": 4}
+
+    async def ask():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(two_prefills.url + "/v1/completions", json=body) as r:
+                return r.status, await r.read()
+
+    request = asyncio.create_task(ask())
+    busy: list[str] = []
+    deadline = time.monotonic() + 10
+    while not busy and time.monotonic() < deadline:
+        busy = [u for u in prefills if scrape(u).get("vllm:num_requests_running", 0.0) >= 1]
+        await asyncio.sleep(0.02)
+    assert busy, "no prefill engine took the request"
+    os.kill(engine_pid(busy[0]), signal.SIGKILL)
+    status, raw = await asyncio.wait_for(request, 60)
+    assert status == 200, raw
+    assert json.loads(raw)["usage"]["prompt_tokens"] == 30000

@@ -19,6 +19,7 @@ from infera_frontend.failover import Attempts, engine_status_reason, worker_erro
 from infera_frontend.settings import FrontendSettings
 from tests.frontend.frontend_fakes import (
     MODEL,
+    script_ok,
     STREAM_TEXTS,
     MultiFleet,
     chat_body,
@@ -99,6 +100,17 @@ def test_attempts_spend_the_retry_budget_once_per_retry():
     assert not Attempts(0).retry("worker_503")
     a.tried_on(W1), a.tried_on(W1), a.tried_on(W2)
     assert a.tried == [W1, W2]
+
+
+def test_a_failure_of_another_worker_moves_the_exclusion_to_it():
+    a = Attempts(2)
+    a.tried_on(W1)
+    a.failed_elsewhere(W1, "w-prefill")  # W1's decode leg was stopped by its prefill's failure
+    assert a.tried == ["w-prefill"]
+    a.tried_on(W1)
+    a.failed_elsewhere(W1, "")  # W1's own failure: it stays excluded
+    a.failed_elsewhere(W1, W1)
+    assert a.tried == ["w-prefill", W1]
 
 
 def test_request_max_retries_flag_and_env(monkeypatch):
@@ -352,6 +364,31 @@ async def test_exhausted_retries_return_the_last_error(start_frontend, multi):
         assert err["message"] == "worker-agent stopping" and err["type"] == "service_unavailable_error"
         assert multi.placed == [W1, W2]
         assert [r.exclude for r in multi.routed] == [[], [W1]]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_decode_leg_stopped_by_its_prefills_failure_is_retried_without_that_prefill_worker(
+        start_frontend, multi, stream):
+    """A disaggregated pair's prefill engine died: the router stopped the decode leg (W1) naming the
+    prefill worker. The retry must avoid the prefill worker, not W1 (the only decode worker of an
+    xP1D fleet: excluding it left nothing to retry on)."""
+    fe = await start_frontend(request_max_retries=1)
+    seen: list[str] = []
+
+    async def prefill_failed_once(f, req):
+        seen.append(req.request_id)
+        if len(seen) == 1:
+            await f.frame(req, Frame(kind="error", status=502, failed_worker="w-prefill-1",
+                                     message="the prefill leg of this disaggregated request failed on worker "
+                                             "w-prefill-1: its worker left"))
+        else:
+            await script_ok(f, req)
+
+    multi.scripts[W1] = prefill_failed_once
+    status, _, raw = await post(fe, chat_body(stream=stream))
+    assert status == 200
+    assert multi.placed == [W1, W1]
+    assert [r.exclude for r in multi.routed] == [[], ["w-prefill-1"]]
 
 
 async def test_two_retries_exclude_every_worker_tried(start_frontend, multi):

@@ -30,6 +30,7 @@ async def cancels(bench, wid: str) -> list:
         cancel = decode(Cancel, msg.data)
         got.append(cancel.request_id)
         bench.cancel_statuses = [*getattr(bench, "cancel_statuses", []), (cancel.status, cancel.message)]
+        bench.cancel_failed = [*getattr(bench, "cancel_failed", []), cancel.failed_worker]
 
     await bench.nc.subscribe(cancel_subject(wid), cb=on)
     await flush_all(bench.nc)
@@ -102,6 +103,7 @@ async def test_a_failed_prefill_drain_cancels_the_decode_leg(bench):
     await eventually(lambda: stopped == ["q1"])
     # the client reads the decode leg: it must see a server failure, not its own cancellation
     assert bench.cancel_statuses == [(502, "the prefill leg of this disaggregated request failed on worker p1: boom")]
+    assert bench.cancel_failed == ["p1"]  # the requester's retry avoids p1, not d1
     assert bench.leases("p1") == 0  # the failed prefill is released at once
     assert bench.metric("infera_router_pd_leg_failures_total", leg="prefill") == 1
 
@@ -155,6 +157,47 @@ async def test_vllm_pairs_send_the_decode_only_after_the_prefill_answered(bench)
     params = body(dec)["kv_transfer_params"]
     assert params["remote_engine_id"] == "e-p1" and params["remote_bootstrap_addr"] == "http://10.1.1.1:8998"
     assert params["transfer_id"] == body(pre)["kv_transfer_params"]["transfer_id"] and body(dec)["max_tokens"] == 9
+
+
+@pytest.mark.parametrize("status", [502, 503, 429])
+async def test_a_vllm_prefill_that_fails_is_tried_on_the_next_prefill_worker(bench, status):
+    """Nothing was handed over to a decode yet: the router tries the model's other prefill worker
+    instead of failing the request (the requester cannot retry a router's refusal)."""
+    vllm = PdParams(protocol="vllm-mooncake", bootstrap_host="10.1.1.1", bootstrap_port=8998, engine_id="e-p")
+    await bench.worker("p1", role=Role.PREFILL, pd=vllm)
+    await bench.worker("p2", role=Role.PREFILL, pd=vllm)
+    await bench.worker("d1", role=Role.DECODE, pd=vllm)
+    pending = asyncio.create_task(bench.route(request_id="q1", prompt_tokens=10, body=b'{"prompt": "hi"}'))
+    answers = [Frame(kind="error", seq=0, status=status, message="engine gone"),
+               Frame(kind="head", seq=0, status=200, body=b"{}", final=True)]
+    tried = []
+    for answer in answers:
+        got = []
+        for _ in range(20):  # each pull waits up to 0.5 s
+            if got:
+                break
+            for wid in ("p1", "p2"):
+                if wid not in tried and (envs := await bench.pull(wid)):
+                    got = [(wid, envs[0])]
+                    break
+        wid, pre = got[0]
+        tried.append(wid)
+        await bench.nc.publish(pre.reply_subject, encode(answer))
+    reply = await pending
+    assert reply.status == 200 and reply.worker_id == "d1"
+    assert sorted(tried) == ["p1", "p2"]
+    await eventually(lambda: bench.leases(tried[0]) == 0)  # the failed prefill's lease is released
+
+
+async def test_a_vllm_prefill_failing_on_every_prefill_worker_gives_the_last_failure(bench):
+    vllm = PdParams(protocol="vllm-mooncake", bootstrap_host="10.1.1.1", bootstrap_port=8998, engine_id="e-p1")
+    await pd_fleet(bench, vllm)
+    pending = asyncio.create_task(bench.route(request_id="q1", prompt_tokens=10, body=b'{"prompt": "hi"}'))
+    [pre] = await bench.pull("p1")
+    await bench.nc.publish(pre.reply_subject, encode(Frame(kind="error", seq=0, status=503, message="draining")))
+    reply = await pending
+    assert reply.status == 503 and reply.message == "prefill worker p1 failed: draining"
+    assert bench.leases("d1") == 0
 
 
 async def test_a_long_vllm_prefill_keeps_its_requester_waiting_up_to_its_upstream_timeout(bench):

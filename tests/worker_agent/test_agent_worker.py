@@ -46,14 +46,14 @@ class Harness:
         await self.nc.subscribe(router_prefilled_subject(ROUTER), cb=on_prefilled)
 
     async def submit(self, body: dict, *, stream: bool = True, deadline_in: float = 30.0, rid: str | None = None,
-                     keepalive: float | None = None):
+                     keepalive: float | None = None, lease: str | None = None):
         """Publish an envelope; returns (request_id, frame subscription)."""
         self._n += 1
         rid = rid or f"req-{self._n}"
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
         env = WorkEnvelope(request_id=rid, endpoint="/v1/completions", body=json.dumps(body).encode(), stream=stream,
-                           reply_subject=inbox, deadline=time.time() + deadline_in, lease_id=f"lease-{rid}",
+                           reply_subject=inbox, deadline=time.time() + deadline_in, lease_id=lease or f"lease-{rid}",
                            router_id=ROUTER, keepalive=keepalive)
         await self.js.publish(work_subject(WID), encode(env))
         return rid, sub
@@ -171,6 +171,40 @@ async def test_cancel_before_the_envelope_drops_it(h):
     assert h.engine.requests == []
 
 
+async def test_a_cancel_for_a_failure_elsewhere_before_the_envelope_answers_it_with_that_failure(h):
+    """A disaggregated pair's prefill refused or failed before the decode leg's envelope was read: the
+    requester gets the prefill's failure (and the worker to avoid), not 499 'cancelled'."""
+    why = "the prefill leg of this disaggregated request failed on worker w-p: engine gone"
+    await h.nc.publish(cancel_subject(WID), encode(Cancel(request_id="early", status=502, message=why,
+                                                         failed_worker="w-p")))
+    await h.nc.flush()
+    await asyncio.sleep(0.1)
+    rid, sub = await h.submit({"mode": "json"}, stream=False, rid="early")
+    [frame] = await h.frames(sub)
+    assert (frame.kind, frame.status, frame.message, frame.failed_worker) == ("error", 502, why, "w-p")
+    assert [r.outcome for r in await h.released("lease-early")] == ["cancelled"]
+    assert h.engine.requests == []
+
+
+async def test_a_cancel_naming_a_lease_spares_a_retry_of_the_request_under_another_lease(h):
+    """The decode leg of a pair was stopped (its prefill failed) and the request is retried with a new
+    pair on the same decode worker: the retry runs; only the stopped lease is refused or stopped."""
+    stop = Cancel(request_id="again", status=502, message="prefill failed", failed_worker="w-p", lease_id="lease-1")
+    await h.nc.publish(cancel_subject(WID), encode(stop))
+    await h.nc.flush()
+    await asyncio.sleep(0.1)
+    _, late = await h.submit({"mode": "json"}, stream=False, rid="again", lease="lease-1")
+    assert [(f.kind, f.status) for f in await h.frames(late)] == [("error", 502)]  # the stopped attempt
+    _, retry = await h.submit({"stream": True, "mode": "hang", "events": 1}, rid="again", lease="lease-2")
+    assert [decode(Frame, (await retry.next_msg(timeout=5)).data).kind for _ in range(2)] == ["head", "data"]
+    await h.nc.publish(cancel_subject(WID), encode(stop))  # a copy of the first cancel: still not this one
+    await h.nc.flush()
+    await asyncio.sleep(0.2)
+    assert h.worker.in_flight == 1
+    await h.nc.publish(cancel_subject(WID), encode(Cancel(request_id="again", lease_id="lease-2")))
+    assert [(f.kind, f.status) for f in await h.frames(retry)] == [("error", 499)]
+
+
 async def test_cancel_in_flight_closes_the_engine_connection_and_aborts(h):
     rid, sub = await h.submit({"stream": True, "mode": "hang", "events": 1})
     first = [decode(Frame, (await sub.next_msg(timeout=5)).data) for _ in range(2)]
@@ -192,8 +226,10 @@ async def test_a_cancel_for_a_failure_elsewhere_reaches_the_requester_as_that_fa
     rid, sub = await h.submit({"stream": True, "mode": "hang", "events": 1})
     [decode(Frame, (await sub.next_msg(timeout=5)).data) for _ in range(2)]
     why = "the prefill leg of this disaggregated request failed"
-    await h.nc.publish(cancel_subject(WID), encode(Cancel(request_id=rid, status=502, message=why)))
-    assert [(f.kind, f.status, f.message) for f in await h.frames(sub)] == [("error", 502, why)]
+    stop = Cancel(request_id=rid, status=502, message=why, failed_worker="w-p")
+    await h.nc.publish(cancel_subject(WID), encode(stop))
+    assert [(f.kind, f.status, f.message, f.failed_worker) for f in await h.frames(sub)] == [
+        ("error", 502, why, "w-p")]
     assert [r.outcome for r in await h.released(f"lease-{rid}")] == ["cancelled"]  # not this worker's fault
 
 

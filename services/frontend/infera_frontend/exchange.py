@@ -48,7 +48,7 @@ def frame_error(frame: FrameWire) -> ApiError:
     message = frame.message or f"upstream error (status {frame.status})"
     reason = worker_error_reason(status)
     if reason is not None:
-        return RetryableError(status, message, reason=reason)
+        return RetryableError(status, message, reason=reason, failed_worker=frame.failed_worker)
     return ApiError(status, message)
 
 
@@ -156,7 +156,7 @@ class Exchange:
         """Tell the worker to abort this request (at most once; nothing once the response ended)."""
         if not self._cancelled and not self.done:
             self._cancelled = True
-            self._relay.publish_cancel(self.worker_id, self.request_id, reason)
+            self._relay.publish_cancel(self.worker_id, self.request_id, reason, self.lease[0] if self.lease else "")
 
     async def _next(self) -> FrameWire:
         """The next frame in number order (``error`` frames at once; ``alive`` frames only restart the

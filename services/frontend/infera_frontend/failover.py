@@ -41,11 +41,14 @@ SENDER_GONE = "sender_gone"  # the process sending the request's frames left the
 
 
 class RetryableError(ApiError):
-    """A failure that another attempt on another worker may not meet; ``reason`` labels it."""
+    """A failure that another attempt on another worker may not meet; ``reason`` labels it.
+    ``failed_worker`` names the worker at fault when it is not the one the attempt was placed on
+    (the prefill worker of a disaggregated pair, whose failure stopped the decode leg)."""
 
-    def __init__(self, status: int, message: str, *, reason: str, **kw) -> None:
+    def __init__(self, status: int, message: str, *, reason: str, failed_worker: str = "", **kw) -> None:
         super().__init__(status, message, **kw)
         self.reason = reason
+        self.failed_worker = failed_worker
 
 
 def worker_error_reason(status: int) -> str | None:
@@ -75,6 +78,14 @@ class Attempts:
     def tried_on(self, worker_id: str) -> None:
         if worker_id not in self.tried:
             self.tried.append(worker_id)
+
+    def failed_elsewhere(self, worker_id: str, failed_worker: str) -> None:
+        """The attempt on ``worker_id`` failed for ``failed_worker``'s fault (a disaggregated pair's
+        prefill): the retry avoids that worker, and may go to ``worker_id`` again."""
+        if failed_worker and failed_worker != worker_id:
+            if worker_id in self.tried:
+                self.tried.remove(worker_id)
+            self.tried_on(failed_worker)
 
     def retry(self, reason: str | None) -> bool:
         """True (and one retry spent) when a failure with ``reason`` gets another attempt."""

@@ -119,6 +119,7 @@ class Pipeline:
                 ex.close()
                 reason = retry_reason(err)
                 if attempts.retry(reason):
+                    attempts.failed_elsewhere(ex.worker_id, getattr(err, "failed_worker", ""))
                     ex.cancel("retry")  # nothing when the worker already ended the attempt
                     self._retrying(request_id, ex.worker_id, err.status, reason)
                     failed = err

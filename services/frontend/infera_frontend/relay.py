@@ -143,16 +143,16 @@ class Relay:
                                  "KV-aware routing hashes the wrong ids; logged once per worker, counted always")
         return True
 
-    def publish_cancel(self, worker_id: str, request_id: str, reason: str) -> None:
+    def publish_cancel(self, worker_id: str, request_id: str, reason: str, lease_id: str = "") -> None:
         self.metrics.cancels.labels(reason).inc()
-        self.spawn(self._publish_cancel(worker_id, request_id, reason))
+        self.spawn(self._publish_cancel(worker_id, request_id, reason, lease_id))
 
-    async def _publish_cancel(self, worker_id: str, request_id: str, reason: str) -> None:
+    async def _publish_cancel(self, worker_id: str, request_id: str, reason: str, lease_id: str) -> None:
         if reason == UPSTREAM_TIMEOUT:  # the worker's fault: its router's circuit breaker counts it
-            cancel = Cancel(request_id=request_id, status=504, worker_fault=True,
+            cancel = Cancel(request_id=request_id, status=504, worker_fault=True, lease_id=lease_id,
                             message=f"nothing from the worker for {self.upstream_timeout:g}s")
         else:
-            cancel = Cancel(request_id=request_id)
+            cancel = Cancel(request_id=request_id, lease_id=lease_id)
         try:
             await self._nc.publish(cancel_subject(worker_id), encode(cancel))
             await self._nc.flush(timeout=2)
@@ -396,4 +396,4 @@ class Relay:
         finally:
             self.inbox.release(subject)
         if reply.status == 200 and reply.worker_id:
-            self.publish_cancel(reply.worker_id, request_id, "client_disconnect")
+            self.publish_cancel(reply.worker_id, request_id, "client_disconnect", reply.lease_id or "")

@@ -39,6 +39,11 @@ from infera_router.state import WorkerState
 
 log = get_logger("router.pd")
 
+#: A sequential pair's prefill answer with one of these statuses (engine overloaded, gone or
+#: draining) is tried on the model's next prefill worker: nothing was handed over to a decode yet.
+#: Not 504: that prefill has taken the requester's whole upstream timeout already.
+RETRIED_PREFILL_STATUSES = frozenset({429, 502, 503})
+
 Reply = Callable[[int, str, str | None, str | None], Awaitable[None]]  # status, message, worker, lease
 
 
@@ -80,7 +85,11 @@ class PdFlow:
                         "per request): send one request per sequence", None, None)
             return
         full = 0
+        failed: tuple[int, str] | None = None  # the last prefill leg that failed where another worker may not
+        failed_workers: set[str] = set()
         for i, prefill in enumerate(plan.order):
+            if prefill.base_id in failed_workers:  # another DP rank of a worker whose prefill just failed
+                continue
             pd = prefill.record.pd
             protocol = PROTOCOLS.get(pd.protocol) if pd is not None else None
             if protocol is None:
@@ -113,15 +122,22 @@ class PdFlow:
             if waiter is not None:
                 drained = await self._await_prefill(lease, waiter, request)
                 if not drained.ok:
-                    await reply(drained.status, f"prefill worker {prefill.base_id} failed: {drained.message}",
-                                None, None)
+                    failed = (drained.status, f"prefill worker {prefill.base_id} failed: {drained.message}")
+                    if drained.status in RETRIED_PREFILL_STATUSES:  # nothing was handed over: try the next
+                        failed_workers.add(prefill.base_id)
+                        log.info("pd_prefill_retried", request_id=request.request_id, failed_worker=prefill.base_id,
+                                 status=drained.status)
+                        continue
+                    await reply(*failed, None, None)
                     return
             def decode_body(decode: WorkerState) -> bytes:
                 return json.dumps(protocol.decode_body(body, prefill, decode, ctx)).encode()
 
             await self._send_decode(request, plan, lease, decode_body, reply)
             return
-        if full:
+        if failed is not None:
+            await reply(*failed, None, None)
+        elif full:
             await reply(429, f"all prefill workers of model {request.model!r} are at their pending limit", None, None)
         else:
             await reply(503, f"no prefill worker of model {request.model!r} could take the request", None, None)
@@ -244,9 +260,10 @@ class PdFlow:
             else:
                 self._metrics.pd_legs_cancelled.inc()
                 try:
-                    cancel = (Cancel(request_id=action.request_id, status=action.status, message=action.why)
+                    cancel = (Cancel(request_id=action.request_id, status=action.status, message=action.why,
+                                     failed_worker=action.failed_worker, lease_id=action.lease_id)
                               if action.why
-                              else Cancel(request_id=action.request_id))
+                              else Cancel(request_id=action.request_id, lease_id=action.lease_id))
                     await self._nc.publish(cancel_subject(action.worker_id), encode(cancel))
                 except Exception as exc:  # connection gone: the leg ends by its deadline
                     log.warning("pd_cancel_failed", worker_id=action.worker_id, error=str(exc))

@@ -32,6 +32,7 @@ class Action:
     outcome: str | None = None  # release: how the leg ended, when known ("error" invalidates its session pin)
     why: str = ""  # cancel: set when the leg is stopped because the other one failed (the client sees it)
     status: int = 502  # cancel with ``why``: the status the client gets (the other leg's own 4xx, or 502)
+    failed_worker: str = ""  # cancel with ``why``: the worker of the leg that failed (a retry avoids it)
 
 
 @dataclass(slots=True)
@@ -135,13 +136,13 @@ class PdPairs:
             if pair is None:
                 continue
             answered = pair.prefill.lease_id == lease_id and pair.prefill.ended
-            for leg in (pair.prefill, pair.decode):
-                if leg is not None and leg.lease_id == lease_id:
-                    leg.ended = leg.released = True
+            gone = pair.prefill if pair.prefill.lease_id == lease_id else pair.decode
+            if gone is not None:
+                gone.ended = gone.released = True
             if answered and pair.decode is not None and not pair.decode.ended:
                 self._by_lease.pop(lease_id, None)  # the pair ends with its decode leg
                 continue
-            actions += self._fail(pair, failed=None)
+            actions += self._fail(pair, failed=gone, detail="its worker left")
         return actions
 
     # --- queries ---------------------------------------------------------------------------
@@ -170,15 +171,16 @@ class PdPairs:
                     on = f" on worker {failed.worker_id}" if failed is not None else ""
                     why = f"the {other} leg of this disaggregated request failed{on}"
                     why += f": {detail}" if detail else ""
-                actions += self._stop(pair, leg, why, status)
+                actions += self._stop(pair, leg, why, status, failed.worker_id if failed is not None else "")
             else:
                 actions += self._release(pair, leg, outcome if leg is failed else None)
         self._forget(pair)
         return actions
 
-    def _stop(self, pair: Pair, leg: Leg, why: str = "", status: int = 502) -> list[Action]:
+    def _stop(self, pair: Pair, leg: Leg, why: str = "", status: int = 502, failed_worker: str = "") -> list[Action]:
         leg.ended = True
-        return [Action("cancel", leg.lease_id, leg.worker_id, pair.request_id, why=why, status=status),
+        return [Action("cancel", leg.lease_id, leg.worker_id, pair.request_id, why=why, status=status,
+                       failed_worker=failed_worker),
                 *self._release(pair, leg)]
 
     @staticmethod
