@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -171,5 +172,27 @@ def test_answers_in_flight_across_a_broker_restart_arrive_whole(tmp_path, transp
         assert _frontend_metric(fleet.url, "infera_frontend_frames_replayed_total") >= 1  # the outage did cost frames
         assert _frontend_metric(fleet.url, "infera_frontend_frames_lost_total") == 0
         assert all(p.poll() is None for p in fleet.procs), fleet.logs()
+    finally:
+        fleet.stop()
+
+
+def test_prompts_cached_before_an_outage_longer_than_the_discovery_ttl_still_find_their_cache(tmp_path):
+    """Every watcher ages the workers out while the broker is gone (TTL 3 s, outage 8 s) and lists them
+    again after: their engines kept their caches, and blocks stored before the outage are never
+    announced again. The index kept them (it dropped them, and those prompts went anywhere)."""
+    fleet = ManualFleet(tmp_path).start()
+    try:
+        prompts = [" ".join(f"o{i}x{j}" for j in range(300)) for i in range(6)]
+        for prompt in prompts:
+            assert _chat(fleet.url, prompt)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        workers = _active_workers(fleet.url)
+        os.kill(fleet.nats.pid, signal.SIGKILL)
+        fleet.nats.wait()
+        time.sleep(8)
+        fleet.start_nats("store")
+        wait_for(lambda: _chat(fleet.url)[0] == 200, 20, "a request answered after the restart")
+        wait_for(lambda: _active_workers(fleet.url) == workers, 10, "both workers listed again")
+        cached = [_chat(fleet.url, prompt)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] for prompt in prompts]
+        assert all(c >= 1024 for c in cached), (cached, fleet.logs())
     finally:
         fleet.stop()

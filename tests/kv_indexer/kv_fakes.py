@@ -112,10 +112,12 @@ def query(tokens: list[int], block_sizes=(4,), model: str = MODEL, workers: list
     return OverlapQuery(model=model, hashes={bs: block_hashes(tokens, bs) for bs in block_sizes}, workers=workers)
 
 
-def record(worker_id: str, model: str = MODEL, block_size: int = 4, dp_size: int = 1) -> WorkerRecord:
+def record(worker_id: str, model: str = MODEL, block_size: int = 4, dp_size: int = 1,
+           started_at: float | None = None) -> WorkerRecord:
+    extra = {} if started_at is None else {"started_at": started_at}
     return WorkerRecord(worker_id=worker_id, model=model, engine="mock", url="http://127.0.0.1:1",
                         advertise_host="127.0.0.1", kv_block_size=block_size, dp_size=dp_size,
-                        status=WorkerStatus.ACTIVE)
+                        status=WorkerStatus.ACTIVE, **extra)
 
 
 def depths(reply) -> dict[tuple[str, int | None], int]:

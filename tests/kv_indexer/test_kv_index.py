@@ -166,20 +166,67 @@ def test_unseen_lists_the_models_workers_without_events_and_workers_filters():
     assert index.overlap(query(prompt, model="unknown")).overlaps == []
 
 
-def test_a_worker_leaving_discovery_disappears_at_once():
+def test_a_worker_leaving_discovery_disappears_at_once_and_its_blocks_go_after_the_grace():
     index = indexed("w1", "w2")
     e1, e2 = FakeEngine("w1"), FakeEngine("w2")
     prompt = tokens(8)
     feed(index, e1, e1.stored(prompt))
     feed(index, e2, e2.stored(prompt))
-    index.worker_left("w1")
+    index.worker_left("w1", now=1000.0)
     reply = index.overlap(query(prompt))
     assert depths(reply) == {("w2", 0): 2} and reply.unseen == []
+    assert index.held(MODEL) == [("w2", 0, 2)]
+    assert index.expire_unattached(now=1000.0 + 59, grace=60.0) == []  # the grace counts from the leave
+    assert index.expire_unattached(now=1000.0 + 61, grace=60.0) == ["w1"]
     assert index.worker_blocks("w1") == 0
 
 
+def test_a_worker_back_after_an_outage_with_the_same_engine_has_its_blocks_again():
+    """A broker outage longer than the discovery TTL: every worker left and came back, their engines'
+    caches intact. Blocks stored before it are never announced again: the index must still have them
+    (it forgot them, and the router sent those prompts anywhere)."""
+    index = KvIndex()
+    index.worker_joined("w1", MODEL, started_at=5.0)
+    engine = FakeEngine("w1")
+    old, during = tokens(8), tokens(8, start=5000)
+    feed(index, engine, engine.stored(old))
+    index.worker_left("w1", now=10.0)
+    feed(index, engine, engine.stored(during))  # relayed while it was out of discovery
+    index.worker_joined("w1", MODEL, started_at=5.0)
+    assert depths(index.overlap(query(old))) == depths(index.overlap(query(during))) == {("w1", 0): 2}
+
+
+def test_a_worker_back_with_a_restarted_engine_starts_empty():
+    index = KvIndex()
+    index.worker_joined("w1", MODEL, started_at=5.0)
+    engine = FakeEngine("w1")
+    old = tokens(8)
+    feed(index, engine, engine.stored(old))
+    index.worker_left("w1", now=10.0)
+    index.worker_joined("w1", MODEL, started_at=20.0)  # another start of the worker: an empty cache
+    assert depths(index.overlap(query(old))) == {}
+    fresh = FakeEngine("w1")
+    feed(index, fresh, fresh.stored(old))  # the new engine's seq starts again: not taken for a duplicate
+    assert depths(index.overlap(query(old))) == {("w1", 0): 2}
+
+
+def test_a_restarted_engine_whose_cleared_and_blocks_came_before_its_record_keeps_them():
+    """The new agent's ``cleared`` and first events can reach the indexer before its new record."""
+    index = KvIndex()
+    index.worker_joined("w1", MODEL, started_at=5.0)
+    old_engine, new_engine = FakeEngine("w1"), FakeEngine("w1")
+    old, new = tokens(8), tokens(8, start=7000)
+    feed(index, old_engine, old_engine.stored(old))
+    index.worker_left("w1", now=10.0)
+    index.clear("w1", None, 11.0)
+    feed(index, new_engine, new_engine.stored(new))
+    index.worker_joined("w1", MODEL, started_at=20.0)
+    assert depths(index.overlap(query(old))) == {}
+    assert depths(index.overlap(query(new))) == {("w1", 0): 2}
+
+
 @pytest.mark.parametrize("meanwhile", ["left", "cleared"])
-def test_a_raw_batch_still_being_applied_when_its_worker_left_or_was_cleared_changes_nothing(meanwhile):
+def test_a_raw_batch_still_being_applied_when_its_worker_left_or_was_cleared_changes_no_answer(meanwhile):
     """The ZMQ path applies a batch in slices: discovery may drop the worker, or its engine restart
     clear it, before the batch's last slice."""
     index = indexed("w1")
@@ -188,11 +235,12 @@ def test_a_raw_batch_still_being_applied_when_its_worker_left_or_was_cleared_cha
     batch = decode_batch(engine.batch([engine.stored(prompt)]))
     raw = index.open_batch("w1", 0, 0, 0.0)
     raw.translator.apply(batch.events, into=raw.delta)
-    index.worker_left("w1") if meanwhile == "left" else index.clear("w1", None, 0.0)
+    index.worker_left("w1", 0.0) if meanwhile == "left" else index.clear("w1", None, 0.0)
     out = index.close_batch(raw)
-    assert out.applied == {"BlockStored": 1} and out.stored == 0
+    assert out.applied == {"BlockStored": 1}
     assert depths(index.overlap(query(prompt))) == {}
-    assert index.is_seen("w1") is (meanwhile == "cleared")  # a worker that left is not re-created
+    if meanwhile == "cleared":
+        assert out.stored == 0  # the batch belonged to the engine before the restart
 
 
 def test_events_before_the_discovery_record_attach_when_it_arrives_or_expire():
@@ -296,7 +344,7 @@ def test_overlap_equals_a_brute_force_walk_for_many_workers():
     got = {w: n for (w, _), n in depths(index.overlap(query(trunk))).items()}
     assert got == {w: n for w, n in held.items() if n}
     # a removed target's bit is reused without leaking its old blocks into the new owner
-    index.worker_left("w0")
+    index.worker_left("w0", 0.0)
     index.worker_joined("fresh", MODEL)
     fresh = FakeEngine("fresh")
     feed(index, fresh, fresh.stored(trunk[:4]))

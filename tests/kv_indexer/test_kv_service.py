@@ -93,6 +93,26 @@ async def test_a_worker_leaving_discovery_disappears_from_answers(bus):
     assert reply.unseen == []
 
 
+async def test_a_worker_back_in_discovery_is_answered_for_with_its_blocks_unless_its_engine_restarted(bus):
+    """A broker outage longer than the discovery TTL (or an agent stalled that long): the worker left
+    and came back with the same engine, whose cache never announces those blocks again."""
+    nc, _service, register, registrars = bus
+    await register("w1", started_at=100.0)
+    engine = FakeEngine("w1")
+    prompt = tokens(16)
+    await publish(nc, engine, engine.relay(engine.stored(prompt)))
+    await until(nc, query(prompt), lambda r: depths(r) == {("w1", 0): 4})
+    await registrars.pop("w1").stop()
+    await until(nc, query(prompt), lambda r: depths(r) == {})
+    await register("w1", started_at=100.0)
+    await until(nc, query(prompt), lambda r: depths(r) == {("w1", 0): 4})
+    await registrars.pop("w1").stop()
+    await until(nc, query(prompt), lambda r: depths(r) == {})
+    await register("w1", started_at=200.0)  # another engine under the same worker id
+    await until(nc, query(prompt), lambda r: r.unseen == ["w1"])
+    assert depths(await ask(nc, query(prompt))) == {}
+
+
 async def test_events_of_a_worker_registered_later_attach_to_its_model(bus):
     nc, _service, register, _ = bus
     late = FakeEngine("late")

@@ -3,9 +3,12 @@ copy of the index, against a real nats-server, with no kv-indexer at all."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from infera_common.discovery import Registrar
+from infera_common.kv_index.index import UNATTACHED_GRACE
 from infera_common.nats_conn import connect, ensure_kv_event_stream, ensure_request_stream
 from infera_common.schemas import RouteReply, decode, encode
 from infera_common.settings import parse_cli
@@ -89,7 +92,7 @@ async def test_history_replayed_at_start_and_events_followed_after_decide_the_pi
     assert queries == []  # no kv-indexer was asked
 
 
-async def test_a_worker_leaving_discovery_takes_its_blocks_with_it(fleet):
+async def test_a_worker_leaving_discovery_leaves_the_answers_and_its_blocks_go_after_the_grace(fleet):
     nc, router, regs, _ = fleet
     b = FakeEngine("b")
     await nc.jetstream().publish(b.subject, b.relay(b.stored(CHAT_B)))
@@ -97,8 +100,10 @@ async def test_a_worker_leaving_discovery_takes_its_blocks_with_it(fleet):
     assert (await route(nc, "r1", CHAT_B)).worker_id == "b"
     await regs.pop("b").stop()
     await eventually(lambda: len(r.core.fleet.active(MODEL)) == 1)
-    assert r._local_kv is not None and r._local_kv.index.worker_blocks("b") == 0
     assert (await route(nc, "r2", CHAT_B)).worker_id == "a"
+    assert r._local_kv is not None and r._local_kv.index.held(MODEL, ["b"]) == []
+    assert r._local_kv.index.worker_blocks("b") > 0  # kept, should it come back with its cache
+    assert r._local_kv.index.expire_unattached(time.time() + UNATTACHED_GRACE + 1, UNATTACHED_GRACE) == ["b"]
 
 
 async def test_a_malformed_stream_message_is_counted_and_the_router_keeps_routing(fleet):

@@ -13,8 +13,15 @@ first (``apply_batch``): the map engine hash -> index hash lives there.
 A worker's model comes from discovery (``worker_joined``). Changes of a worker not in discovery
 are applied to its own sets all the same, just not published in any model's index; when its
 record arrives the blocks are attached to the model's index at once. Such an unattached worker is
-forgotten after a grace period without events (``expire_unattached``): it is typically a worker
-that left before the indexer (re)started, whose old events came back with the stream's replay.
+forgotten after a grace period without events (``expire_unattached``): a worker that left before
+the indexer (re)started, whose old events came back with the stream's replay; or a worker that
+left discovery (``worker_left``): it leaves every model's index at once, but its blocks are kept,
+unattached, for the grace period from its leave. Its engine may well have kept its cache: a broker
+outage longer than the discovery TTL, or an agent stalled that long, makes every such worker leave
+and come back, and blocks stored before are never announced again. A worker that comes back with
+another engine start (its record's ``started_at``) has the kept blocks dropped first, unless they
+were cleared since (the new engine's ``cleared`` came before its record): those are the new
+engine's.
 """
 
 from __future__ import annotations
@@ -27,6 +34,12 @@ from infera_common.kv_wire import EventBatch
 from infera_common.schemas import OverlapQuery, OverlapReply, WorkerOverlap
 
 from infera_common.kv_index.prefix import PrefixIndex, Target
+
+
+#: Seconds a worker not in discovery keeps its blocks after its last event or its leave: long enough
+#: for a broker or etcd outage, or a stalled agent, to end and the worker to come back (its engine
+#: kept its cache); the memory of a worker that never comes back is given back after it.
+UNATTACHED_GRACE = 600.0
 
 
 @dataclass(slots=True)
@@ -67,13 +80,14 @@ class _Target:
 
 
 class _Worker:
-    __slots__ = ("worker_id", "model", "targets", "last_event")
+    __slots__ = ("worker_id", "model", "targets", "last_event", "started_at")
 
-    def __init__(self, worker_id: str, model: str | None, now: float) -> None:
+    def __init__(self, worker_id: str, model: str | None, now: float, started_at: float | None = None) -> None:
         self.worker_id = worker_id
         self.model = model
         self.targets: dict[int, _Target] = {}
         self.last_event = now
+        self.started_at = started_at  # the engine start the blocks belong to (None: not known)
 
 
 class KvIndex:
@@ -82,12 +96,25 @@ class KvIndex:
         self._fleet: dict[str, str] = {}  # discovery: worker -> model
         self._by_model: dict[str, set[str]] = {}  # discovery: model -> workers
         self._models: dict[str, PrefixIndex] = {}
-        self._index_sizes: dict[str, int] = {}  # discovery: worker -> its index block size, when pages fold
+        self._index_sizes: dict[str, int] = {}  # worker -> its index block size, when pages fold
+        self._started: dict[str, float] = {}  # discovery: worker -> its record's started_at
 
     # --- discovery ----------------------------------------------------------------------------
-    def worker_joined(self, worker_id: str, model: str, index_size: int | None = None) -> None:
+    def worker_joined(self, worker_id: str, model: str, index_size: int | None = None,
+                      started_at: float | None = None) -> None:
         """A discovery record arrived (join or update); ``index_size`` is the record's
-        ``kv_index_block_size``, at which raw engine batches of the worker are translated."""
+        ``kv_index_block_size``, at which raw engine batches of the worker are translated;
+        ``started_at`` its engine start (blocks kept from another start of a worker that had left
+        are dropped)."""
+        kept = self._workers.get(worker_id)
+        if (kept is not None and worker_id not in self._fleet and started_at is not None
+                and kept.started_at is not None and kept.started_at != started_at):
+            self._forget(worker_id)  # it left, and came back with a restarted engine
+        if started_at is not None:
+            self._started[worker_id] = started_at
+            worker = self._workers.get(worker_id)
+            if worker is not None:
+                worker.started_at = started_at
         if self._index_sizes.get(worker_id) != index_size:
             self._set_index_size(worker_id, index_size)
         old = self._fleet.get(worker_id)
@@ -112,24 +139,36 @@ class KvIndex:
         if worker is not None and any(t.translator is not None for t in worker.targets.values()):
             self._drop_targets(worker, list(worker.targets))  # translated at the old size: never matched again
 
-    def worker_left(self, worker_id: str) -> None:
-        """The worker left discovery: forget it and every block it held."""
-        self._index_sizes.pop(worker_id, None)
+    def worker_left(self, worker_id: str, now: float) -> None:
+        """The worker left discovery: no answer names it from now on; its blocks are kept, unattached,
+        until ``expire_unattached``'s grace has passed from ``now`` (see the module doc)."""
+        self._started.pop(worker_id, None)
         model = self._fleet.pop(worker_id, None)
         if model is not None:
             self._by_model[model].discard(worker_id)
             if not self._by_model[model]:
                 del self._by_model[model]
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            self._index_sizes.pop(worker_id, None)
+            return
+        self._detach(worker)
+        worker.model = None
+        worker.last_event = now
+
+    def expire_unattached(self, now: float, grace: float) -> list[str]:
+        """Forget workers not in discovery whose last event (or leave) is older than ``grace`` seconds."""
+        gone = [wid for wid, w in self._workers.items() if w.model is None and now - w.last_event > grace]
+        for wid in gone:
+            self._forget(wid)
+        return gone
+
+    def _forget(self, worker_id: str) -> None:
         worker = self._workers.pop(worker_id, None)
         if worker is not None:
             self._detach(worker)
-
-    def expire_unattached(self, now: float, grace: float) -> list[str]:
-        """Forget workers not in discovery whose last event is older than ``grace`` seconds."""
-        gone = [wid for wid, w in self._workers.items() if w.model is None and now - w.last_event > grace]
-        for wid in gone:
-            del self._workers[wid]
-        return gone
+        if worker_id not in self._fleet:
+            self._index_sizes.pop(worker_id, None)
 
     # --- changes ------------------------------------------------------------------------------
     def apply_batch(self, worker_id: str, dp_rank: int | None, seq: int, batch: EventBatch, now: float) -> Outcome:
@@ -186,6 +225,8 @@ class KvIndex:
         (every rank when ``dp_rank`` is None)."""
         worker = self._worker(worker_id, now)
         self._drop_targets(worker, list(worker.targets) if dp_rank is None else [dp_rank])
+        if dp_rank is None and worker_id not in self._fleet:
+            worker.started_at = None  # what comes next is the next start's, whichever its record says
 
     def _drop_targets(self, worker: _Worker, ranks: list[int]) -> None:
         prefix = self._models.get(worker.model) if worker.model is not None else None
@@ -242,7 +283,8 @@ class KvIndex:
     def _worker(self, worker_id: str, now: float) -> _Worker:
         worker = self._workers.get(worker_id)
         if worker is None:
-            worker = self._workers[worker_id] = _Worker(worker_id, self._fleet.get(worker_id), now)
+            worker = self._workers[worker_id] = _Worker(worker_id, self._fleet.get(worker_id), now,
+                                                        self._started.get(worker_id))
         worker.last_event = now
         return worker
 

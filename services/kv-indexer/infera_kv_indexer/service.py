@@ -150,12 +150,12 @@ class KvIndexerService:
         record = change.record
         if change.kind == "leave":
             self._zmq.on_leave(record.worker_id)
-            self.index.worker_left(record.worker_id)
+            self.index.worker_left(record.worker_id, time.time())
             self.metrics.forget_worker(record.worker_id)
             self._mismatch_warned.discard(record.worker_id)
             log.info("worker_left", worker_id=record.worker_id, model=record.model)
             return
-        self.index.worker_joined(record.worker_id, record.model, record.kv_index_block_size)
+        self.index.worker_joined(record.worker_id, record.model, record.kv_index_block_size, record.started_at)
         self._zmq.on_record(record)
         if (record.kv_event_transport == "nats" and not self.uses_stream
                 and record.worker_id not in self._mismatch_warned):

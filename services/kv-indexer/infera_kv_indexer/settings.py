@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from infera_common.kv_index.index import UNATTACHED_GRACE
 from infera_common.kv_zmq import REPLAY_TIMEOUT
 from infera_common.nats_conn import KV_EVENT_MAX_AGE, KV_EVENT_MAX_BYTES
 from infera_common.settings import LogSettings, PlaneSettings
@@ -25,9 +26,9 @@ class KvIndexerSettings(PlaneSettings, LogSettings):
         "--kv-event-transport nats).",
     )
     unattached_grace: float = Field(
-        60.0, gt=0,
-        description="Seconds a worker that is not in discovery keeps its indexed blocks after its last event "
-        "(waiting for its discovery record).",
+        UNATTACHED_GRACE, gt=0,
+        description="Seconds a worker that is not in discovery keeps its indexed blocks after its last event or "
+        "its leave (waiting for its discovery record, or for it to come back after an outage with the same engine).",
     )
     kv_replay_timeout: float = Field(
         REPLAY_TIMEOUT, gt=0, le=60,

@@ -17,7 +17,7 @@ from nats.js.client import JetStreamContext
 
 from infera_common.fleet import Change
 from infera_common.kv_index.held import HeldCache
-from infera_common.kv_index.index import KvIndex
+from infera_common.kv_index.index import UNATTACHED_GRACE, KvIndex
 from infera_common.kv_index.ingest import ingest
 from infera_common.kv_index.stream import StreamFollower
 from infera_common.logs import get_logger
@@ -29,9 +29,6 @@ from infera_router.state import WorkerState
 
 log = get_logger("router.kv_local")
 
-#: Seconds the blocks of a worker that discovery does not list are kept after its last event (the
-#: kv-indexer's ``--unattached-grace`` default): its record may still be on the way.
-UNATTACHED_GRACE = 60.0
 
 
 class LocalKvIndex:
@@ -62,9 +59,9 @@ class LocalKvIndex:
     def on_change(self, change: Change) -> None:
         record = change.record
         if change.kind == "leave":
-            self.index.worker_left(record.worker_id)
+            self.index.worker_left(record.worker_id, time.time())
         else:
-            self.index.worker_joined(record.worker_id, record.model, record.kv_index_block_size)
+            self.index.worker_joined(record.worker_id, record.model, record.kv_index_block_size, record.started_at)
 
     def expire(self) -> None:
         """Drop the blocks of workers discovery has not listed within ``UNATTACHED_GRACE``."""
