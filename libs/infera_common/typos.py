@@ -14,7 +14,11 @@ agent's flags (0.90 and up). A flag meant for the engine as written goes after `
 Environment. pydantic-settings ignores a variable no field names, so ``INFERA_ROUTER_POLCY=...``
 left the router on its default policy without a word. A variable with the program's prefix that
 is none of its settings but within ``CUTOFF`` of one (the part after the prefix, case ignored, as
-pydantic-settings reads names) is refused with the name it most likely meant. Variables of other
+pydantic-settings reads names), or one slip away from a short one, is refused with the name it
+most likely meant. One letter changed, added, dropped or swapped with its neighbour in a name of
+``n`` letters gives a ratio of at least (n - 1) / n: 0.75 for ``PORT`` or ``ROLE``, below
+``CUTOFF`` for every name under ten letters (``INFERA_ROEL``, ``INFERA_PROT`` went unnoticed until
+session 24); two slips in a short name stay below it. Variables of other
 Infera programs are left alone: one environment often serves a whole fleet (compose, ``infera
 up``), and a test checks that no program's variable comes within ``CUTOFF`` of another program's.
 """
@@ -30,6 +34,18 @@ CUTOFF = 0.9
 def _closest(name: str, known: Iterable[str]) -> str | None:
     found = difflib.get_close_matches(name, sorted(known), n=1, cutoff=CUTOFF)
     return found[0] if found else None
+
+
+def _one_slip(name: str, known: Iterable[str]) -> str | None:
+    """The closest of ``known`` that ``name`` is within ``CUTOFF`` of, or one slip away from."""
+    best, best_ratio = None, 0.0
+    matcher = difflib.SequenceMatcher(b=name)
+    for candidate in sorted(known):
+        matcher.set_seq1(candidate)
+        ratio = matcher.ratio()
+        if ratio >= min(CUTOFF, (len(candidate) - 1) / len(candidate)) and ratio > best_ratio:
+            best, best_ratio = candidate, ratio
+    return best
 
 
 def near_misses(engine_args: Iterable[str], agent_flags: Iterable[str]) -> list[str]:
@@ -57,7 +73,7 @@ def env_near_misses(environ: Iterable[str], known: Collection[str], prefix: str,
         upper = var.upper()
         if not upper.startswith(prefix) or upper in known:
             continue
-        meant = _closest(upper[len(prefix):], tails)
+        meant = _one_slip(upper[len(prefix):], tails)
         if meant:
             problems.append(f"environment variable {var} is not a setting of {program}, and would be ignored: "
                             f"did you mean {tails[meant]}?")

@@ -35,6 +35,15 @@ def test_a_near_name_is_refused_with_the_name_meant_case_ignored():
     ]
 
 
+def test_one_slip_in_a_short_name_is_refused_and_two_are_not():
+    known = frozenset({"INFERA_PORT", "INFERA_ROLE", "INFERA_HOST", "INFERA_WORKERS", "INFERA_NATS_URL"})
+    environ = ["INFERA_PROT", "INFERA_ROEL", "INFERA_ROL", "INFERA_PORTS", "INFERA_WORKRES", "INFERA_NATS_ULR",
+               "INFERA_HOME", "INFERA_PTRO", "INFERA_RL"]
+    meant = [m.rsplit(" ", 1)[-1] for m in env_near_misses(environ, known, ENV_PREFIX, "svc")]
+    assert meant == ["INFERA_PORT?", "INFERA_ROLE?", "INFERA_ROLE?", "INFERA_PORT?", "INFERA_WORKERS?",
+                     "INFERA_NATS_URL?"]
+
+
 def test_names_far_from_every_setting_and_other_prefixes_are_left_alone():
     environ = ["INFERA_KV_EVENTS_STREAM_X", "INFERA_SOMETHING_ELSE", "ROUTER_POLICY", "XINFERA_ROUTER_POLICY",
                "infera_port"]
