@@ -60,9 +60,13 @@ def test_defaults_flags_and_refusals(capsys):
     assert (settings.metrics_port, settings.kv_event_max_age, settings.kv_event_max_bytes) == (9300, 3600.0, 1 << 30)
     zmq, _ = parse_cli(KvIndexerSettings, ["--kv-event-transport", "zmq"], prog="infera-kv-indexer")
     assert zmq.kv_replay_timeout == 3.0
-    with pytest.raises(SystemExit) as exc:
-        main(["--kv-event-max-age", "0"])
-    assert exc.value.code == 2 and "--kv-event-max-age" in capsys.readouterr().err
+    # values that would make the shared stream keep next to nothing are refused, naming the flag
+    for flag, value in (("--kv-event-max-age", "0"), ("--kv-event-max-age", "3"), ("--kv-event-max-age", "0.001"),
+                        ("--kv-event-max-bytes", "10")):
+        with pytest.raises(SystemExit) as exc:
+            main([flag, value])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and flag in err and ("60" in err or "1048576" in err), err
 
 
 async def test_sigterm_while_waiting_for_nats_stops_at_once(subprocess_env):

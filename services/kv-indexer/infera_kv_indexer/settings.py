@@ -11,19 +11,26 @@ from infera_common.nats_conn import KV_EVENT_MAX_AGE, KV_EVENT_MAX_BYTES
 from infera_common.settings import LogSettings, PlaneSettings
 
 
+MIN_KV_EVENT_MAX_AGE = 60.0
+MIN_KV_EVENT_MAX_BYTES = 1 << 20
+
+
 class KvIndexerSettings(PlaneSettings, LogSettings):
 
     metrics_host: str = Field("127.0.0.1", description="Address the /metrics HTTP endpoint binds.")
     metrics_port: int = Field(9300, ge=0, le=65535, description="Port of /metrics (0 = any free port, logged).")
+    # Floors: the stream is shared by every indexer and local-index router, and these are applied to it
+    # at start; below them a restart replays next to nothing, and 10 bytes kept no event at all, with
+    # kv-aware routing blind and nothing said (runbook audit)
     kv_event_max_age: float = Field(
-        KV_EVENT_MAX_AGE, gt=0,
-        description="Seconds the KV event stream keeps events: how far back a restarted indexer replays "
-        "(applied to the stream at start; --kv-event-transport nats).",
+        KV_EVENT_MAX_AGE, ge=MIN_KV_EVENT_MAX_AGE,
+        description=f"Seconds the KV event stream keeps events: how far back a restarted indexer replays "
+        f"(at least {MIN_KV_EVENT_MAX_AGE:g}; applied to the shared stream at start; --kv-event-transport nats).",
     )
     kv_event_max_bytes: int = Field(
-        KV_EVENT_MAX_BYTES, gt=0,
-        description="Bytes the KV event stream keeps, oldest discarded first (applied to the stream at start; "
-        "--kv-event-transport nats).",
+        KV_EVENT_MAX_BYTES, ge=MIN_KV_EVENT_MAX_BYTES,
+        description=f"Bytes the KV event stream keeps, oldest discarded first (at least {MIN_KV_EVENT_MAX_BYTES}, "
+        "1 MiB; applied to the shared stream at start; --kv-event-transport nats).",
     )
     unattached_grace: float = Field(
         UNATTACHED_GRACE, gt=0,
