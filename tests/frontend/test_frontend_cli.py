@@ -82,3 +82,18 @@ def test_no_nats_fails_with_a_clear_message(subprocess_env):
         capture_output=True, text=True, timeout=60, env=subprocess_env,
     )
     assert out.returncode == 1 and "cannot reach NATS" in out.stderr
+
+
+def test_a_port_in_use_fails_at_once_naming_the_flag_to_change(nats_server, subprocess_env):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "infera_frontend", "--nats-url", nats_server, "--port", str(port)],
+            capture_output=True, text=True, timeout=60, env=subprocess_env,
+        )
+    assert out.returncode == 1
+    assert f"--port {port}: cannot listen there" in out.stderr and "pass another --port" in out.stderr, out.stderr

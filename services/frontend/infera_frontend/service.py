@@ -102,7 +102,11 @@ class Frontend:
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, s.host, s.port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # a port in use, an address not on this host: name the flags to change
+            raise OSError(exc.errno, f"--host {s.host} --port {s.port}: cannot listen there "
+                                     f"({exc.strerror or exc}); pass another --port (0 = any free port) or --host") from exc
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         if s.enable_nats_api:
             self.nats_api = NatsApi(self.nc, pipeline, self.watcher.view, self.metrics)
