@@ -9,8 +9,8 @@ Ctrl-C or SIGTERM stops everything it started (each child runs in its own proces
 stopped TERM-then-KILL), leaving no process behind: the frontend (or server) first, which refuses
 new requests and drains its answers under way; then all workers together; then the rest. A
 nats-server, etcd, kv-indexer, router, frontend or server that exits is started again, with the
-same command line, ports and store (at most ``RESTARTS`` times each within ``RESTART_WINDOW``
-seconds; the services ride out the outage and restore their state from the bus and etcd); a worker
+same command line, ports and store (at most 5 times each within 10 minutes; the services ride
+out the outage and restore their state from the bus and etcd); a worker
 that exits leaves the fleet (its engine's cold start is the operator's call).
 """
 
@@ -187,11 +187,12 @@ def main(argv: list[str]) -> int:
                     _tail(logs / f"{front}.log")
                     return 1
             running.append((spec.name, _spawn(spec, logs)))
-        if not _wait_ready(url, total, settings.ready_timeout, running, lambda: stopping, logs):
+        active = _wait_ready(url, total, settings.ready_timeout, running, lambda: stopping, logs)
+        if active is None:
             return 1
         where = [] if broker_free else [f"NATS {nats_url}"]
         where += [f"etcd {etcd_endpoint}"] if etcd_endpoint else []
-        _print_banner(url, ", ".join(where), logs)
+        _print_banner(url, (active[0].get("model") if active else None) or BUNDLED_MODEL_NAME, ", ".join(where), logs)
         reported: set[str] = set()
         restarts = RestartBudget(RESTARTS, RESTART_WINDOW)
         specs = {spec.name: spec for spec in plan if spec.name not in worker_names}
@@ -305,7 +306,8 @@ def _client_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
-def _wait_ready(url: str, workers: int, timeout: float, running, stopping, logs: Path) -> bool:
+def _wait_ready(url: str, workers: int, timeout: float, running, stopping, logs: Path) -> list[dict] | None:
+    """The active worker records once ``workers`` of them are listed; None when the fleet failed or stops."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not stopping():
         for name, proc in running:
@@ -313,19 +315,19 @@ def _wait_ready(url: str, workers: int, timeout: float, running, stopping, logs:
                 print(f"infera up: {name} exited with {proc.returncode} during start-up; the end of "
                       f"{logs / (name + '.log')}:", file=sys.stderr)
                 _tail(logs / f"{name}.log")
-                return False
+                return None
         try:
             with urllib.request.urlopen(f"{url}/v1/workers", timeout=1) as resp:
                 data = json.load(resp)
             active = [w for w in data.get("data", []) if w.get("status") == "active"]
             if len(active) >= workers:
-                return True
+                return active
         except OSError:
             pass
         time.sleep(0.25)
     if not stopping():
         print(f"infera up: the fleet was not ready within {timeout:.0f}s", file=sys.stderr)
-    return False
+    return None
 
 
 def _tail(path: Path, lines: int = 20) -> None:
@@ -336,8 +338,9 @@ def _tail(path: Path, lines: int = 20) -> None:
         pass
 
 
-def _print_banner(url: str, where: str, logs: Path) -> None:
-    body = json.dumps({"model": BUNDLED_MODEL_NAME, "messages": [{"role": "user", "content": "Hello!"}],
+def _print_banner(url: str, model: str, where: str, logs: Path) -> None:
+    """The endpoint, and a curl line for the model the workers serve (``--served-model-name`` included)."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}],
                        "max_tokens": 16})
     print(f"Infera is up: OpenAI endpoint {url}/v1  ({where}; logs in {logs})")
     print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")

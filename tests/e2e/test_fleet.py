@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import time
+import urllib.request
 
 import aiohttp
 import openai
@@ -407,3 +409,14 @@ async def test_a_non_streaming_answer_longer_than_the_upstream_timeout_arrives_w
         async with InferaClient(slow_fleet.nats_url, timeout=2) as client:
             reply = await client.completions(body)
         assert reply["usage"]["completion_tokens"] == 2500
+
+
+def test_the_curl_line_infera_up_prints_works_as_printed(fleet):
+    """Users copy it: its URL and body (the model the workers serve) must give an answer."""
+    [curl] = [line.strip() for line in fleet.banner.splitlines() if line.strip().startswith("curl ")]
+    argv = shlex.split(curl)
+    url, body = argv[1], json.loads(argv[argv.index("-d") + 1])
+    assert body["model"] == fleet.workers_list()[0]["model"]
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200 and json.load(resp)["choices"][0]["message"]["content"]
