@@ -1,6 +1,7 @@
 """`python -m infera.engine.sglang|vllm|mock`: the agent's flags parsed, the rest to the engine in
 order, and `--print-command` showing what would run without running it."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -85,6 +86,8 @@ def test_a_pd_launch_that_would_not_use_rdma_exits_2_before_anything_starts(caps
     assert code == 2
     assert err.startswith("infera-worker-agent: error: refusing to start this sglang decode worker")
     assert "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=1800" in err and "--disaggregation-allow-tcp" in err
+    if importlib.util.find_spec("sglang") is None:  # said in the same round, not only after the RDMA fix
+        assert "infera-worker-agent: error: SGLang is not installed" in err
 
 
 def test_an_engine_flag_contradicting_the_entry_point_is_refused(capsys):

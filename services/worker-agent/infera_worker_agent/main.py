@@ -79,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         plan = build_plan(settings, engine_args, host)
     except EngineArgsError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
+        # what needs no plan is said too: one round of fixes instead of one per refusal
+        missing = install_problem(settings.engine, settings.engine_python or sys.executable, host,
+                                  named=settings.engine_python is not None)
+        if missing is not None:
+            print(f"{PROG}: error: {missing}", file=sys.stderr)
         return 2
     problems = refusals(settings, plan, host, os.environ)
     if settings.print_command:
