@@ -97,6 +97,13 @@ def test_an_engine_flag_contradicting_the_entry_point_is_refused(capsys):
     assert run("mock", ["--print-command", "--", "--engine", "x"]) == 0  # after `--` it is the engine's
 
 
+def test_an_engine_variable_contradicting_the_entry_point_is_refused(capsys, monkeypatch):
+    monkeypatch.setenv("INFERA_ENGINE", "vllm")  # (the entry point's own --engine would win without a word)
+    assert run("sglang", ["--print-command"]) == 2
+    assert "INFERA_ENGINE=vllm contradicts the entry point; use python -m infera.engine.vllm" in capsys.readouterr().err
+    assert run("vllm", ["--print-command", "--model", "/m"]) == 0
+
+
 @pytest.mark.parametrize("module", ["infera.engine.sglang", "infera.engine.vllm", "infera.engine.mock"])
 def test_entry_points_answer_help(module):
     out = run_module(module, "--help")

@@ -10,12 +10,15 @@ works, the runbooks' no-broker one (``--discovery-backend etcd --request-transpo
 
 from __future__ import annotations
 
+import os
 import sys
 
+from infera_common.settings import ENV_PREFIX
 from infera_worker_agent.main import main as agent_main
 from infera_worker_agent.settings import split_engine_tail
 
 ENGINES = ("sglang", "vllm", "mock")
+ENGINE_ENV = f"{ENV_PREFIX}ENGINE"  # the agent's --engine setting, read from the environment
 
 
 def run(engine: str, argv: list[str] | None = None) -> int:
@@ -31,4 +34,9 @@ def run(engine: str, argv: list[str] | None = None) -> int:
             print(f"infera.engine.{engine}: error: --engine {given} contradicts the entry point; use "
                   f"python -m infera.engine.{given} (or drop --engine)", file=sys.stderr)
             return 2
+    env_engine = os.environ.get(ENGINE_ENV, "").strip()
+    if env_engine and env_engine.lower() != engine:  # the flag below would win over it without a word
+        print(f"infera.engine.{engine}: error: {ENGINE_ENV}={env_engine} contradicts the entry point; use "
+              f"python -m infera.engine.{env_engine.lower()} (or unset {ENGINE_ENV})", file=sys.stderr)
+        return 2
     return agent_main(["--engine", engine, *args])

@@ -117,7 +117,7 @@ def hicache_decode_rule(ctx: RecipeContext) -> RuleResult:
             f"(docker/Dockerfile.sglang), or drop {HICACHE_FLAG} from the decode leg"
         )
     if (blocker := spec_blocker(ctx)) is not None:
-        raise RecipeRefusal(f"{HICACHE_FLAG} on a decode needs the decode radix cache, which {blocker}. "
+        raise RecipeRefusal(f"{HICACHE_FLAG} on a decode needs the decode radix cache, which is off under {blocker}. "
                             f"Set those, or drop {HICACHE_FLAG} from the decode leg")
     if has_flag(ctx.args, RADIX_FLAG):
         return RuleResult(notes=(*notes, f"decode HiCache: {RADIX_FLAG} kept as given"))
