@@ -43,6 +43,27 @@ def configure_tracing(endpoint: str | None, service: str) -> None:
     provider = TracerProvider(resource=Resource.create({"service.name": f"infera-{service}"}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     trace.set_tracer_provider(provider)  # flushed and shut down at exit
+    if (why := unreachable(endpoint)) is not None:  # not fatal: a collector may come up later
+        from infera_common.logs import get_logger
+
+        get_logger("tracing").warning(
+            "otlp_collector_unreachable", endpoint=endpoint, error=why,
+            hint="no OTLP/HTTP collector answers there: spans are dropped after retries (and the SDK retries "
+                 "for seconds at exit); check --otlp-traces-endpoint / INFERA_OTLP_TRACES_ENDPOINT")
+
+
+def unreachable(endpoint: str, timeout: float = 1.0) -> str | None:
+    """Why nothing accepts a TCP connection at ``endpoint``'s host and port; None when something does."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(endpoint)
+    try:
+        port = url.port or (443 if url.scheme == "https" else 80)
+        with socket.create_connection((url.hostname or "", port), timeout=timeout):
+            return None
+    except (OSError, ValueError) as exc:
+        return str(exc) or type(exc).__name__
 
 
 def start_span(name: str, parent: str | None, kind: SpanKind = SpanKind.INTERNAL,
