@@ -217,6 +217,16 @@ def test_no_eviction_term_when_the_capacity_or_the_holding_is_unknown():
     assert [c.fill for c in KvAware(2.0).explain([worker("a")], request(), kv)] == [0.0]  # no capacity
 
 
+def test_a_prompt_ending_on_a_block_boundary_counts_one_block_less_than_held():
+    """The engine computes the prompt's last token whatever it holds: of 10 full blocks held it
+    reuses 9 (cached_tokens 576 of 640); one token more and all 10 count."""
+    policy = KvAware(2.0, rng=random.Random(0))
+    exact = policy.explain([worker("a")], request(), view({"a": 10}))[0]
+    longer = policy.explain([worker("a")], request(TOKENS + [7]), view({"a": 10}))[0]
+    assert (exact.matched_blocks, exact.request_blocks) == (9, 10)
+    assert (longer.matched_blocks, longer.request_blocks) == (10, 11)
+
+
 def test_core_plans_with_costs_and_asks_only_for_kv_aware():
     c = RouterCore(KvAware(rng=random.Random(1)), "r", 100.0)
     c.apply_change(join("a", kv_block_size=64))
@@ -235,7 +245,7 @@ def test_in_flight_prompts_deepen_the_indexer_view_until_released():
     assert [w.worker_id for w in c.plan(request(), hashed).order] == ["b", "a"]
     lease = c.acquire(c.fleet.get("a"), request(), 0.0, hashes=chain)  # the same prompt, just sent to a
     plan = c.plan(request(), hashed)
-    assert plan.order[0].worker_id == "a" and plan.costs[0].matched_blocks == 10
+    assert plan.order[0].worker_id == "a" and plan.costs[0].matched_blocks == 9  # (10 held: the last recomputed)
     c.release(lease.lease_id)
     assert c.plan(request(), hashed).order[0].worker_id == "b"
     assert len(c.inflight) == 0

@@ -69,14 +69,15 @@ async def test_request_goes_to_the_deepest_overlap(kv_bench):
         await sub.unsubscribe()
     assert [r.status for r in replies] == [200, 200]
     # r0 -> c (2 uncached blocks of 32). r1 -> c again: r0's whole prompt is in flight there, so
-    # all 12 blocks count as (about to be) cached although the indexer still says 10; r0's 2 blocks
-    # still to prefill (its cached 10 are no prefill work) are c's only load
+    # all 12 blocks count as (about to be) cached although the indexer still says 10, of which the
+    # engine reuses 11 (the prompt's last token is computed); c's prefill load is r0's 2 blocks (its
+    # cached 10 are no prefill work) and r1's last one
     assert [r.worker_id for r in replies] == ["c", "c"]
     assert len(queries) == 2 and queries[0].model == "m" and sorted(queries[0].workers) == ["a", "b", "c"]
     assert metric(router, "infera_router_kv_picks_total", worker="c") == 2
-    assert metric(router, "infera_router_kv_hit_blocks_sum") == 10 + 12
+    assert metric(router, "infera_router_kv_hit_blocks_sum") == 10 + 11
     c = router.core.fleet.get("c")
-    assert (c.in_flight, c.prefill_tokens) == (2, 2 * 32)
+    assert (c.in_flight, c.prefill_tokens) == (2, 2 * 32 + 32)
     assert metric(router, "infera_router_kv_request_blocks_count") == 2
     assert metric(router, "infera_router_kv_workers_without_events", worker="b", reason="unseen") == 1
     assert metric(router, "infera_router_kv_query_failures_total", reason="no_indexer") == 0

@@ -152,7 +152,10 @@ def worker_cost(worker: WorkerState, tokens: int, kv: KvView, weight: float, dec
         info = "unseen"
     else:
         info = "ok"
-    matched = min(kv.depth.get(worker.worker_id, 0), req_blocks) if info == "ok" else 0
+    # an engine computes at least the prompt's last token (its logits start the answer): of a prompt
+    # that ends on a block boundary it reuses one block less than it holds (SGLang, vLLM, the mock)
+    reusable = max(0, (tokens - 1) // bs)
+    matched = min(kv.depth.get(worker.worker_id, 0), reusable) if info == "ok" else 0
     prefill = req_blocks - matched
     fill = cache_fill(worker, kv) if evict_weight else 0.0
     cost = (weight + evict_weight * fill) * prefill + load
