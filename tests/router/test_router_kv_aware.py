@@ -8,11 +8,12 @@ from collections import Counter
 from infera_common.schemas import LoadReport, OverlapReply, WorkerOverlap
 
 from infera_router.core import RouterCore
+from infera_router.inflight_blocks import LINGER
 from infera_router.kv_view import KvView, kv_query, kv_view, without_index
 from infera_router.policy_kv_aware import KvAware, cache_fill
 from infera_router.state import WorkerState
 
-from router_helpers import join, load, record, route_request
+from router_helpers import join, leave, load, record, route_request
 
 TOKENS = list(range(1000, 1640))  # 640 tokens: 10 blocks of 64, 20 of 32
 
@@ -264,3 +265,36 @@ def test_a_stale_report_does_not_count_this_router_s_finished_requests_as_other_
     assert c.plan(request(), view({"a": 4})).order[0].worker_id == "a"  # nothing of anyone else's
     c.apply_load(LoadReport(worker_id="a", in_flight=2))  # an agent that does not split: the old estimate
     assert {x.worker_id: x for x in c.plan(request(), view({})).costs}["a"].load_blocks == 20
+
+
+def test_a_prompt_that_ended_ok_stays_counted_a_moment_for_its_events_to_reach_the_index():
+    """A follow-up sent the moment the answer arrives can beat the engine's KV events to the index:
+    the prompt's blocks stay counted on its worker for LINGER seconds after a release ``ok``."""
+    c = RouterCore(KvAware(rng=random.Random(1)), "r", 100.0)
+    c.apply_change(join("a", kv_block_size=64))
+    c.apply_change(join("b", kv_block_size=64))
+    chain = list(range(10))
+    blind = KvView(ok=True, depth={}, hashes={64: chain})  # the index has not heard of it yet
+    lease = c.acquire(c.fleet.get("b"), request(), 0.0, hashes=chain)
+    c.release(lease.lease_id, "ok", now=50.0)
+    plan = c.plan(request(), blind, now=50.0 + LINGER / 2)
+    assert plan.order[0].worker_id == "b" and plan.costs[0].matched_blocks == 9
+    assert c.plan(request(), blind, now=50.0 + LINGER + 0.01).costs[0].matched_blocks == 0
+    assert len(c.inflight) == 0
+    failed = c.acquire(c.fleet.get("b"), request(), 0.0, hashes=chain)
+    c.release(failed.lease_id, "error", now=60.0)  # an answer that failed: nothing said about its cache
+    assert c.plan(request(), blind, now=60.0).costs[0].matched_blocks == 0
+
+
+def test_a_worker_that_leaves_takes_its_lingering_blocks_with_it():
+    c = RouterCore(KvAware(rng=random.Random(1)), "r", 100.0)
+    c.apply_change(join("a", kv_block_size=64))
+    lease = c.acquire(c.fleet.get("a"), request(), 0.0, hashes=list(range(10)))
+    c.release(lease.lease_id, "ok", now=1.0)
+    c.apply_change(leave("a"))
+    c.apply_change(join("a", kv_block_size=64))
+    again = c.acquire(c.fleet.get("a"), request(), 0.0, hashes=list(range(10)))
+    c.plan(request(), KvView(ok=True, depth={}, hashes={64: list(range(10))}), now=1.0 + LINGER + 1)
+    assert len(c.inflight) == 10  # the new lease's count, untouched by the old lease's expiry
+    c.release(again.lease_id)
+    assert len(c.inflight) == 0

@@ -13,7 +13,7 @@ from infera_common.fleet import Change
 from infera_common.schemas import LoadReport, OverlapQuery, Role, RouteRequest
 
 from infera_router.breaker import CircuitBreaker, Outcome as BreakerOutcome, Transition
-from infera_router.inflight_blocks import InflightBlocks
+from infera_router.inflight_blocks import LINGER, InflightBlocks
 from infera_router.kv_view import KvView, kv_query
 from infera_router.leases import Lease, LeaseTable
 from infera_router.session_pins import Held, SessionPins
@@ -133,6 +133,7 @@ class RouterCore:
         Raises ``SessionIdError`` for a session header the affinity mode refuses."""
         session = self.sessions.session_id(request)
         self.clock = now if now is not None else self.clock
+        self.inflight.expire(self.clock)
         plan = self._rank(request, kv)
         if plan.status != 200 or session is None:
             return plan
@@ -231,9 +232,12 @@ class RouterCore:
             counted.decode_tokens += lease.decode_tokens
         return lease
 
-    def release(self, lease_id: str, outcome: str | None = None) -> Lease | None:
+    def release(self, lease_id: str, outcome: str | None = None, now: float | None = None) -> Lease | None:
         """Drop one lease (released by the agent with ``outcome``, or its publish was refused); None if
-        unknown. An ``error`` outcome also invalidates the session binding the lease carried."""
+        unknown. An ``error`` outcome also invalidates the session binding the lease carried; an ``ok``
+        one keeps its prompt's blocks counted as cached on the worker a moment more (``inflight_blocks``)."""
+        if now is not None:
+            self.clock = max(self.clock, now)
         lease = self.leases.release(lease_id)
         if lease is not None:
             self._unaccount(lease, outcome)
@@ -259,7 +263,10 @@ class RouterCore:
             lease.ticket = None
             if change is not None:
                 self.transitions.append((lease.worker_id, change))
-        self.inflight.remove(lease.target_id, lease.hashes)
+        if outcome == "ok":
+            self.inflight.linger(lease.target_id, lease.hashes, self.clock + LINGER)
+        else:
+            self.inflight.remove(lease.target_id, lease.hashes)
         for worker in self._counted(lease):
             worker.in_flight -= 1
             worker.in_flight_tokens -= lease.prompt_tokens

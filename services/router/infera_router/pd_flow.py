@@ -254,7 +254,7 @@ class PdFlow:
     async def execute(self, actions: list[Action]) -> None:
         for action in actions:
             if action.kind == "release":
-                lease = self._core.release(action.lease_id, action.outcome)
+                lease = self._core.release(action.lease_id, action.outcome, time.monotonic())
                 if lease is not None:
                     self._on_lease_change(lease)
             else:

@@ -252,7 +252,7 @@ class RouterService(RoutePath):
             if self._pd is not None:
                 await self._pd.execute(self.pairs.released(release.lease_id, release.outcome))
             return
-        lease = self.core.release(release.lease_id, release.outcome)
+        lease = self.core.release(release.lease_id, release.outcome, time.monotonic())
         if lease is None:
             self.metrics.unknown_releases.inc()
             log.debug("release_unknown_lease", lease_id=release.lease_id, worker_id=release.worker_id)
