@@ -314,6 +314,24 @@ def delta_relay(worker_id: str, dp_rank: int, seq: int, delta: BlockDelta, block
                    stored=_packed(delta.stored), removed=_packed(delta.removed), block_size=block_size)
 
 
+#: Index hashes per ``state`` relay part: 256 kB packed, well under nats-server's 1 MB message limit.
+STATE_PART_HASHES = 32_768
+
+
+def state_relays(worker_id: str, dp_rank: int, seq: int, translator: BlockTranslator, block_size: int | None,
+                 part_hashes: int = STATE_PART_HASHES) -> list[KvRelay]:
+    """``KvRelay(kind="state")`` parts carrying every index hash the rank holds after engine batch
+    ``seq``: the first replaces what the index holds (``reset``), the others add to it."""
+    parts: list[dict[int, bytes]] = []
+    for size, held in translator.held().items():
+        hashes = list(held)
+        for start in range(0, len(hashes), part_hashes):
+            parts.append({size: pack_hashes(hashes[start:start + part_hashes])})
+    return [KvRelay(worker_id=worker_id, kind="state", dp_rank=dp_rank, seq=seq, reset=i == 0, stored=part,
+                    block_size=block_size)
+            for i, part in enumerate(parts or [{}])]
+
+
 def _packed(by_size: dict[int, set[int]]) -> dict[int, bytes]:
     return {size: pack_hashes(hashes) for size, hashes in by_size.items() if hashes}
 

@@ -341,10 +341,13 @@ class KvRelay(_Msg):
     publisher (decode with ``kv_wire.decode_batch``); the kv-indexer translates it itself.
     ``kind="cleared"``: the agent's engine (re)started with an empty cache: forget every block of
     this worker (all ranks when ``dp_rank`` is None).
+    ``kind="state"``: every index hash the rank holds after engine batch ``seq`` (``stored``; the
+    agent's answer to a ``KvResync``), in parts: the first has ``reset`` (replace what the index
+    holds), the others add to it. Stale (``seq`` below what the index applied) parts are skipped.
     """
 
     worker_id: str
-    kind: Literal["blocks", "batch", "cleared"] = "batch"
+    kind: Literal["blocks", "batch", "cleared", "state"] = "batch"
     dp_rank: int | None = None
     seq: int = -1
     first_seq: int | None = None
@@ -360,6 +363,15 @@ class KvRelay(_Msg):
         if self.first_seq is not None and self.first_seq > self.seq:
             raise ValueError(f"first_seq {self.first_seq} is after seq {self.seq}")
         return self
+
+
+class KvResync(_Msg):
+    """kv-indexer (or a router keeping its own index) -> every worker-agent (``KV_RESYNC``): relay
+    what each rank holds now (``KvRelay(kind="state")``). Sent once the index has replayed the
+    stream at start: blocks whose store events left the stream before (its max age or size, or a
+    broker that lost its store) are still cached by the engines, and never announced again."""
+
+    requester: str
 
 
 class OverlapQuery(_Msg):

@@ -118,6 +118,9 @@ KV_EVENT_STREAM = "INFERA_KV_EVENTS"
 KV_EVENT_SUBJECTS = f"{PREFIX}.kv.events.>"
 #: Request/reply: overlap of a request's block hashes with each worker's cached prefix.
 KV_QUERY = f"{PREFIX}.kv.query"
+#: kv-indexer (or a router's local index) -> every worker-agent: put your whole holding on the stream
+#: (``KvResync``; the agents answer with ``KvRelay(kind="state")`` on their event subjects).
+KV_RESYNC = f"{PREFIX}.kv.resync"
 KV_INDEXER_QUEUE = "infera-kv-indexer"
 
 

@@ -14,11 +14,13 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
+import nats
 import pytest
 
 from infera.fleet_plan import plan_fleet
 from infera.procs import free_port, start_nats, stop_process, wait_port
 from infera_common.models import BUNDLED_MODEL_NAME
+from infera_common.subjects import KV_EVENT_STREAM
 from tests.e2e.fleet import env_with
 from tests.e2e.runbook import http_json, wait_for
 
@@ -43,6 +45,8 @@ class ManualFleet:
         self.nats: subprocess.Popen | None = None
         self.frontend: subprocess.Popen | None = None
         self.procs: list[subprocess.Popen] = []
+        self.specs: dict[str, tuple] = {}  # service name -> (its ProcSpec, its process)
+        self.env: dict[str, str] = {}
         (tmp / "logs").mkdir()
 
     def start_nats(self, store: str) -> None:
@@ -54,16 +58,27 @@ class ManualFleet:
         specs = plan_fleet(nats_url=f"nats://127.0.0.1:{self.nats_port}", host="127.0.0.1", port=self.port,
                            workers=2, router_policy="kv-aware", engine_args=["--served-model-name", BUNDLED_MODEL_NAME],
                            metrics_ports=[free_port() for _ in range(4)], request_transport=request_transport)
-        env = env_with(**{"INFERA_DISCOVERY_TTL": "3", **env_values})
+        env = self.env = env_with(**{"INFERA_DISCOVERY_TTL": "3", **env_values})
         for spec in specs:
             with open(self.tmp / "logs" / f"{spec.name}.log", "ab") as log:
                 self.procs.append(subprocess.Popen(spec.argv(sys.executable), stdout=log, stderr=subprocess.STDOUT,
                                                    env={**env, **spec.env}, start_new_session=True))
+            self.specs[spec.name] = (spec, self.procs[-1])
             if spec.role == "frontend":
                 self.frontend = self.procs[-1]
                 wait_port("127.0.0.1", self.port, 30.0, self.procs[-1])
         wait_for(lambda: len(_active_workers(self.url)) == 2, 60, "two active workers")
         return self
+
+    def restart(self, name: str) -> None:
+        """Stop one service (SIGTERM) and start it again with the same command line."""
+        spec, proc = self.specs[name]
+        stop_process(proc, timeout=20.0)
+        with open(self.tmp / "logs" / f"{spec.name}.log", "ab") as log:
+            again = subprocess.Popen(spec.argv(sys.executable), stdout=log, stderr=subprocess.STDOUT,
+                                     env={**self.env, **spec.env}, start_new_session=True)
+        self.procs[self.procs.index(proc)] = again
+        self.specs[name] = (spec, again)
 
     def logs(self) -> str:
         return "".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted((self.tmp / "logs").glob("*.log")))
@@ -196,3 +211,34 @@ def test_prompts_cached_before_an_outage_longer_than_the_discovery_ttl_still_fin
         assert all(c >= 1024 for c in cached), (cached, fleet.logs())
     finally:
         fleet.stop()
+
+
+def test_a_kv_indexer_restarted_after_the_events_left_the_stream_knows_the_cached_prompts_again(tmp_path):
+    """The stream keeps --kv-event-max-age (1 h) of events, and a broker restarted without its store
+    none: blocks cached for longer are in no event a restarted kv-indexer can replay (the stream is
+    purged here). It asks the worker-agents for their whole holding, and routes those prompts to
+    their cache again (it had them at depth 0, and sent them anywhere)."""
+    fleet = ManualFleet(tmp_path).start()
+    try:
+        prompts = [" ".join(f"s{i}x{j}" for j in range(300)) for i in range(6)]
+        for prompt in prompts:
+            assert _chat(fleet.url, prompt)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        time.sleep(0.5)  # their KV events reached the stream
+        asyncio.run(_purge_kv_events(f"nats://127.0.0.1:{fleet.nats_port}"))
+        fleet.restart("kv-indexer")
+        indexer_log = tmp_path / "logs" / "kv-indexer.log"
+        wait_for(lambda: indexer_log.read_text().count("kv_indexer_serving") == 2, 30, "the indexer serving again")
+        time.sleep(1.0)  # the agents' state relays came in
+        cached = [_chat(fleet.url, prompt)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] for prompt in prompts]
+        assert all(c >= 1024 for c in cached), (cached, fleet.logs())
+    finally:
+        fleet.stop()
+
+
+
+async def _purge_kv_events(url: str) -> None:
+    nc = await nats.connect(url)
+    try:
+        await nc.jetstream().purge_stream(KV_EVENT_STREAM)
+    finally:
+        await nc.close()

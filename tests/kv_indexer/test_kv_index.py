@@ -404,3 +404,22 @@ def test_a_relay_carrying_several_batches_counts_a_gap_only_before_its_first_and
     assert (out.gap, out.stored, out.removed) == (0, 1, 0)
     assert depths(index.overlap(query(tokens(12)))) == {("w1", 0): 3}
     assert ingest(index, subject, blocks_relay(9, first_seq=8), 0.0).outcome.gap == 1
+
+
+def test_a_state_relay_replaces_the_targets_holding_unless_the_index_applied_a_later_batch():
+    index = indexed("w1")
+    engine = FakeEngine("w1")
+    kept, evicted, later = tokens(8), tokens(8, start=5000), tokens(8, start=7000)
+    feed(index, engine, engine.stored(evicted))
+    state_seq = engine.seq + 1  # the agent's state after its next batch, which the index never saw
+    held = [*block_hashes(kept, 4)]
+    out = index.apply_state("w1", 0, state_seq, True, {4: held[:1]}, 0.0)  # in two parts
+    index.apply_state("w1", 0, state_seq, False, {4: held[1:]}, 0.0)
+    assert out.stored == 1 and not out.duplicate
+    assert depths(index.overlap(query(kept))) == {("w1", 0): 2}
+    assert depths(index.overlap(query(evicted))) == {}  # the state is the whole holding: the rest is gone
+    engine.seq = state_seq
+    feed(index, engine, engine.stored(later))  # the batches after the state apply on top of it
+    assert depths(index.overlap(query(later))) == {("w1", 0): 2}
+    stale = index.apply_state("w1", 0, state_seq, True, {4: []}, 0.0)  # an old state read again
+    assert stale.duplicate and depths(index.overlap(query(kept))) == {("w1", 0): 2}

@@ -9,8 +9,9 @@ import pytest
 
 from infera_common.discovery import Registrar
 from infera_common.nats_conn import KV_EVENT_MAX_AGE, KV_EVENT_MAX_BYTES, connect, ensure_kv_event_stream
-from infera_common.schemas import KvRelay, OverlapReply, decode, encode
-from infera_common.subjects import KV_EVENT_STREAM, KV_QUERY, kv_event_subject
+from infera_common.block_hash import block_hashes, pack_hashes
+from infera_common.schemas import KvRelay, KvResync, OverlapReply, decode, encode
+from infera_common.subjects import KV_EVENT_STREAM, KV_QUERY, KV_RESYNC, kv_event_subject
 from infera_kv_indexer.service import KvIndexerService
 from infera_kv_indexer.settings import KvIndexerSettings
 from nats.js.api import RetentionPolicy, StorageType
@@ -111,6 +112,38 @@ async def test_a_worker_back_in_discovery_is_answered_for_with_its_blocks_unless
     await register("w1", started_at=200.0)  # another engine under the same worker id
     await until(nc, query(prompt), lambda r: r.unseen == ["w1"])
     assert depths(await ask(nc, query(prompt))) == {}
+
+
+async def test_a_restarted_indexer_asks_the_agents_for_what_left_the_stream_and_holds_it_again(bus):
+    """The stream keeps --kv-event-max-age of events: a prompt cached for longer is in no event the
+    restarted indexer can replay. It asks every worker-agent (KvResync), whose state relay restores it."""
+    nc, service, register, _ = bus
+    await register("w1")
+    engine = FakeEngine("w1")
+    old, recent = tokens(16), tokens(8, start=9000)
+    await publish(nc, engine, engine.relay(engine.stored(old)))
+    await until(nc, query(old), lambda r: depths(r) == {("w1", 0): 4})
+    await nc.jetstream().purge_stream(KV_EVENT_STREAM)  # its events aged out
+    await publish(nc, engine, engine.relay(engine.stored(recent)))
+    await service.stop()
+    asked: list[str] = []
+
+    async def agent(msg):  # what the worker-agent answers: its whole holding, at its last engine batch
+        asked.append(decode(KvResync, msg.data).requester)
+        held = {4: pack_hashes(block_hashes(old, 4) + block_hashes(recent, 4))}
+        await nc.jetstream().publish(engine.subject, encode(KvRelay(worker_id="w1", kind="state", dp_rank=0,
+                                                                    seq=engine.seq, reset=True, stored=held)))
+
+    await nc.subscribe(KV_RESYNC, cb=agent)
+    await nc.flush()
+    again = KvIndexerService(KvIndexerSettings(nats_url=service.settings.nats_url, kv_event_max_age=120))
+    await again.start()
+    try:
+        await until(nc, query(old), lambda r: depths(r) == {("w1", 0): 4})
+        assert asked == ["kv-indexer"]
+        assert depths(await ask(nc, query(recent))) == {("w1", 0): 2}
+    finally:
+        await again.stop()
 
 
 async def test_events_of_a_worker_registered_later_attach_to_its_model(bus):

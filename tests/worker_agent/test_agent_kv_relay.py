@@ -5,7 +5,7 @@ import asyncio
 import msgpack
 
 from infera_common.block_hash import block_hashes, pack_hashes, unpack_hashes
-from infera_common.kv_translate import SLICE_BLOCKS
+from infera_common.kv_translate import SLICE_BLOCKS, state_relays
 from infera_common.kv_wire import encode_seq
 from infera_worker_agent.kv_config import KvSource
 from infera_worker_agent import kv_relay
@@ -319,4 +319,25 @@ async def test_on_the_zmq_plane_the_agent_stops_listening_once_a_stored_block_sh
         assert not probe.listening and probe.block_size == 64 and sizes == [64]
     finally:
         await probe.close()
+        await pub.close()
+
+
+async def test_the_whole_holding_goes_out_as_state_parts_at_the_last_seq(monkeypatch):
+    """A kv-indexer that started after the events of these blocks left the stream asks for it."""
+    monkeypatch.setattr(kv_relay, "state_relays", lambda *a, **kw: state_relays(*a, **kw, part_hashes=2))
+    pub = FakePublisher()
+    relayer, got, _ = await start_relay(pub)
+    try:
+        await until_subscribed(pub, got)
+        for seq in range(len(batch_seqs(got)), 6):
+            await pub.publish(seq)
+        assert await wait_for(lambda: batch_seqs(got)[-1:] == [5])
+        got.clear()
+        assert await relayer.publish_state() == 3  # 6 blocks, 2 a part
+        assert [(r.kind, r.seq, r.reset, r.dp_rank) for r in got] == [
+            ("state", 5, True, 0), ("state", 5, False, 0), ("state", 5, False, 0)]
+        held = sorted(h for r in got for h in stored_hashes(r))
+        assert held == sorted(h for seq in range(6) for h in block_hashes(tokens(seq), 64))
+    finally:
+        await relayer.close()
         await pub.close()

@@ -220,6 +220,23 @@ class KvIndex:
             self._change(worker, target, reset, stored, removed, out)
         return out
 
+    def apply_state(self, worker_id: str, dp_rank: int, seq: int, reset: bool,
+                    stored: Mapping[int, Iterable[int]], now: float) -> Outcome:
+        """Part of everything the target holds after engine batch ``seq`` (a worker-agent's answer to
+        a resync): the first part (``reset``) replaces what it held, the others add to it. Skipped as
+        stale when the index has applied a later batch (its changes would be undone). Restores the
+        blocks whose events the index never saw (aged out of the stream before it started)."""
+        worker = self._worker(worker_id, now)
+        target = self._target(worker, dp_rank)
+        out = Outcome(target.key)
+        if seq >= 0 and target.last_seq is not None and seq < target.last_seq:
+            out.duplicate = True
+            return out
+        if seq >= 0:
+            target.last_seq = seq
+        self._change(worker, target, reset, stored, {}, out)
+        return out
+
     def clear(self, worker_id: str, dp_rank: int | None, now: float) -> None:
         """The worker's engine (re)started empty: forget its blocks and sequence numbers
         (every rank when ``dp_rank`` is None)."""

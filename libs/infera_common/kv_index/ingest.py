@@ -3,7 +3,8 @@
 
 A message is a msgpack ``KvRelay`` on ``kv_event_subject(worker_id)``: ``kind="blocks"`` (the
 worker-agent's translation of one engine batch: index hashes stored and removed, applied as set
-updates), ``"batch"`` (a raw engine batch, translated here) or ``"cleared"``. Anything unreadable is
+updates), ``"batch"`` (a raw engine batch, translated here), ``"cleared"``, or ``"state"`` (part of
+everything a rank holds, sent when an index asked: ``KvResync``). Anything unreadable is
 reported as ``malformed`` (``relay``: the envelope, torn packed hashes, or a subject that is not its
 worker's; ``batch``: the engine batch inside) and changes nothing; bad events inside a readable
 batch are counted in the outcome and the rest of the batch is applied.
@@ -72,6 +73,9 @@ def ingest(index: KvIndex, subject: str, data: bytes, now: float) -> Ingested:
     if kind == "cleared":
         index.clear(relay.worker_id, relay.dp_rank, now)
         return Ingested(relay)
+    if kind == "state":
+        return Ingested(relay, index.apply_state(relay.worker_id, relay.dp_rank or 0, relay.seq, relay.reset,
+                                                 relay.stored or {}, now))
     return _apply(index, relay, now)
 
 
@@ -123,7 +127,7 @@ def decode_relay(data: bytes) -> Relay:
                  full.reset, _unpacked(full.stored), _unpacked(full.removed), full.first_seq)
 
 
-_KINDS = ("blocks", "batch", "cleared")
+_KINDS = ("blocks", "batch", "cleared", "state")
 
 
 def _unpacked(packed: object) -> dict[int, array] | None:

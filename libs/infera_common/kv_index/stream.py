@@ -3,7 +3,9 @@
 ``prepare`` makes sure the stream exists (with the kv-indexer's limits); ``replay`` subscribes an
 ordered consumer over the whole stream (DeliverPolicy.ALL) and returns once the history present at
 that moment has been handed to ``handle`` (or has aged out meanwhile); new messages keep coming
-after that.
+after that. Then, and whenever the broker lost the stream, ``resync`` (when given) asks the
+worker-agents to put their whole holding on the stream (``KvResync``): the stream only has the
+events of its max age and size, and blocks stored before them are still cached.
 
 Why an ordered (ephemeral) consumer and not a durable one: the index lives in memory, so every
 start has to rebuild it from the stream's whole history anyway; a durable consumer would remember
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from nats.aio.msg import Msg
@@ -25,7 +27,8 @@ from nats.js.errors import NotFoundError
 
 from infera_common.logs import get_logger
 from infera_common.nats_conn import ensure_kv_event_stream, unsubscribe_quietly
-from infera_common.subjects import KV_EVENT_STREAM, KV_EVENT_SUBJECTS
+from infera_common.schemas import KvResync, encode
+from infera_common.subjects import KV_EVENT_STREAM, KV_EVENT_SUBJECTS, KV_RESYNC
 
 log = get_logger("kv_index.stream")
 
@@ -44,10 +47,12 @@ class Flag(Protocol):
 
 
 class StreamFollower:
-    def __init__(self, js: JetStreamContext, handle: Handle, replaying: Flag) -> None:
+    def __init__(self, js: JetStreamContext, handle: Handle, replaying: Flag,
+                 resync: Callable[[], Awaitable[None]] | None = None) -> None:
         self._js = js
         self._handle = handle
         self._replaying = replaying
+        self._resync = resync
         self._sub: Subscription | None = None
         self._replay_until = 0  # stream sequence of the last message present at start
         self._replay_count = 0  # messages present at start
@@ -91,6 +96,8 @@ class StreamFollower:
         await self._unsubscribe()
         self._sub = await self._subscribe(start)
         self._created = created  # (only now: an attempt that failed is redone from the same decision)
+        if not same:
+            await self._ask_resync("stream_recreated")
 
     def _next_seq(self) -> int:
         """The stream seq after the last message applied (after the history present at start, if none)."""
@@ -127,6 +134,17 @@ class StreamFollower:
                 await self._check_replay_end()
         self._replaying.set(0)
         log.info("replay_done", messages=self.messages, seconds=round(time.monotonic() - t0, 3))
+        await self._ask_resync("started")
+
+    async def _ask_resync(self, why: str) -> None:
+        if self._resync is None:
+            return
+        try:
+            await self._resync()
+        except Exception as exc:  # the bus is away: the stream's own history is what the index has
+            log.warning("kv_resync_not_asked", why=why, error=str(exc) or type(exc).__name__)
+        else:
+            log.info("kv_resync_asked", why=why)
 
     async def _check_replay_end(self) -> None:
         """The history present at start may have aged out under us: nothing left to wait for."""
@@ -166,3 +184,8 @@ class StreamFollower:
             self._caught_up.set()
             return True
         return False
+
+
+async def request_resync(nc, requester: str) -> None:
+    """Ask every worker-agent to relay its whole holding (``KvResync`` on ``KV_RESYNC``)."""
+    await nc.publish(KV_RESYNC, encode(KvResync(requester=requester)))

@@ -44,7 +44,7 @@ from infera_common.kv_index.ingest import Ingested, ingest, ingest_batch
 from infera_kv_indexer.metrics import KvIndexerMetrics
 from infera_kv_indexer.query import EMPTY_REPLY, decode_query, held_sections, reply_for
 from infera_kv_indexer.settings import KvIndexerSettings
-from infera_common.kv_index.stream import StreamFollower
+from infera_common.kv_index.stream import StreamFollower, request_resync
 from infera_kv_indexer.zmq_follow import ZmqFollower
 
 log = get_logger("kv_indexer")
@@ -94,7 +94,8 @@ class KvIndexerService:
                                     planes_need_it=bool(s.nats_uses()))
         js = self.nc.jetstream() if self.uses_stream or s.discovery_backend == "nats" else None
         if self.uses_stream:
-            self._stream = StreamFollower(js, self._on_stream_message, self.metrics.replaying)
+            self._stream = StreamFollower(js, self._on_stream_message, self.metrics.replaying,
+                                          resync=lambda: request_resync(self.nc, "kv-indexer"))
             await self._stream.prepare(s.kv_event_max_age, s.kv_event_max_bytes)
         discovery = discovery_for(s, js)
         log.info("discovery", **nats_log_fields(s.nats_url, self._owns_nc), kv_event_transport=s.kv_event_transport,

@@ -12,6 +12,7 @@ default (``--kv-index remote``) and the place for index metrics per worker; both
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 
 from nats.js.client import JetStreamContext
 
@@ -40,9 +41,10 @@ class LocalKvIndex:
         self.metrics = metrics
         self._stream: StreamFollower | None = None
 
-    async def start(self, js: JetStreamContext) -> None:
-        """Replay the stream's history (returns once applied), then keep following it."""
-        self._stream = StreamFollower(js, self._on_message, self.metrics.kv_index_replaying)
+    async def start(self, js: JetStreamContext, resync: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Replay the stream's history (returns once applied), then keep following it; ``resync``
+        asks the worker-agents for their whole holding (``StreamFollower``)."""
+        self._stream = StreamFollower(js, self._on_message, self.metrics.kv_index_replaying, resync)
         await self._stream.prepare(None, None)  # the stream's limits are the kv-indexer's to set
         await self._stream.replay()
 

@@ -20,6 +20,7 @@ from nats.aio.subscription import Subscription
 
 from infera_common.discovery_select import FleetWatcher, discovery_for
 from infera_common.fleet import Change
+from infera_common.kv_index.stream import request_resync
 from infera_common.logs import get_logger
 from infera_common.nats_conn import (
     Reconnects, close_connection, connect, flush_all, nats_log_fields, unsubscribe_quietly,
@@ -114,7 +115,7 @@ class RouterService(RoutePath):
         self._dispatcher = self._make_dispatcher()
         await self._dispatcher.start()
         if self._local_kv is not None:  # its history applied before the first request is routed
-            await self._local_kv.start(self.nc.jetstream())
+            await self._local_kv.start(self.nc.jetstream(), lambda: request_resync(self.nc, f"router {self.router_id}"))
             self._reconnects.add("kv_event_stream", self._local_kv.restore)
             self._kv = self._local_kv
         else:

@@ -15,6 +15,11 @@ batch still goes out, empty, so the indexer's seq stays continuous). Nothing a f
 carried is lost: its delta is kept and the rank's next batches are translated into it, so the next
 relay carries both (``first_seq``..``seq``); a ``cleared`` that failed becomes a ``reset`` on every
 rank's next relay. The index cannot keep blocks the engine evicted while JetStream was away.
+
+``publish_state`` answers a kv-indexer's ``KvResync``: every rank's whole holding, as
+``KvRelay(kind="state")`` parts, between two batches of that rank (a lock per rank), so that an
+index restarted after the events of long-held blocks left the stream (``--kv-event-max-age``, a
+broker that lost its store) holds them again.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from infera_common.kv_endpoints import local_endpoint, subscriber_binds
-from infera_common.kv_translate import BlockDelta, BlockTranslator, delta_relay
+from infera_common.kv_translate import BlockDelta, BlockTranslator, delta_relay, state_relays
 from infera_common.kv_wire import BlockStored, KvEvent, KvWireError, RawBatch, read_batch
 from infera_common.kv_zmq import REPLAY_TIMEOUT, KvReadObserver, KvZmqReader, ZmqKvSource
 from infera_common.logs import get_logger
@@ -96,6 +101,8 @@ class KvRelayer:
         self._reader: KvZmqReader | None = None
         self._translators: dict[int, BlockTranslator] = {}  # per DP rank
         self._carried: dict[int, _Carried] = {}  # per DP rank: what a failed publish did not deliver
+        self._last_seq: dict[int, int] = {}  # per DP rank: the last engine batch translated
+        self._locks: dict[int, asyncio.Lock] = {}  # per DP rank: a batch, or the state, at a time
 
     @property
     def block_size_seen(self) -> bool:
@@ -106,6 +113,7 @@ class KvRelayer:
         """Publish ``cleared`` (before anything else), then relay every rank."""
         self._translators.clear()
         self._carried.clear()
+        self._last_seq.clear()
         if not await self._send(KvRelay(worker_id=self.worker_id, kind="cleared", dp_rank=None,
                                         block_size=self.index_size)):
             for source in self.sources:  # every rank's first relay clears what the index held of it
@@ -124,16 +132,39 @@ class KvRelayer:
             await reader.close()
 
     # --- publishing ----------------------------------------------------------------------------
+    def _lock(self, rank: int) -> asyncio.Lock:
+        lock = self._locks.get(rank)
+        if lock is None:
+            lock = self._locks[rank] = asyncio.Lock()
+        return lock
+
+    async def publish_state(self) -> int:
+        """Every rank's whole holding after its last batch (``kind="state"`` relays); the parts sent."""
+        sent = 0
+        for rank in sorted(self._translators):
+            async with self._lock(rank):
+                translator, seq = self._translators.get(rank), self._last_seq.get(rank)
+                if translator is None or seq is None:
+                    continue
+                for relay in state_relays(self.worker_id, rank, seq, translator, self.index_size):
+                    if not await self._send(relay):
+                        break  # the next resync sends it whole again
+                    sent += 1
+        return sent
+
     async def _relay_batch(self, source: ZmqKvSource, seq: int, payload: bytes) -> None:
-        rank = source.dp_rank
         try:
             batch: RawBatch | None = read_batch(payload)
         except KvWireError as exc:
             batch = None
             self.metrics.kv_malformed.labels("batch").inc()
-            log.warning("kv_batch_malformed", worker_id=self.worker_id, dp_rank=rank, seq=seq, error=str(exc)[:300])
-        if batch is not None and batch.dp_rank is not None:
-            rank = batch.dp_rank  # the batch's own rank wins
+            log.warning("kv_batch_malformed", worker_id=self.worker_id, dp_rank=source.dp_rank, seq=seq,
+                        error=str(exc)[:300])
+        rank = batch.dp_rank if batch is not None and batch.dp_rank is not None else source.dp_rank
+        async with self._lock(rank):  # the batch's own rank wins
+            await self._relay_one(rank, seq, batch)
+
+    async def _relay_one(self, rank: int, seq: int, batch: RawBatch | None) -> None:
         carried = self._carried.pop(rank, None) or _Carried(None, 0, BlockDelta())
         delta = carried.delta
         if batch is not None:
@@ -151,6 +182,7 @@ class KvRelayer:
             for _ in translator.apply_in_slices(events, delta):
                 await asyncio.sleep(0)
             self._count_errors(len(unreadable), before, delta)
+        self._last_seq[rank] = seq
         first = seq if carried.first_seq is None else carried.first_seq
         if await self._send(delta_relay(self.worker_id, rank, seq, delta, self.index_size, first)):
             self.metrics.kv_batches.labels(str(rank)).inc(carried.batches + 1)

@@ -49,6 +49,7 @@ from infera_worker_agent.engine_drain import drain_engine
 from infera_worker_agent.kv_learn import EngineKv
 from infera_worker_agent.kv_probe import KvBlockSizeProbe
 from infera_worker_agent.kv_relay import KvRelayer
+from infera_worker_agent.kv_resync import ResyncListener
 from infera_worker_agent.load import scrape_engine
 from infera_worker_agent.metrics import AgentMetrics
 from infera_worker_agent.pd_report import (
@@ -89,6 +90,7 @@ class Agent:
         self._started_at = time.time()
         self._kv = EngineKv(settings.kv_index_block_size)  # learnt from the running engine
         self._kv_relayer: KvRelayer | KvBlockSizeProbe | None = None
+        self._kv_resync: ResyncListener | None = None
         assert plan.pd is not None, "plan_engine reads the role from the engine's flags"
         self._pd_plan: PdPlan = plan.pd
         self._pd: PdState = planned_state(self._pd_plan, plan.advertise_host)
@@ -316,6 +318,8 @@ class Agent:
             index_size_for=self._kv.index_size_for,
         )
         await self._kv_relayer.start()
+        self._kv_resync = ResyncListener(self._nc, self._kv_relayer)
+        await self._kv_resync.start()
 
     async def _on_engine_block_size(self, size: int) -> None:
         """The engine's KV events show another block size than the one registered: register theirs
@@ -332,6 +336,9 @@ class Agent:
         await self._nc.jetstream().publish(kv_event_subject(self.worker_id), encode_sparse(relay))
 
     async def _close_kv_relay(self) -> None:
+        if self._kv_resync is not None:
+            resync, self._kv_resync = self._kv_resync, None
+            await resync.stop()
         if self._kv_relayer is not None:
             relayer, self._kv_relayer = self._kv_relayer, None
             await relayer.close()
