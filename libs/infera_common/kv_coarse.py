@@ -134,3 +134,30 @@ class CoarsePages:
         del self.refs[index_hash]
         stored.discard(index_hash)
         removed.add(index_hash)
+
+
+def dump_pages(coarse: CoarsePages) -> dict:
+    """Everything ``load_pages`` needs to rebuild ``coarse`` (plain msgpack-able values)."""
+    return {
+        "page_size": coarse.page_size, "index_size": coarse.index_size, "next": coarse._next,
+        "pages": [[h, key] for h, key in coarse.pages.items()],
+        "runs": [[rid, r.parent, r.data, r.lead, r.blocks, r.live] for rid, r in coarse._runs.items()],
+    }
+
+
+def load_pages(state: dict) -> CoarsePages:
+    """The ``CoarsePages`` ``dump_pages`` described; its block counts recomputed from its pages.
+    Raises ``ValueError`` (or ``KeyError``/``TypeError``) on a malformed state."""
+    coarse = CoarsePages(int(state["page_size"]), int(state["index_size"]))
+    coarse._next = int(state["next"])
+    for rid, parent, data, lead, blocks, live in state["runs"]:
+        coarse._runs[int(rid)] = _Run(int(parent), bytes(data), int(lead), [int(b) for b in blocks], int(live))
+    refs = coarse.refs
+    for engine_hash, key in state["pages"]:
+        run = coarse._runs[key >> _OFFSET_BITS]  # KeyError: a page of no run
+        coarse.pages[int(engine_hash)] = int(key)
+        done, inside = divmod(run.lead + (key & _OFFSET_MASK) + 1, coarse._k)
+        if not inside:  # the page completes a block, which it holds
+            block = run.blocks[done - 1]
+            refs[block] = refs.get(block, 0) + 1
+    return coarse

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from infera_common.block_hash import ROOT, block_hashes, pack_hashes
-from infera_common.kv_coarse import CoarsePages
+from infera_common.kv_coarse import CoarsePages, dump_pages, load_pages
 from infera_common.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from infera_common.schemas import KvRelay
 
@@ -257,6 +257,33 @@ class BlockTranslator:
             return
         del refs[index_hash]
         _moved(delta.stored, delta.removed, size, index_hash)
+
+
+def dump_translator(translator: BlockTranslator) -> dict:
+    """Everything ``load_translator`` needs to continue where ``translator`` is (plain msgpack-able
+    values): per block size its map engine hash -> index hash, and its folded pages. A translator
+    that follows the same engine events from there gives the same changes as this one would."""
+    return {
+        "index_size": translator.index_size,
+        "sizes": {size: [[e, i] for e, i in blocks.engine.items()] for size, blocks in translator._sizes.items()},
+        "coarse": [dump_pages(c) for c in translator._coarse.values()],
+    }
+
+
+def load_translator(state: dict) -> BlockTranslator:
+    """The translator ``dump_translator`` described (block counts recomputed). Raises ``ValueError``,
+    ``KeyError`` or ``TypeError`` on a malformed state."""
+    index_size = state["index_size"]
+    translator = BlockTranslator(None if index_size is None else int(index_size))
+    for size, pairs in state["sizes"].items():
+        blocks = translator._sizes[int(size)] = _Blocks()
+        for engine_hash, index_hash in pairs:
+            blocks.engine[int(engine_hash)] = int(index_hash)
+            blocks.refs[int(index_hash)] = blocks.refs.get(int(index_hash), 0) + 1
+    for pages in state["coarse"]:
+        coarse = load_pages(pages)
+        translator._coarse[coarse.page_size] = coarse
+    return translator
 
 
 def _chained(events: Iterable[KvEvent], folds: Callable[[int], bool]) -> Iterator[tuple[KvEvent, list[KvEvent]]]:

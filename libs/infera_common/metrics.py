@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Mapping
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -12,14 +14,21 @@ def metrics_response(registry: CollectorRegistry) -> web.Response:
     return resp
 
 
-async def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve ``/metrics`` (and ``/health``) for a service without its own HTTP server.
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def start_metrics_server(registry: CollectorRegistry, host: str, port: int,
+                               routes: Mapping[str, Handler] | None = None) -> tuple[web.AppRunner, int]:
+    """Serve ``/metrics`` (and ``/health``, and the GET ``routes`` given) for a service without its own
+    HTTP server.
 
     ``port`` 0 picks a free port; the bound port is returned.
     """
     app = web.Application()
     app.router.add_get("/metrics", lambda _req: metrics_response(registry))
     app.router.add_get("/health", lambda _req: web.json_response({"status": "ok"}))
+    for path, handler in (routes or {}).items():
+        app.router.add_get(path, handler)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

@@ -84,6 +84,10 @@ class WorkerRecord(_Msg):
     kv_events_endpoints: list[str] = Field(default_factory=list)  # the engine's ZMQ PUB per DP rank, advertised
     #: the replay ROUTER endpoint of each ``kv_events_endpoints`` entry, same order ('' where there is none)
     kv_replay_endpoints: list[str] = Field(default_factory=list)
+    #: on ``--kv-event-transport zmq``: where the agent serves every rank's whole holding (GET; a
+    #: msgpack array of encoded ``KvRelay(kind="state")``), which an index reads before the engine's
+    #: replay when it starts following the worker (None: an older agent, or another transport)
+    kv_state_url: str | None = None
     pd: PdParams | None = None
     #: its agent takes the engine out of routing when it hangs with requests (health probes that
     #: generate, or the stall check): a router calling the engine itself (``--request-transport

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import random
 
+import msgpack
+
 import pytest
 
 from infera_common.block_hash import block_hashes, unpack_hashes
-from infera_common.kv_translate import BlockDelta, BlockTranslator, delta_relay
+from infera_common.kv_translate import BlockDelta, BlockTranslator, delta_relay, dump_translator, load_translator
 from infera_common.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored
 
 
@@ -369,3 +371,21 @@ def test_a_bad_token_inside_a_run_of_one_page_events_costs_that_event_and_what_h
     d = t.apply(events)
     assert (d.malformed, d.orphaned) == (1, 1) and d.applied == {"BlockStored": 2}
     assert d.stored == {2: set(block_hashes([5, 6], 2))}
+
+
+@pytest.mark.parametrize("index_size", [None, 8], ids=["pages", "folded-pages"])
+def test_a_translator_rebuilt_from_its_dump_continues_exactly_as_the_original(index_size):
+    """What an index reads from the worker-agent (``/kv_state``) when it starts following an engine
+    late: the next batches, stored on top of old blocks or removing them, must give the same changes
+    as the translator that saw the whole history (not orphans, not unknown removals)."""
+    batches = random_batches(11, 300)
+    original = BlockTranslator(index_size)
+    for events in batches[:150]:
+        original.apply(events)
+    restored = load_translator(msgpack.unpackb(msgpack.packb(dump_translator(original)), strict_map_key=False))
+    assert {s: set(h) for s, h in restored.held().items()} == {s: set(h) for s, h in original.held().items()}
+    for events in batches[150:]:
+        a, b = original.apply(events), restored.apply(events)
+        assert (a.reset, a.stored, a.removed, a.orphaned, a.unknown_removed) == (
+            b.reset, b.stored, b.removed, b.orphaned, b.unknown_removed)
+    assert {s: set(h) for s, h in restored.held().items()} == {s: set(h) for s, h in original.held().items()}

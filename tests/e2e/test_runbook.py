@@ -9,10 +9,13 @@ succeeding; a third worker joining; and the server's log never mentioning a NATS
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 
 import pytest
 
+from infera.procs import free_port, stop_process
 from tests.e2e.runbook import Runbook, wait_for
 
 TTL = "2"  # INFERA_DISCOVERY_TTL: the workers' etcd lease TTL (the runbook flags stay verbatim)
@@ -121,3 +124,31 @@ def test_a_worker_on_the_nats_request_plane_is_named_not_waited_for(runbook, nat
     message = body["error"]["message"]
     assert "--request-transport nats" in message and "--request-transport http" in message
     assert "worker_plane_mismatch" in rb.log("server")
+
+
+def test_a_restarted_server_knows_the_prompts_cached_before_the_engines_replay_buffers(runbook):
+    """The server's index reads the engines' own publishers, whose replay keeps only the last
+    `buffer_steps` batches (3 here, 10,000 by default: minutes of serving): after a restart, prompts
+    cached before them went unknown, and kv-aware sent them anywhere. The index now reads each
+    worker-agent's state of its engine (its `kv_state_url`) first."""
+    rb = runbook
+    rb.start_server()
+    for name in ("w1", "w2"):
+        config = {"publisher": "zmq", "enable_kv_cache_events": True, "buffer_steps": 3,
+                  "endpoint": f"tcp://*:{free_port()}", "replay_endpoint": f"tcp://*:{free_port()}"}
+        rb.start_worker(name, "--speedup", "20", "--kv-events-config", json.dumps(config))
+    wait_for(lambda: len([w for w in rb.workers_listed() if w["status"] == "active"]) == 2, 90, "two active workers")
+    prompts = [" ".join(f"p{i}w{j}" for j in range(300)) for i in range(6)]
+    for prompt in prompts:
+        assert rb.chat(prompt)[0] == 200
+    time.sleep(0.5)  # the last events reached the agents
+    stop_process(rb.server, timeout=20)
+    rb.start_server()
+    wait_for(lambda: len([w for w in rb.workers_listed() if w["status"] == "active"]) == 2, 30, "both workers again")
+    wait_for(lambda: rb.log("server").count("kv_state_read") >= 2, 30, "the agents' states read")
+    cached = []
+    for prompt in prompts:
+        status, body = rb.chat(prompt)
+        assert status == 200
+        cached.append((body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    assert all(c >= 1024 for c in cached), (cached, rb.log("server")[-3000:])

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 
+import msgpack
 import pytest
+from aiohttp import web
 
 from infera_common.discovery_select import Discovery
-from infera_common.kv_translate import SLICE_BLOCKS
+from infera_common.kv_translate import SLICE_BLOCKS, BlockTranslator, dump_translator
+from infera_common.kv_wire import decode_batch
 from infera_common.local_bus import LocalBus
 from infera_kv_indexer.service import KvIndexerService
 from infera_kv_indexer.settings import KvIndexerSettings
@@ -210,3 +213,44 @@ async def test_a_batch_being_applied_when_its_reader_is_replaced_is_applied_whol
         await eventually(lambda: overlap(service, prompt) == {("w1", 0): 256}, timeout=5)
     finally:
         await pub.close()
+
+
+async def test_an_index_that_starts_late_reads_the_agents_state_before_the_engines_short_replay(local_indexer):
+    """A restarted infera.server: the engine's replay buffer holds only its last batches. The prompt
+    stored before them is still cached; without the agent's state it stayed unknown, its extension
+    was orphaned (parent unknown), and its eviction could not be applied. With it, all three are."""
+    service, _, register = local_indexer
+    engine = FakeEngine("w1", "vllm")
+    agent = BlockTranslator(None)  # the worker-agent followed every batch from the engine's start
+    old, extended = tokens(8), tokens(16)
+    batches = [engine.batch([engine.stored(old)])] + [empty_batch(float(i)) for i in range(1, 6)]
+    for payload in batches:
+        agent.apply(decode_batch(payload).events)
+    pub = FakePublisher()
+    for seq in (4, 5):  # what is left in the engine's replay buffer
+        pub.history[seq] = batches[seq]
+    state = msgpack.packb([{"dp_rank": 0, "seq": 5, "translator": dump_translator(agent)}], use_bin_type=True)
+
+    async def kv_state(_request):
+        return web.Response(body=state)
+
+    app = web.Application()
+    app.router.add_get("/kv_state", kv_state)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/kv_state"
+    try:
+        await register(pub.record("w1").model_copy(update={"kv_state_url": url}))
+        await service.start()
+        assert overlap(service, old) == {("w1", 0): 2}
+        assert pub.replay_requests == [0] and sample(service, "infera_kv_indexer_zmq_agent_states_total",
+                                                     {"result": "read"}) == 1
+        await pub.send(6, engine.batch([engine.stored(extended)]))  # chained on the old prompt's last block
+        await probe_until(pub, 6, lambda: overlap(service, extended) == {("w1", 0): 4})
+        await pub.send(7, engine.batch([engine.removed(extended, 1)]))  # evicted down to its first block
+        await probe_until(pub, 7, lambda: overlap(service, extended) == {("w1", 0): 1})
+    finally:
+        await pub.close()
+        await runner.cleanup()

@@ -237,6 +237,25 @@ class KvIndex:
         self._change(worker, target, reset, stored, {}, out)
         return out
 
+    def restore_target(self, worker_id: str, dp_rank: int, seq: int, translator: BlockTranslator,
+                       now: float) -> Outcome | None:
+        """The target's translator as the worker-agent has it after engine batch ``seq`` (read before
+        the engine's own publisher, ``--kv-event-transport zmq``): its holding replaces the target's,
+        and the next raw batches continue from it. None (nothing changed) when it is at another index
+        block size than the worker's record names, or older than a batch the index applied."""
+        if translator.index_size != self._index_sizes.get(worker_id):
+            return None
+        worker = self._worker(worker_id, now)
+        target = self._target(worker, dp_rank)
+        if target.last_seq is not None and seq < target.last_seq:
+            return None
+        out = Outcome(target.key)
+        target.translator = translator
+        target.last_seq = seq
+        held = {size: set(hashes) for size, hashes in translator.held().items()}
+        self._change(worker, target, True, held, {}, out)
+        return out
+
     def clear(self, worker_id: str, dp_rank: int | None, now: float) -> None:
         """The worker's engine (re)started empty: forget its blocks and sequence numbers
         (every rank when ``dp_rank`` is None)."""

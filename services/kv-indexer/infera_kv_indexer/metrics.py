@@ -32,7 +32,7 @@ class KvIndexerMetrics:
         self.malformed = Counter(
             "infera_kv_indexer_malformed",
             "Dropped input: relay (undecodable KvRelay), batch (undecodable engine batch), event (one bad event), "
-            "zmq (a ZMQ message that is not [topic, 8-byte seq, batch]).",
+            "zmq (a ZMQ message that is not [topic, 8-byte seq, batch]), state (a rank of a worker-agent's /kv_state).",
             ["kind"], registry=r,
         )
         self.gaps = Counter(
@@ -100,6 +100,12 @@ class KvIndexerMetrics:
         self.zmq_lost = Counter(
             "infera_kv_indexer_zmq_lost_batches", "Engine batches missed on ZMQ and not recovered by replay.",
             registry=r,
+        )
+        self.zmq_states = Counter(
+            "infera_kv_indexer_zmq_agent_states",
+            "Reads of a worker-agent's whole KV holding (its record's kv_state_url) before following its engine "
+            "on the ZMQ path, by result (read, failed: only the engine's replay buffer rebuilds it).",
+            ["result"], registry=r,
         )
         self.zmq_restarts = Counter(
             "infera_kv_indexer_zmq_engine_restarts",

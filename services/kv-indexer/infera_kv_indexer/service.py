@@ -45,6 +45,7 @@ from infera_kv_indexer.metrics import KvIndexerMetrics
 from infera_kv_indexer.query import EMPTY_REPLY, decode_query, held_sections, reply_for
 from infera_kv_indexer.settings import KvIndexerSettings
 from infera_common.kv_index.stream import StreamFollower, request_resync
+from infera_common.kv_translate import load_translator
 from infera_kv_indexer.zmq_follow import ZmqFollower
 
 log = get_logger("kv_indexer")
@@ -69,7 +70,8 @@ class KvIndexerService:
         self._watcher: FleetWatcher | None = None
         self._stream: StreamFollower | None = None
         self._reconnects = Reconnects()  # what to restore when the broker comes back (it may have restarted)
-        self._zmq = ZmqFollower(self._apply_zmq, self._clear, self.metrics, settings.kv_replay_timeout)
+        self._zmq = ZmqFollower(self._apply_zmq, self._clear, self.metrics, settings.kv_replay_timeout,
+                                restore=self._restore_state)
         self._query_sub: Any | None = None
         self._housekeeper: asyncio.Task | None = None
         self._mismatch_warned: set[str] = set()
@@ -191,6 +193,23 @@ class KvIndexerService:
         except Exception:  # a bug must not stop the reader
             self.metrics.malformed.labels("batch").inc()
             log.exception("event_failed", worker_id=worker_id, dp_rank=dp_rank, seq=seq)
+
+    def _restore_state(self, worker_id: str, states: list[dict]) -> int:
+        """The worker-agent's translator of each rank (its ``/kv_state``), before the engine's replay;
+        how many ranks it restored (a malformed one is counted and skipped)."""
+        restored = 0
+        for state in states:
+            try:
+                rank, seq = int(state["dp_rank"]), int(state["seq"])
+                translator = load_translator(state["translator"])
+            except (KeyError, TypeError, ValueError) as exc:
+                self.metrics.malformed.labels("state").inc()
+                log.warning("malformed_state", worker_id=worker_id, error=str(exc)[:300])
+                continue
+            if self.index.restore_target(worker_id, rank, seq, translator, time.time()) is not None:
+                restored += 1
+        self.metrics.set_blocks(worker_id, self.index.worker_blocks(worker_id))
+        return restored
 
     def _clear(self, worker_id: str, dp_rank: int | None, reason: str) -> None:
         """The worker's engine restarted with an empty cache: forget its blocks (and seqs)."""

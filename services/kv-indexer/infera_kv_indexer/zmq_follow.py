@@ -8,6 +8,14 @@ from seq 0 rebuilds what the engine published before the indexer (or the worker'
 ``started_at``) or from the publisher (its seq went back), goes to ``clear`` before the new
 engine's batches are applied.
 
+The engine's replay buffer holds only its last batches (``buffer_steps``): blocks stored before
+them, and every block later stored on top of them (their parent unknown), would stay unknown to an
+index that starts following a worker late (a restarted ``infera.server``). So when the record
+names the agent's ``kv_state_url`` (the agent follows the same events with the same translation),
+the index reads it first (``restore``: each rank's translator and the seq of its last batch) and
+opens the publishers after: their replay then brings only the batches after that seq, which
+continue from that translator.
+
 A reader that was replaced or whose worker left is closed in the background; its batches still in
 flight are dropped (only the current reader of a worker applies anything), so a worker that left is
 never re-created in the index by a late batch.
@@ -16,8 +24,11 @@ never re-created in the index by a late batch.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterator
 
+import aiohttp
+import msgpack
 import zmq.asyncio
 
 from infera_common.kv_zmq import KvReadObserver, KvZmqReader, ZmqKvSource
@@ -34,6 +45,9 @@ log = get_logger("kv_indexer.zmq")
 Apply = Callable[[str, int, int, bytes], Iterator[None]]
 #: ``clear(worker_id, dp_rank or None for every rank, reason)``: the worker's engine restarted empty
 Clear = Callable[[str, int | None, str], None]
+#: ``restore(worker_id, states)``: the worker-agent's ``{"dp_rank", "seq", "translator"}`` per rank
+#: (its ``/kv_state``); returns how many ranks were restored
+Restore = Callable[[str, list[dict]], int]
 
 
 class _Followed(KvReadObserver):
@@ -44,6 +58,7 @@ class _Followed(KvReadObserver):
         self.worker_id = worker_id
         self.feed = feed
         self.connected_count = 0
+        self._begin: asyncio.Task | None = None  # reading the agent's state before the publishers
         self.reader = KvZmqReader(
             feed.sources, self._on_batch, on_restart=self._on_restart, observer=self,
             replay_timeout=follower.replay_timeout, context=follower.context(), monitor=True,
@@ -53,6 +68,39 @@ class _Followed(KvReadObserver):
     @property
     def current(self) -> bool:
         return self.follower.followed.get(self.worker_id) is self
+
+    def begin(self, with_state: bool) -> None:
+        """Start reading the publishers; first, when ``with_state`` and the record names one, the
+        agent's state of the engine."""
+        if with_state and self.feed.state_url and self.follower.restore is not None:
+            self._begin = asyncio.create_task(self._state_then_read(self.feed.state_url),
+                                              name=f"kv-state-{self.worker_id}")
+        else:
+            self.reader.start()
+
+    async def _state_then_read(self, url: str) -> None:
+        t0 = time.monotonic()
+        try:
+            states = await self.follower.fetch_state(url)
+            if self.current and self.follower.restore is not None:
+                restored = self.follower.restore(self.worker_id, states)
+                self.follower.metrics.zmq_states.labels("read").inc()
+                log.info("kv_state_read", worker_id=self.worker_id, url=url, ranks=len(states), restored=restored,
+                         seconds=round(time.monotonic() - t0, 3))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an older agent, or unreachable: the engine's replay buffer is what there is
+            self.follower.metrics.zmq_states.labels("failed").inc()
+            log.warning("kv_state_unread", worker_id=self.worker_id, url=url, error=str(exc) or type(exc).__name__,
+                        hint="blocks stored before the engine's replay buffer stay unknown until evicted")
+        if self.current:
+            self.reader.start()
+
+    async def close(self) -> None:
+        if self._begin is not None:
+            self._begin.cancel()
+            await asyncio.gather(self._begin, return_exceptions=True)
+        await self.reader.close()
 
     async def _on_batch(self, source: ZmqKvSource, seq: int, payload: bytes) -> None:
         if self.current:
@@ -96,9 +144,12 @@ class _Followed(KvReadObserver):
 
 
 class ZmqFollower:
-    def __init__(self, apply: Apply, clear: Clear, metrics: KvIndexerMetrics, replay_timeout: float) -> None:
+    def __init__(self, apply: Apply, clear: Clear, metrics: KvIndexerMetrics, replay_timeout: float,
+                 restore: Restore | None = None) -> None:
         self.apply = apply
         self.clear = clear
+        self.restore = restore
+        self._session: aiohttp.ClientSession | None = None
         self.metrics = metrics
         self.replay_timeout = replay_timeout
         self.followed: dict[str, _Followed] = {}
@@ -126,7 +177,7 @@ class ZmqFollower:
         if new is not None:
             followed = self.followed[worker_id] = _Followed(self, worker_id, new)
             self.metrics.set_zmq_endpoints(worker_id, 0)
-            followed.reader.start()
+            followed.begin(with_state=action != "restart")  # (a restarted engine holds nothing yet)
         else:
             self.metrics.forget_zmq_worker(worker_id)
         self.metrics.zmq_workers.set(len(self.followed))
@@ -140,9 +191,22 @@ class ZmqFollower:
             log.info("kv_zmq_follow", worker_id=worker_id, action="leave")
         self.metrics.forget_zmq_worker(worker_id)
 
+    async def fetch_state(self, url: str) -> list[dict]:
+        """The agent's per-rank states at ``url`` (within the replay timeout); raises when unreadable."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        timeout = aiohttp.ClientTimeout(total=self.replay_timeout)
+        async with self._session.get(url, timeout=timeout) as resp:
+            if resp.status != 200:
+                raise ValueError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+            states = msgpack.unpackb(await resp.read(), raw=False, strict_map_key=False)
+        if not isinstance(states, list) or not all(isinstance(state, dict) for state in states):
+            raise ValueError("not a msgpack array of rank states")
+        return states
+
     def _retire(self, worker_id: str) -> None:
         followed = self.followed.pop(worker_id)
-        task = asyncio.create_task(followed.reader.close(), name=f"kv-zmq-close-{worker_id}")
+        task = asyncio.create_task(followed.close(), name=f"kv-zmq-close-{worker_id}")
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
@@ -166,3 +230,6 @@ class ZmqFollower:
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

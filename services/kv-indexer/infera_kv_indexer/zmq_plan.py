@@ -27,6 +27,7 @@ class WorkerFeed:
 
     started_at: float
     sources: tuple[ZmqKvSource, ...]
+    state_url: str | None = None  # the agent's whole holding of this engine (``WorkerRecord.kv_state_url``)
 
 
 #: ``keep``: nothing changed; ``start``: begin reading; ``restart``: the engine restarted (forget its
@@ -52,7 +53,7 @@ def feed_for(record: WorkerRecord) -> WorkerFeed | None:
             advertised_endpoint(endpoint, record.advertise_host),
             advertised_endpoint(replay, record.advertise_host) if replay else None,
         ))
-    return WorkerFeed(record.started_at, tuple(sources)) if sources else None
+    return WorkerFeed(record.started_at, tuple(sources), record.kv_state_url) if sources else None
 
 
 def decide(old: WorkerFeed | None, new: WorkerFeed | None) -> Action:

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from infera_common.kv_endpoints import local_endpoint, subscriber_binds
-from infera_common.kv_translate import BlockDelta, BlockTranslator, delta_relay, state_relays
+from infera_common.kv_translate import BlockDelta, BlockTranslator, delta_relay, dump_translator, state_relays
 from infera_common.kv_wire import BlockStored, KvEvent, KvWireError, RawBatch, read_batch
 from infera_common.kv_zmq import REPLAY_TIMEOUT, KvReadObserver, KvZmqReader, ZmqKvSource
 from infera_common.logs import get_logger
@@ -138,17 +138,35 @@ class KvRelayer:
             lock = self._locks[rank] = asyncio.Lock()
         return lock
 
-    async def publish_state(self) -> int:
-        """Every rank's whole holding after its last batch (``kind="state"`` relays); the parts sent."""
-        sent = 0
+    def _rank_state(self, rank: int) -> list[KvRelay]:
+        """Rank ``rank``'s whole holding after its last batch (call holding its lock)."""
+        translator, seq = self._translators.get(rank), self._last_seq.get(rank)
+        if translator is None or seq is None:
+            return []
+        return state_relays(self.worker_id, rank, seq, translator, self.index_size)
+
+    async def translator_states(self) -> list[dict]:
+        """Each rank's translator as it is after its last batch (``kv_translate.dump_translator``), with
+        that batch's seq: what lets an index that starts reading the engine's events late continue
+        from there (``{"dp_rank", "seq", "translator"}``; each taken between two of the rank's batches)."""
+        states: list[dict] = []
         for rank in sorted(self._translators):
             async with self._lock(rank):
                 translator, seq = self._translators.get(rank), self._last_seq.get(rank)
-                if translator is None or seq is None:
-                    continue
-                for relay in state_relays(self.worker_id, rank, seq, translator, self.index_size):
+                if translator is not None and seq is not None:
+                    states.append({"dp_rank": rank, "seq": seq, "translator": dump_translator(translator)})
+        return states
+
+    async def publish_state(self) -> int:
+        """``state`` published on the stream, each rank's parts between two of its batches (so the
+        stream has them in order with its relays); the parts sent (a rank's first failure ends its
+        parts: the next resync sends them whole again)."""
+        sent = 0
+        for rank in sorted(self._translators):
+            async with self._lock(rank):
+                for relay in self._rank_state(rank):
                     if not await self._send(relay):
-                        break  # the next resync sends it whole again
+                        break
                     sent += 1
         return sent
 

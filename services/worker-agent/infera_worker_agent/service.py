@@ -47,7 +47,7 @@ from infera_worker_agent.health import (
 )
 from infera_worker_agent.engine_drain import drain_engine
 from infera_worker_agent.kv_learn import EngineKv
-from infera_worker_agent.kv_probe import KvBlockSizeProbe
+from infera_worker_agent.kv_follow import STATE_PATH, KvFollower, serve_state, state_url
 from infera_worker_agent.kv_relay import KvRelayer
 from infera_worker_agent.kv_resync import ResyncListener
 from infera_worker_agent.load import scrape_engine
@@ -86,10 +86,11 @@ class Agent:
         self._session: aiohttp.ClientSession | None = None
         self._worker: RequestWorker | None = None
         self._metrics_runner = None
+        self._metrics_port = 0  # bound, once the metrics server runs
         self._stream: str | None = None
         self._started_at = time.time()
         self._kv = EngineKv(settings.kv_index_block_size)  # learnt from the running engine
-        self._kv_relayer: KvRelayer | KvBlockSizeProbe | None = None
+        self._kv_relayer: KvRelayer | KvFollower | None = None
         self._kv_resync: ResyncListener | None = None
         assert plan.pd is not None, "plan_engine reads the role from the engine's flags"
         self._pd_plan: PdPlan = plan.pd
@@ -126,12 +127,14 @@ class Agent:
     async def _run(self) -> int:
         try:
             self._metrics_runner, port = await start_metrics_server(
-                self.metrics.registry, self.s.metrics_host, self.s.metrics_port
+                self.metrics.registry, self.s.metrics_host, self.s.metrics_port,
+                routes={STATE_PATH: self._serve_kv_state},
             )
         except OSError as exc:
             log.error("metrics_port_unavailable", host=self.s.metrics_host, port=self.s.metrics_port, error=str(exc),
                       hint="pass --metrics-port 0 for a free port, or another port")
             return 2
+        self._metrics_port = port
         log.info("agent_starting", worker_id=self.worker_id, engine=self.s.engine, engine_url=self.plan.url,
                  metrics_port=port, argv=list(self.plan.argv), role=self._pd.role.value)
         for note in self._pd_plan.notes:
@@ -282,6 +285,8 @@ class Agent:
             finds_hangs=self._finds_hangs(),
             version=installed(["infera"]).get("infera", ""), ttl=self.s.discovery_ttl, started_at=self._started_at,
             **self._kv.record_fields(self.plan.advertise_host),
+            kv_state_url=(state_url(self.s.metrics_host, self.plan.advertise_host, self._metrics_port)
+                          if isinstance(self._kv_relayer, KvFollower) else None),
         )
 
     # --- prefill/decode role --------------------------------------------------------------------
@@ -305,9 +310,10 @@ class Agent:
         if not self._kv.sources:
             return
         if self.s.kv_event_transport == "zmq":  # the kv-indexer reads the publishers the record advertises
-            self._kv_relayer = KvBlockSizeProbe(
+            self._kv_relayer = KvFollower(
                 self.worker_id, self._kv.sources, self._kv.block_size,
                 replay_timeout=self.s.kv_replay_timeout, on_block_size=self._on_engine_block_size,
+                index_size_for=self._kv.index_size_for,
             )
             await self._kv_relayer.start()
             return
@@ -330,6 +336,10 @@ class Agent:
             status = self._registrar.record.status
             self._registrar.record = self._record(self._model, status)
             await self._registrar.set_status(status)
+
+    async def _serve_kv_state(self, _request):
+        relayer = self._kv_relayer
+        return await serve_state(relayer if isinstance(relayer, KvFollower) else None)
 
     async def _publish_kv(self, relay: KvRelay) -> None:
         assert self._nc is not None
