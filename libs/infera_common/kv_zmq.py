@@ -56,14 +56,23 @@ SUBSCRIBE_RETRY = 5.0
 _monitor_ids = itertools.count()
 
 
-def _close(sock: zmq.asyncio.Socket) -> None:
-    """Close ``sock``, its monitor stopped first: a SUB closed while its monitor still had an event
-    to hand over (closed just after connecting) kept three file descriptors for good."""
+def _stop_monitor(sock: zmq.asyncio.Socket) -> None:
+    """Stop ``sock``'s monitor, if it has one. Only while the monitor's reading socket is still open:
+    libzmq's I/O thread hands each event over with a blocking send, holding the socket's monitor lock,
+    and with the reading end closed that send waits for ever, and the stop with it (a reader closed
+    just as its socket connected hung its whole process; found by a clean-clone CI run, session 24)."""
     if not sock.closed:
         try:
             sock.disable_monitor()
         except zmq.ZMQError:  # it had none
             pass
+
+
+def _close(sock: zmq.asyncio.Socket) -> None:
+    """Close ``sock``, its monitor stopped first: a SUB closed while its monitor still had an event
+    to hand over (closed just after connecting) kept three file descriptors for good."""
+    if not sock.closed:
+        _stop_monitor(sock)
         sock.close(linger=0)
 
 
@@ -154,7 +163,8 @@ class KvZmqReader:
     def _start_rank(self, source: ZmqKvSource, sub: zmq.asyncio.Socket, mon: zmq.asyncio.Socket | None,
                     counted: bool = True) -> None:
         if mon is not None:
-            self._tasks.append(asyncio.create_task(self._watch(source, mon), name=f"kv-zmq-mon-{source.dp_rank}"))
+            self._tasks.append(asyncio.create_task(self._watch(source, sub, mon),
+                                                   name=f"kv-zmq-mon-{source.dp_rank}"))
         self._tasks.append(asyncio.create_task(self._run_rank(source, sub, counted), name=f"kv-zmq-{source.dp_rank}"))
 
     async def _subscribe_again(self, source: ZmqKvSource) -> None:
@@ -175,6 +185,8 @@ class KvZmqReader:
             return
 
     async def close(self) -> None:
+        for sock in self._sockets:  # before the tasks close the monitors' reading sockets (_stop_monitor)
+            _stop_monitor(sock)
         await stop_tasks(*self._tasks)
         self._tasks.clear()
         for sock in self._sockets:
@@ -205,7 +217,7 @@ class KvZmqReader:
             else:
                 sub.connect(source.endpoint)
         except zmq.ZMQError:
-            for sock in (mon, sub):
+            for sock in (sub, mon):  # the monitored socket first (_stop_monitor)
                 if sock is not None:
                     self._sockets.remove(sock)
                     _close(sock)
@@ -340,8 +352,9 @@ class KvZmqReader:
         finally:
             dealer.close(linger=0)
 
-    async def _watch(self, source: ZmqKvSource, mon: zmq.asyncio.Socket) -> None:
-        """Follow the SUB socket's monitor: report its peer coming up and going down."""
+    async def _watch(self, source: ZmqKvSource, sub: zmq.asyncio.Socket, mon: zmq.asyncio.Socket) -> None:
+        """Follow the SUB socket's monitor: report its peer coming up and going down. Its reading socket
+        ``mon`` is closed only after ``sub``'s monitor is stopped (``_stop_monitor``)."""
         up = False
         try:
             while True:
@@ -359,6 +372,7 @@ class KvZmqReader:
         finally:
             if up:
                 self.observer.connected(source, False)
+            _stop_monitor(sub)
             mon.close(linger=0)
 
     def _malformed(self, source: ZmqKvSource, why: str) -> None:
