@@ -138,12 +138,10 @@ class KvRelayer:
             lock = self._locks[rank] = asyncio.Lock()
         return lock
 
-    def _rank_state(self, rank: int) -> list[KvRelay]:
-        """Rank ``rank``'s whole holding after its last batch (call holding its lock)."""
+    def _translated(self, rank: int) -> tuple[BlockTranslator, int] | None:
+        """Rank ``rank``'s translator and the seq of its last batch (call holding its lock)."""
         translator, seq = self._translators.get(rank), self._last_seq.get(rank)
-        if translator is None or seq is None:
-            return []
-        return state_relays(self.worker_id, rank, seq, translator, self.index_size)
+        return None if translator is None or seq is None else (translator, seq)
 
     async def translator_states(self) -> list[dict]:
         """Each rank's translator as it is after its last batch (``kv_translate.dump_translator``), with
@@ -152,19 +150,20 @@ class KvRelayer:
         states: list[dict] = []
         for rank in sorted(self._translators):
             async with self._lock(rank):
-                translator, seq = self._translators.get(rank), self._last_seq.get(rank)
-                if translator is not None and seq is not None:
-                    states.append({"dp_rank": rank, "seq": seq, "translator": dump_translator(translator)})
+                if (done := self._translated(rank)) is not None:
+                    states.append({"dp_rank": rank, "seq": done[1], "translator": dump_translator(done[0])})
         return states
 
     async def publish_state(self) -> int:
-        """``state`` published on the stream, each rank's parts between two of its batches (so the
-        stream has them in order with its relays); the parts sent (a rank's first failure ends its
-        parts: the next resync sends them whole again)."""
+        """Every rank's whole holding (``kv_translate.state_relays``) published on the stream, each
+        rank's parts between two of its batches (so the stream has them in order with its relays);
+        the parts sent (a rank's first failure ends its parts: the next resync sends them whole)."""
         sent = 0
         for rank in sorted(self._translators):
             async with self._lock(rank):
-                for relay in self._rank_state(rank):
+                if (done := self._translated(rank)) is None:
+                    continue
+                for relay in state_relays(self.worker_id, rank, done[1], done[0], self.index_size):
                     if not await self._send(relay):
                         break
                     sent += 1
