@@ -21,8 +21,10 @@ from collections.abc import Awaitable, Callable, Sequence
 import msgpack
 from aiohttp import web
 
+from infera_common.kv_endpoints import url_host
 from infera_common.logs import get_logger
 from infera_common.schemas import KvRelay
+from infera_worker_agent.engine_cmd import WILDCARD_HOSTS
 from infera_worker_agent.kv_config import KvSource
 from infera_worker_agent.kv_relay import KvRelayer
 from infera_worker_agent.metrics import AgentMetrics
@@ -30,15 +32,13 @@ from infera_worker_agent.metrics import AgentMetrics
 log = get_logger("worker_agent.kv_follow")
 
 STATE_PATH = "/kv_state"
-WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 def state_url(metrics_host: str, advertise_host: str, port: int) -> str:
     """Where an index reaches ``/kv_state``: the advertise host when the metrics port listens on every
     address, else the address it listens on (127.0.0.1: this host only)."""
     host = advertise_host if metrics_host in WILDCARD_HOSTS else metrics_host
-    host = f"[{host}]" if ":" in host else host
-    return f"http://{host}:{port}{STATE_PATH}"
+    return f"http://{url_host(host)}:{port}{STATE_PATH}"
 
 
 class KvFollower:

@@ -18,6 +18,7 @@ from typing import Any
 from infera_common.logs import get_logger
 from infera_common.nats_conn import unsubscribe_quietly
 from infera_common.schemas import KvResync, decode
+from infera_common.tasks import stop_tasks
 from infera_common.subjects import KV_RESYNC
 from infera_worker_agent.kv_relay import KvRelayer
 
@@ -42,10 +43,8 @@ class ResyncListener:
         sub, self._sub = self._sub, None
         if sub is not None:
             await unsubscribe_quietly(sub)
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        task, self._task = self._task, None
+        await stop_tasks(task)
 
     async def _on_request(self, msg: Any) -> None:
         try:
