@@ -93,6 +93,10 @@ class WorkerRecord(_Msg):
     #: generate, or the stall check): a router calling the engine itself (``--request-transport
     #: http``) then sends ``alive`` frames for the requests waiting there (False: an older agent)
     finds_hangs: bool = False
+    #: the longest sequence (prompt + output tokens) the engine accepts, from its ``/v1/models``
+    #: ``max_model_len``: a frontend refuses longer requests itself, in the OpenAI error format
+    #: (None: not said, an older agent, or an engine that truncates long prompts instead)
+    context_length: int | None = None
     status: WorkerStatus = WorkerStatus.STARTING
     max_pending: int = 0  # broker-enforced pending limit (0 = unknown)
     version: str = ""

@@ -279,14 +279,16 @@ async def test_requests_given_one_x_request_id_at_once_are_served_and_cancelled_
 
 
 async def test_engine_error_passes_through_and_no_lease_is_left_behind(fleet):
-    # the frontend cannot know the engine's context length: the engine itself refuses this one
-    status, _, raw = await _post(fleet, "/v1/chat/completions", {**CHAT, "max_tokens": 10**6})
+    # a token id past the vocabulary: only the engine knows its vocabulary, so the engine refuses it
+    bad_id = {"model": MODEL, "prompt": [10**7], "max_tokens": 2}
+    status, _, raw = await _post(fleet, "/v1/completions", bad_id)
     assert status == 400, raw
-    assert "error" in json.loads(raw)
+    assert "vocabulary" in json.loads(raw)["error"]["message"]
     # a mix of every path: completed, streamed, engine error, client gone mid-stream
     async with aiohttp.ClientSession() as s:
-        for body in (CHAT, {**CHAT, "stream": True}, {**CHAT, "max_tokens": 10**6}):
-            async with s.post(fleet.url + "/v1/chat/completions", json=body) as r:
+        for path, body in (("/v1/chat/completions", CHAT), ("/v1/chat/completions", {**CHAT, "stream": True}),
+                           ("/v1/completions", bad_id)):
+            async with s.post(fleet.url + path, json=body) as r:
                 await r.read()
         resp = await s.post(fleet.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 4000, "stream": True})
         await resp.content.readline()
@@ -305,10 +307,32 @@ async def test_engine_error_passes_through_and_no_lease_is_left_behind(fleet):
 async def test_long_agentic_prompt_over_a_mebibyte_on_the_bus_is_served(fleet):
     # ~200k token ids: the JSON body plus the routing token ids exceed nats-server's 1 MiB default
     ids = [(i * 7919) % 40000 + 100 for i in range(200_000)]
-    status, _, raw = await _post(fleet, "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 2})
-    # the bundled model's context is 8192 tokens: the engine refuses it, which proves it got there
+    # vLLM's truncate_prompt_tokens lets it past the frontend's context check; the mock engine does
+    # not cut prompts, so it refuses the 200,000 tokens itself, in its own words: it got there
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "truncate_prompt_tokens": 4000}
+    status, _, raw = await _post(fleet, "/v1/completions", body)
     assert status == 400, raw[:300]
-    assert "context" in json.loads(raw)["error"]["message"].lower() or "length" in json.loads(raw)["error"]["message"].lower()
+    assert "the prompt has 200000 tokens" in json.loads(raw)["error"]["message"], raw[:300]
+
+
+def test_a_request_longer_than_the_context_length_is_refused_by_the_frontend_in_openai_words(fleet):
+    """The workers' records carry the engine's context length (8192 for the bundled model): a prompt
+    that fills it, or a prompt plus max_tokens past it, is refused before any routing, with the
+    code OpenAI clients look for."""
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="-", max_retries=0)
+    long_text = " ".join(["hello"] * 9000)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_text}], max_tokens=4)
+    err = caught.value.body
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages", err
+    assert "maximum context length is 8192 tokens" in err["message"], err
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="hello there", max_tokens=8191)  # 2 + 8191 tokens
+    err = caught.value.body
+    assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens", err
+    assert "8192" in err["message"] and "8191 in the completion" in err["message"], err
+    ok = client.completions.create(model=MODEL, prompt="hello there", max_tokens=3)  # within it: served
+    assert ok.usage.completion_tokens == 3
 
 
 async def test_kv_aware_routing_sends_a_follow_up_turn_to_the_engine_holding_its_prefix(fleet):

@@ -9,7 +9,7 @@ from infera_common.fleet import Change
 from infera_common.openai_errors import error_body, normalize_error
 from infera_common.schemas import Endpoint, WorkerRecord, WorkerStatus
 
-from infera_frontend.prepare import ModelTable
+from infera_frontend.prepare import ModelTable, Tokens, check_context
 from infera_frontend.prepare import sequences
 from infera_frontend.validation import ApiError, parse_body, request_ids
 
@@ -144,9 +144,9 @@ def test_an_engine_codes_and_types_become_openais():
     assert (err["type"], err["code"]) == ("internal_server_error", "9")
 
 
-def _rec(wid: str, model: str, status: WorkerStatus) -> WorkerRecord:
+def _rec(wid: str, model: str, status: WorkerStatus, context_length: int | None = None) -> WorkerRecord:
     return WorkerRecord(worker_id=wid, model=model, engine="mock", url="http://x", advertise_host="x",
-                        status=status, heartbeat_at=time.time())
+                        status=status, heartbeat_at=time.time(), context_length=context_length)
 
 
 def _status(table: ModelTable, model: str) -> int:
@@ -183,3 +183,50 @@ def test_model_table_follows_discovery():
 ])
 def test_the_sequences_a_request_runs_in_the_engine(endpoint, body, expected):
     assert sequences(parse_body(endpoint, json.dumps(body).encode())) == expected
+
+
+def test_the_context_length_of_a_model_is_the_longest_its_active_workers_take():
+    table = ModelTable()
+    assert table.context_length("m") is None
+    table.apply(Change("join", _rec("a", "m", WorkerStatus.ACTIVE, 4096)))
+    table.apply(Change("join", _rec("b", "m", WorkerStatus.ACTIVE, 8192)))
+    table.apply(Change("join", _rec("c", "m", WorkerStatus.STARTING, 100)))  # not routable: not counted
+    table.apply(Change("join", _rec("d", "other", WorkerStatus.ACTIVE, 1000)))
+    assert table.context_length("m") == 8192  # a request some worker takes is not refused
+    table.apply(Change("update", _rec("b", "m", WorkerStatus.DRAINING, 8192)))
+    assert table.context_length("m") == 4096
+    table.apply(Change("join", _rec("e", "m", WorkerStatus.ACTIVE)))  # an agent that does not say
+    assert table.context_length("m") is None  # it may take anything: nothing refused
+    table.apply(Change("leave", _rec("e", "m", WorkerStatus.ACTIVE)))
+    table.apply(Change("leave", _rec("a", "m", WorkerStatus.ACTIVE, 4096)))
+    assert table.context_length("m") is None and table.context_length("other") == 1000
+
+
+def _context_error(endpoint: Endpoint, body: dict, tokens: Tokens, limit: int | None) -> ApiError | None:
+    try:
+        check_context(parse_body(endpoint, json.dumps({"model": "m", **body}).encode()), tokens, limit)
+    except ApiError as err:
+        assert err.status == 400 and err.code == "context_length_exceeded"
+        return err
+    return None
+
+
+@pytest.mark.parametrize("endpoint, body, tokens, limit, param", [
+    (CHAT, {"messages": OK_MSG}, Tokens(None, 100), 100, "messages"),  # no room for one output token
+    (CHAT, {"messages": OK_MSG}, Tokens(None, 99), 100, None),
+    (CHAT, {"messages": OK_MSG, "max_tokens": 2}, Tokens(None, 99), 100, "max_tokens"),
+    (CHAT, {"messages": OK_MSG, "max_tokens": 1}, Tokens(None, 99), 100, None),
+    (CHAT, {"messages": OK_MSG, "max_completion_tokens": 2, "max_tokens": 1}, Tokens(None, 99), 100,
+     "max_completion_tokens"),
+    (Endpoint.COMPLETIONS, {"prompt": "x", "max_tokens": 50}, Tokens(None, 60), 100, "max_tokens"),
+    (Endpoint.COMPLETIONS, {"prompt": ["x", "y"]}, Tokens(None, 150, longest=90), 100, None),  # each fits
+    (Endpoint.COMPLETIONS, {"prompt": ["x", "y"]}, Tokens(None, 150, longest=100), 100, "prompt"),
+    (Endpoint.COMPLETIONS, {"prompt": "x"}, Tokens(None, 10**6), None, None),  # the fleet did not say
+    (Endpoint.COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": 50}, Tokens(None, 500), 100, None),
+    (CHAT, {"messages": OK_MSG}, Tokens(None, 0, ok=False), 100, None),  # count unknown: the engine decides
+])
+def test_a_request_past_the_context_length_is_refused_before_routing(endpoint, body, tokens, limit, param):
+    err = _context_error(endpoint, body, tokens, limit)
+    assert (err.param if err else None) == param
+    if err is not None:
+        assert f"maximum context length is {limit} tokens" in err.message

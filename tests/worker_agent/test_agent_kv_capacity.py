@@ -1,5 +1,9 @@
-"""The engine's KV capacity per DP rank, as the worker-agent reads it for the record (pure)."""
+"""The engine's KV capacity per DP rank, and its context length, as the worker-agent reads them for
+the record (pure)."""
 
+import pytest
+
+from infera_worker_agent.health import ModelCard, refused_length
 from infera_worker_agent.kv_capacity import capacity_tokens
 
 #: vLLM 0.32's info gauge: every CacheConfig field as a label (a few of them here), per DP engine.
@@ -39,3 +43,14 @@ def test_vllm_without_the_gauge_or_with_garbage_is_unknown():
     assert capacity_tokens("vllm", {"max_total_num_tokens": 5}, None) is None  # vLLM has no /server_info
     assert capacity_tokens("vllm", None, 'vllm:num_requests_running{engine="0"} 0.0\n') is None
     assert capacity_tokens("vllm", None, "not { prometheus") is None
+
+
+@pytest.mark.parametrize("card, info, expected", [
+    (ModelCard("m", 131072), {"allow_auto_truncate": False}, 131072),
+    (ModelCard("m", 131072), None, 131072),  # vLLM: no /server_info
+    (ModelCard("m", 131072), {"allow_auto_truncate": True}, None),  # SGLang cuts long prompts: not an error
+    (ModelCard("m"), {}, None),  # the engine did not say
+    (None, {}, None),
+])
+def test_the_context_length_advertised_is_the_one_the_engine_refuses_at(card, info, expected):
+    assert refused_length(card, info) == expected

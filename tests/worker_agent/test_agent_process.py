@@ -122,13 +122,14 @@ def chat(max_tokens: int, stream: bool, model: str = "smol") -> dict:
 async def test_registers_serves_streams_releases_and_reports_load(bus, agents):
     metrics_port = free_port()
     agent = agents("w-main", ["--metrics-port", str(metrics_port), "--max-pending", "7"],
-                   ["--served-model-name", "smol", "--startup-delay", "1"])
+                   ["--served-model-name", "smol", "--startup-delay", "1", "--context-length", "4096"])
     record = await bus.active("w-main")
     seen = [c.record.status for c in bus.changes if c.record.worker_id == "w-main"]
     assert seen[0] == WorkerStatus.STARTING  # announced, not routable, before health
     assert record.model == "smol"  # the engine's own /v1/models
     assert (record.engine, record.max_pending, record.ttl) == ("mock", 7, 2.0)
     assert record.kv_capacity_tokens == 16384 * 64  # the engine's KV pool, for the routers' eviction term
+    assert record.context_length == 4096  # its /v1/models max_model_len: frontends refuse longer requests
     assert record.url.startswith("http://127.0.0.1:")
     active = agent.event("worker_active", timeout=5)  # its start-up heap is out of the collector's way
     assert active is not None and active["frozen_objects"] > 10_000

@@ -20,7 +20,7 @@ from infera_frontend.exchange import Exchange
 from infera_frontend.failover import Attempts, engine_status_reason, retry_reason
 from infera_frontend.metrics import UNKNOWN_MODEL, FrontendMetrics
 from infera_frontend.prepare import (
-    OFFLOAD_CHARS, ModelTable, Tokens, check_sequences, prompt_chars, samples, sequences, tokenize,
+    OFFLOAD_CHARS, ModelTable, Tokens, check_context, check_sequences, prompt_chars, samples, sequences, tokenize,
 )
 from infera_frontend.relay import Relay
 from infera_frontend.validation import ApiError, Parsed, parse_body, request_ids
@@ -94,6 +94,7 @@ class Pipeline:
         """
         self.models.check(parsed.model)
         tokens = await self.tokens(parsed)
+        check_context(parsed, tokens, self.models.context_length(parsed.model))
         attempts = Attempts(self.max_retries)
         failed: ApiError | Exchange | None = None  # the previous attempt's answer, while retrying
         while True:

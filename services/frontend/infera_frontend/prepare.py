@@ -30,6 +30,7 @@ class ModelTable:
     def __init__(self, discovery: str = "", unlisted: UnlistedWorkers | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._workers: dict[str, tuple[str, bool]] = {}  # worker_id -> (model, active)
+        self._lengths: dict[str, dict[str, int | None]] = {}  # model -> active worker_id -> context length
         self._known: Counter[str] = Counter()
         self._active: Counter[str] = Counter()
         self.discovery = discovery
@@ -43,12 +44,17 @@ class ModelTable:
             self._known[old[0]] -= 1
             if old[1]:
                 self._active[old[0]] -= 1
+                lengths = self._lengths[old[0]]
+                lengths.pop(rec.worker_id, None)
+                if not lengths:
+                    del self._lengths[old[0]]
         if change.kind != "leave":
             active = rec.status == WorkerStatus.ACTIVE
             self._workers[rec.worker_id] = (rec.model, active)
             self._known[rec.model] += 1
             if active:
                 self._active[rec.model] += 1
+                self._lengths.setdefault(rec.model, {})[rec.worker_id] = rec.context_length
             self.unlisted.listed(rec.worker_id)
 
     def lists(self, worker_id: str) -> bool:
@@ -57,6 +63,14 @@ class ModelTable:
 
     def is_known(self, model: str) -> bool:
         return self._known[model] > 0
+
+    def context_length(self, model: str) -> int | None:
+        """The longest request some active worker of ``model`` accepts; None when one of them did
+        not say (it may accept anything) or none is active."""
+        lengths = self._lengths.get(model)
+        if not lengths or None in lengths.values():
+            return None
+        return max(lengths.values())  # type: ignore[type-var]
 
     def check(self, model: str) -> None:
         """Raise the client's error when ``model`` cannot be served now: 404 unknown, 503 none active
@@ -85,6 +99,11 @@ class Tokens:
     token_ids: Sequence[int] | None  # a list, or the validated array of a token-id prompt
     prompt_tokens: int
     ok: bool = True  # False: the engine's token ids could not be reproduced (token invariant)
+    longest: int = -1  # the longest prompt's count, for a batch (-1: ``prompt_tokens``, one prompt)
+
+    @property
+    def longest_prompt(self) -> int:
+        return self.prompt_tokens if self.longest < 0 else self.longest
 
 
 def samples(parsed: Parsed) -> int:
@@ -156,4 +175,31 @@ def tokenize(tok: ChatTokenizer, parsed: Parsed) -> Tokens:
         ids = tok.prompt_ids(prompt)
         return Tokens(ids, len(ids))
     batches = [p if isinstance(p, list) else tok.prompt_ids(p) for p in prompt]
-    return Tokens(batches[0], sum(len(b) for b in batches))
+    return Tokens(batches[0], sum(len(b) for b in batches), longest=max(len(b) for b in batches))
+
+
+def check_context(parsed: Parsed, tokens: Tokens, limit: int | None) -> None:
+    """400 ``context_length_exceeded`` when the request cannot fit the model's context length
+    (``limit``, the longest any of its workers takes): a prompt of ``limit`` tokens or more leaves
+    no room for one output token, and a prompt plus the ``max_tokens`` asked must fit. Every engine
+    would refuse the same request after its routing; the frontend says it first, the same way for
+    every engine. Not checked without a limit, for prompts whose count is not known (token
+    invariant), or when the client asks vLLM to cut the prompt down (``truncate_prompt_tokens``)."""
+    data = parsed.data
+    if limit is None or not tokens.ok or data.get("truncate_prompt_tokens") is not None:
+        return
+    chat = parsed.endpoint == Endpoint.CHAT
+    where = "messages" if chat else "prompt"
+    prompt = tokens.longest_prompt
+    if prompt >= limit:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, your {where} "
+                       f"resulted in {prompt} tokens, leaving no room for the completion. Please reduce the "
+                       f"length of the {where}.", type="invalid_request_error", param=where,
+                       code="context_length_exceeded")
+    key = "max_completion_tokens" if chat and data.get("max_completion_tokens") is not None else "max_tokens"
+    wanted = data.get(key)
+    if wanted is not None and prompt + wanted > limit:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                       f"{prompt + wanted} tokens ({prompt} in the {where}, {wanted} in the completion). Please "
+                       f"reduce the length of the {where} or `{key}`.", type="invalid_request_error", param=key,
+                       code="context_length_exceeded")

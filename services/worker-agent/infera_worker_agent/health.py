@@ -311,15 +311,35 @@ async def wait_healthy(
         exited.cancel()
 
 
-async def served_model(session: aiohttp.ClientSession, base_url: str, attempts: int = 10) -> str | None:
-    """The model id the engine serves, from its /v1/models (first entry)."""
+@dataclass(frozen=True, slots=True)
+class ModelCard:
+    """The first entry of the engine's ``/v1/models``: the served name and its ``max_model_len``
+    (SGLang and vLLM both give the model's context length there; None when absent)."""
+
+    id: str
+    max_model_len: int | None = None
+
+
+def refused_length(card: ModelCard | None, server_info: dict[str, Any] | None) -> int | None:
+    """The context length the engine refuses prompts at (the record's ``context_length``): the
+    card's ``max_model_len``, unless the engine cuts long prompts down instead (SGLang's
+    ``--allow-auto-truncate``, in its ``/server_info``), when a client's long prompt is not an error."""
+    if card is None or (server_info or {}).get("allow_auto_truncate") is True:
+        return None
+    return card.max_model_len
+
+
+async def served_model(session: aiohttp.ClientSession, base_url: str, attempts: int = 10) -> ModelCard | None:
+    """The model the engine serves, from its /v1/models (first entry)."""
     for attempt in range(attempts):
         try:
             async with session.get(f"{base_url}/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 if resp.status == 200:
                     data = (await resp.json(content_type=None)).get("data") or []
                     if data and isinstance(data[0], dict) and data[0].get("id"):
-                        return str(data[0]["id"])
+                        length = data[0].get("max_model_len")
+                        valid = isinstance(length, int) and not isinstance(length, bool) and length > 0
+                        return ModelCard(str(data[0]["id"]), length if valid else None)
                 log.warning("engine_models_unusable", status=resp.status, attempt=attempt)
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError, AttributeError) as exc:
             log.warning("engine_models_failed", error=str(exc) or type(exc).__name__, attempt=attempt)

@@ -43,7 +43,7 @@ from infera_worker_agent.engine_proc import EngineProcess, exit_status
 from infera_worker_agent.engine_watch import EngineWatch, finds_hangs
 from infera_worker_agent.interpreter_probe import installed
 from infera_worker_agent.health import (
-    Startup, bootstrap_ranks, engine_json, served_model, wait_healthy,
+    Startup, bootstrap_ranks, engine_json, refused_length, served_model, wait_healthy,
 )
 from infera_worker_agent.engine_drain import drain_engine
 from infera_worker_agent.kv_learn import EngineKv
@@ -82,6 +82,7 @@ class Agent:
         self._nc: NATS | None = None
         self._registrar: FleetRegistrar | None = None
         self._model = self.plan.model_hint or "unknown"  # the served model, told in load reports
+        self._context_length: int | None = None  # the engine's, once healthy (record: context_length)
         self._engine: EngineProcess | None = None
         self._session: aiohttp.ClientSession | None = None
         self._worker: RequestWorker | None = None
@@ -159,9 +160,11 @@ class Agent:
         if startup is not Startup.HEALTHY:
             return await self._startup_failed(startup)
 
-        model = await served_model(self._session, self.plan.local_url) or self.plan.model_hint or "unknown"
+        card = await served_model(self._session, self.plan.local_url)
+        model = card.id if card else self.plan.model_hint or "unknown"
         info = await engine_json(self._session, f"{self.plan.local_url}/server_info")
         info = info if isinstance(info, dict) else None
+        self._context_length = refused_length(card, info)
         await self._kv.learn(self._session, self.plan, info)
         await self._learn_pd(info)
         js = self._nc.jetstream() if self._nc is not None else None
@@ -282,7 +285,7 @@ class Agent:
             url=self.plan.url, advertise_host=self.plan.advertise_host,
             discovery_backend=self.s.discovery_backend, request_transport=self.s.request_transport,
             kv_event_transport=self.s.kv_event_transport, status=status, max_pending=self.s.max_pending,
-            finds_hangs=self._finds_hangs(),
+            finds_hangs=self._finds_hangs(), context_length=self._context_length,
             version=installed(["infera"]).get("infera", ""), ttl=self.s.discovery_ttl, started_at=self._started_at,
             **self._kv.record_fields(self.plan.advertise_host),
             kv_state_url=(state_url(self.s.metrics_host, self.plan.advertise_host, self._metrics_port)
