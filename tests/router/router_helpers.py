@@ -22,8 +22,8 @@ def update(wid: str, model: str = "m", status: WorkerStatus = WorkerStatus.ACTIV
     return Change("update", record(wid, model, status))
 
 
-def leave(wid: str, model: str = "m") -> Change:
-    return Change("leave", record(wid, model))
+def leave(wid: str, model: str = "m", **kw) -> Change:
+    return Change("leave", record(wid, model, **kw))
 
 
 def route_request(model: str = "m", request_id: str = "r", prompt_tokens: int = 0,

@@ -85,21 +85,61 @@ def test_a_request_for_several_samples_counts_each_of_them():
     assert (worker.in_flight, worker.in_flight_sequences, worker.decode_tokens) == (0, 0, 0)
 
 
-def test_leaving_worker_takes_its_leases_and_load_with_it():
+def test_a_worker_gone_past_its_grace_takes_its_leases_and_load_with_it():
     c = core()
-    c.apply_change(join("a"))
+    c.apply_change(join("a", started_at=5.0))
     c.apply_change(join("b"))
     a, b = c.fleet.get("a"), c.fleet.get("b")
     assert c.apply_load(load("a", in_flight=3))
     held = [c.acquire(a, route_request(), 1.0) for _ in range(3)]
     c.acquire(b, route_request(), 1.0)
-    dropped = c.apply_change(leave("a"))
-    assert sorted(x.lease_id for x in dropped) == sorted(x.lease_id for x in held)
-    assert c.leases.counts() == {"b": 1}
+    assert c.apply_change(leave("a", started_at=5.0, ttl=6.0), now=10.0) == []
+    assert c.departed("a") and c.leases.counts() == {"a": 3, "b": 1}  # kept, for one discovery TTL
+    assert c.departures(15.9) == []
+    [(gone, dropped)] = c.departures(16.0)
+    assert gone == "a" and sorted(x.lease_id for x in dropped) == sorted(x.lease_id for x in held)
+    assert c.leases.counts() == {"b": 1} and not c.departed("a")
     assert all(c.release(x.lease_id) is None for x in held)  # late releases are ignored
-    c.apply_change(join("a"))  # it comes back fresh
+    c.apply_change(join("a", started_at=5.0))  # it comes back fresh
     fresh = c.fleet.get("a")
     assert fresh.load is None and fresh.in_flight == 0
+
+
+def test_a_worker_back_within_its_grace_counts_its_leases_again():
+    """Discovery lost it for a moment (an etcd stall, a broker outage): its requests ran on."""
+    c = core()
+    c.apply_change(join("a", started_at=5.0))
+    c.apply_change(join("b"))
+    held = [c.acquire(c.fleet.get("a"), route_request(prompt_tokens=40), 1.0) for _ in range(2)]
+    c.apply_change(leave("a", started_at=5.0), now=10.0)
+    assert c.plan(route_request()).order == [c.fleet.get("b")]  # gone from routing meanwhile
+    c.release(held[0].lease_id, "ok", 11.0)  # its agent answers through the outage
+    c.apply_change(join("a", started_at=5.0), now=12.0)
+    back = c.fleet.get("a")
+    assert (back.in_flight, back.in_flight_tokens, back.prefill_tokens) == (1, 40, 40)
+    assert c.departures(100.0) == []  # nothing dropped later
+    c.release(held[1].lease_id, "ok", 13.0)
+    assert (back.in_flight, back.in_flight_tokens, back.prefill_tokens) == (0, 0, 0)
+
+
+def test_a_worker_back_from_another_start_drops_the_leases_of_the_old_one():
+    c = core()
+    c.apply_change(join("a", started_at=5.0))
+    held = c.acquire(c.fleet.get("a"), route_request(), 1.0)
+    c.apply_change(leave("a", started_at=5.0), now=10.0)
+    dropped = c.apply_change(join("a", started_at=11.0), now=11.5)  # its agent restarted: nothing runs there
+    assert [x.lease_id for x in dropped] == [held.lease_id] and c.fleet.get("a").in_flight == 0
+    assert c.release(held.lease_id, "ok") is None
+
+
+def test_leases_of_a_router_calling_the_engine_itself_stay_until_its_calls_end():
+    c = RouterCore(RoundRobin(), "r1", 100.0, request_transport="http")
+    c.apply_change(join("a", request_transport="http"))
+    lease = c.acquire(c.fleet.get("a"), route_request(), 1.0)
+    c.apply_change(leave("a", request_transport="http"), now=2.0)
+    assert c.departures(10**6) == [] and c.departed("a")  # its own call ends it, answered or failed
+    assert c.release(lease.lease_id, "error", 3.0) is not None
+    assert not c.departed("a") and len(c.leases) == 0 and c.breaker.snapshot(3.0) == {}  # forgotten with it
 
 
 def test_load_report_from_unknown_worker_is_ignored():
@@ -140,10 +180,11 @@ def test_counters_match_leases_after_many_mixed_operations():
         now += rng.random()
         op = rng.random()
         wid = f"w{rng.randrange(4)}"
-        if op < 0.05:
-            c.apply_change(leave(wid))
+        if op < 0.05:  # with leases: kept for a TTL, back with the same start or another (restarted)
+            c.apply_change(leave(wid, started_at=1.0), now=now)
         elif op < 0.15:
-            c.apply_change(join(wid, status=rng.choice(list(WorkerStatus))))
+            c.apply_change(join(wid, status=rng.choice(list(WorkerStatus)), started_at=rng.choice((1.0, 1.0, 2.0))),
+                           now=now)
         elif op < 0.6:
             plan = c.plan(route_request(prompt_tokens=rng.randrange(50)))
             if plan.status == 200:
@@ -170,9 +211,11 @@ def test_counters_match_leases_after_many_mixed_operations():
             assert w.in_flight_sequences == sum(x.sequences for x in held)
             assert w.decode_tokens == sum(x.prompt_tokens * x.samples for x in held if x.prefilled)
             assert w.prefill_tokens == sum(x.prefill_tokens for x in held if not x.prefilled)
-        assert set(counts) <= {w.worker_id for w in c.fleet.workers()}
+        assert set(counts) <= {w.worker_id for w in c.fleet.workers()} | set(c._departed)
+        c.departures(now)
     for w in c.fleet.workers():
         c.apply_change(leave(w.worker_id))
+    c.departures(now + 10)
     assert len(c.leases) == 0 and len(c.fleet) == 0
 
 

@@ -70,7 +70,9 @@ def test_a_leaving_dp_worker_takes_every_rank_s_leases():
     for i in range(3):
         target = c.plan(route_request(request_id=str(i))).order[0]
         c.acquire(target, route_request(request_id=str(i), token_ids=TOKENS), 0.0, hashes=[1, 2, 3])
-    assert len(c.apply_change(leave("w"))) == 3 and len(c.inflight) == 0
+    c.apply_change(leave("w"), now=1.0)
+    [(_, dropped)] = c.departures(1.0 + 6.0)
+    assert len(dropped) == 3 and len(c.inflight) == 0
 
 
 async def test_the_envelope_pins_the_chosen_rank_for_both_engines(bench):

@@ -203,8 +203,8 @@ async def test_release_frees_the_lease_and_unknown_release_is_counted(bench):
     assert bench.metric("infera_router_lease_releases_total", outcome="ok") == 1
 
 
-async def test_worker_leaving_discovery_drops_its_leases_and_tells_their_requesters(bench):
-    await bench.worker("a")
+async def test_worker_gone_from_discovery_past_its_ttl_drops_its_leases_and_tells_their_requesters(bench):
+    await bench.worker("a", ttl=1.0)
     await bench.worker("b")
     inboxes = [f"_INBOX.client.{i}" for i in range(4)]
     heard = await bench.nc.subscribe("_INBOX.client.*")
@@ -213,7 +213,8 @@ async def test_worker_leaving_discovery_drops_its_leases_and_tells_their_request
     assert bench.leases("a") == 2
     await bench.registrars.pop("a").stop()  # its agent is gone: nothing will answer q0 and q2
     await eventually(lambda: bench.router.core.fleet.get("a") is None)
-    told = [await heard.next_msg(timeout=2) for _ in range(2)]
+    assert bench.leases("a") == 2  # kept for one TTL: an agent that discovery lost for a moment comes back
+    told = [await heard.next_msg(timeout=4) for _ in range(2)]
     assert sorted(m.subject for m in told) == [inboxes[0], inboxes[2]]
     frames = [decode_frame(m.data) for m in told]
     assert {(f.kind, f.status) for f in frames} == {("error", 502)} and "worker a left" in frames[0].message
@@ -225,13 +226,36 @@ async def test_worker_leaving_discovery_drops_its_leases_and_tells_their_request
     assert [(await bench.route()).worker_id for _ in range(2)] == ["b", "b"]
 
 
+async def test_a_worker_back_in_discovery_within_its_ttl_keeps_its_requests(bench):
+    """A discovery blip (etcd stalled past the TTL, a broker outage): the worker left every view and
+    its agent put the same record again. Its requests ran on: nobody is told they failed, and they
+    count on it again until its agent releases them."""
+    reg = await bench.worker("a", ttl=1.0)
+    inbox = "_INBOX.client.blip"
+    heard = await bench.nc.subscribe(inbox)
+    reply = await bench.route(request_id="q-blip", reply_subject=inbox)
+    await bench.registrars.pop("a").stop()
+    await eventually(lambda: bench.router.core.fleet.get("a") is None)
+    again = Registrar(bench.js, reg.record)  # the same engine start
+    await again.start()
+    bench.registrars["a"] = again
+    await eventually(lambda: bench.router.core.fleet.get("a") is not None)
+    assert bench.router.core.fleet.get("a").in_flight == 1
+    with pytest.raises(nats.errors.TimeoutError):  # well past its TTL: nothing said to the requester
+        await heard.next_msg(timeout=2.5)
+    release = Release(lease_id=reply.lease_id, worker_id="a", outcome="ok")
+    await bench.nc.publish(router_release_subject(reply.router_id), encode(release))
+    await eventually(lambda: bench.leases("a") == 0 and bench.router.core.fleet.get("a").in_flight == 0)
+    assert bench.metric("infera_router_leases_dropped_total", reason="worker_left") == 0
+
+
 @pytest.mark.parametrize("stream_kept", [False, True], ids=["stream-gone", "stored-then-left"])
 async def test_a_worker_that_leaves_while_a_request_awaits_its_ack_is_not_charged_to_the_next_one(bench, stream_kept):
     """The worker leaves between the lease and the broker's ack. Gone with its stream: the request
     goes to the next worker and its requester hears nothing of the first (a 502 sent at the leave
     reached the frontend before the route reply and was charged to the worker that reply named).
-    Stored before it went: the reply names it, and only then is the requester told it left."""
-    await bench.worker("a")
+    Stored before it went: the reply names it, and only then (one TTL on) is the requester told it left."""
+    await bench.worker("a", ttl=1.0)
     await bench.worker("b")
     inbox = "_INBOX.client.ack"
     heard = await bench.nc.subscribe(inbox)
@@ -251,7 +275,7 @@ async def test_a_worker_that_leaves_while_a_request_awaits_its_ack_is_not_charge
     assert reply.status == 200
     if stream_kept:
         assert reply.worker_id == "a"
-        frame = decode_frame((await heard.next_msg(timeout=2)).data)
+        frame = decode_frame((await heard.next_msg(timeout=4)).data)  # once its TTL has passed
         assert (frame.kind, frame.status) == ("error", 502) and "worker a left" in frame.message
     else:
         assert reply.worker_id == "b" and bench.leases("b") == 1

@@ -7,10 +7,11 @@ The NATS adapter (``service.py``) calls it and does the publishing.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from infera_common.fleet import Change
-from infera_common.schemas import LoadReport, OverlapQuery, Role, RouteRequest
+from infera_common.schemas import LoadReport, OverlapQuery, Role, RouteRequest, WorkerRecord
 
 from infera_router.breaker import CircuitBreaker, Outcome as BreakerOutcome, Transition
 from infera_router.inflight_blocks import LINGER, InflightBlocks
@@ -46,6 +47,15 @@ class Plan:
         return bool(self.decode)
 
 
+@dataclass(slots=True)
+class Departed:
+    """A worker that left discovery with leases of this router still running there."""
+
+    until: float  # monotonic: its leases are dropped then, unless it joins again first
+    targets: list[str]  # the worker's and its DP ranks' ids: their prompts in flight (``inflight``)
+    started_at: float  # its record's: back with another, it is another agent, which has none of them
+
+
 class RouterCore:
     def __init__(self, policy: Policy, lease_prefix: str, lease_max_age: float,
                  sessions: SessionTable | None = None, breaker: CircuitBreaker | None = None,
@@ -64,6 +74,7 @@ class RouterCore:
         self.leases = LeaseTable(lease_prefix)
         self.inflight = InflightBlocks()
         self.lease_max_age = lease_max_age
+        self._departed: dict[str, Departed] = {}
 
     # --- routing -------------------------------------------------------------------------
     def candidates(self, request: RouteRequest) -> Plan:
@@ -204,12 +215,19 @@ class RouterCore:
         if hashes:
             lease.hashes = hashes
             self.inflight.add(worker.worker_id, hashes)  # per target: a DP rank has its own
-        for counted in self._counted(lease):
-            counted.in_flight += 1
-            counted.in_flight_tokens += lease.prompt_tokens
-            counted.in_flight_sequences += lease.sequences
-            counted.prefill_tokens += lease.prefill_tokens
+        self._count(lease, 1)
         return lease
+
+    def _count(self, lease: Lease, sign: int) -> None:
+        """Add (1) or take away (-1) the lease in its worker's counters."""
+        for worker in self._counted(lease):
+            worker.in_flight += sign
+            worker.in_flight_tokens += sign * lease.prompt_tokens
+            worker.in_flight_sequences += sign * lease.sequences
+            if lease.prefilled:
+                worker.decode_tokens += sign * lease.decode_tokens
+            else:
+                worker.prefill_tokens += sign * lease.prefill_tokens
 
     def _counted(self, lease: Lease) -> list[WorkerState]:
         """The states whose counters a lease moves: its worker and, for a DP rank, that rank's target."""
@@ -267,29 +285,72 @@ class RouterCore:
             self.inflight.linger(lease.target_id, lease.hashes, self.clock + LINGER)
         else:
             self.inflight.remove(lease.target_id, lease.hashes)
-        for worker in self._counted(lease):
-            worker.in_flight -= 1
-            worker.in_flight_tokens -= lease.prompt_tokens
-            worker.in_flight_sequences -= lease.sequences
-            if lease.prefilled:
-                worker.decode_tokens -= lease.decode_tokens
-            else:
-                worker.prefill_tokens -= lease.prefill_tokens
+        self._count(lease, -1)
+        departed = self._departed.get(lease.worker_id)
+        if departed is not None and not self.leases.count(lease.worker_id):  # its last one: nothing to keep
+            del self._departed[lease.worker_id]
+            self._forget(lease.worker_id, departed.targets)
 
     # --- fleet ---------------------------------------------------------------------------
-    def apply_change(self, change: Change) -> list[Lease]:
-        """Apply a discovery change; a leaving worker takes all its leases with it (returned)."""
-        old = self.fleet.get(change.record.worker_id)
+    def apply_change(self, change: Change, now: float | None = None) -> list[Lease]:
+        """Apply a discovery change; returns the leases it dropped.
+
+        A worker that leaves with leases of this router keeps them for ``leave_grace``: discovery can
+        lose a worker that still serves (an etcd stall past the TTL, a broker outage: every watcher
+        sees it leave, and its agent puts its record again moments later), and failing or forgetting
+        its requests then would cut answers under way. Back within the grace with the same
+        ``started_at``, its leases count on it again; back with another (its agent or engine
+        restarted: nothing of them runs there) they are dropped; not back, ``departures`` drops them.
+        Without leases it is forgotten at once."""
+        if now is not None:
+            self.clock = max(self.clock, now)
+        record = change.record
+        worker_id = record.worker_id
+        old = self.fleet.get(worker_id)
         self.fleet.apply(change)
-        if change.kind == "leave":
-            for target in old.targets if old is not None else []:
-                self.inflight.drop_worker(target.worker_id)
-            self.breaker.forget(change.record.worker_id)
-            dropped = self.leases.drop_worker(change.record.worker_id)
-            for lease in dropped:  # the session keeps its binding: the next lookup falls back
-                self.sessions.end(lease, None, self.clock)
-            return dropped
+        if change.kind != "leave":
+            departed = self._departed.pop(worker_id, None) if old is None else None
+            if departed is None:
+                return []
+            if departed.started_at != record.started_at:
+                return self._drop_departed(worker_id, departed)
+            for lease in self.leases.held(worker_id):  # back: its leases count on it again
+                self._count(lease, 1)
+            return []
+        targets = [t.worker_id for t in old.targets] if old is not None else [worker_id]
+        if self.leases.count(worker_id):
+            self._departed[worker_id] = Departed(self.clock + self.leave_grace(record), targets, record.started_at)
+        else:
+            self._forget(worker_id, targets)
         return []
+
+    def leave_grace(self, record: WorkerRecord) -> float:
+        """How long a leaving worker's leases are kept: on ``--request-transport http`` until they end
+        (they are this router's own engine calls, which end by themselves if the engine is gone);
+        else one discovery TTL of the worker, within which a live agent puts its record again."""
+        return math.inf if self.request_transport == "http" else record.ttl
+
+    def departures(self, now: float) -> list[tuple[str, list[Lease]]]:
+        """The workers gone for longer than their grace, each with the leases dropped with it (their
+        requests will not be answered by it: the adapter tells their requesters)."""
+        self.clock = max(self.clock, now)
+        due = [wid for wid, d in self._departed.items() if d.until <= now]
+        return [(wid, self._drop_departed(wid, self._departed.pop(wid))) for wid in due]
+
+    def _drop_departed(self, worker_id: str, departed: Departed) -> list[Lease]:
+        dropped = self.leases.drop_worker(worker_id)
+        for lease in dropped:  # the session keeps its binding: the next lookup falls back
+            self.sessions.end(lease, None, self.clock)
+        self._forget(worker_id, departed.targets)
+        return dropped
+
+    def departed(self, worker_id: str) -> bool:
+        return worker_id in self._departed
+
+    def _forget(self, worker_id: str, targets: list[str]) -> None:
+        for target in targets:
+            self.inflight.drop_worker(target)
+        self.breaker.forget(worker_id)
 
     def apply_load(self, report: LoadReport) -> bool:
         """Keep a worker's load report; from an agent that splits its count by router, the requests of

@@ -187,17 +187,15 @@ class RouterService(RoutePath):
         self._listed_or_told.add(record.worker_id)  # a leaving worker's trailing load reports are no mix
         old = self.core.fleet.get(record.worker_id)
         before = (old.model, old.record.status) if old is not None else None
-        dropped = self.core.apply_change(change)
+        if dropped := self.core.apply_change(change, time.monotonic()):  # back from another start
+            self._spawn(self._worker_gone(record.worker_id, dropped))
         if change.kind == "leave":
             self.metrics.forget_worker(record.worker_id)
             if self._dispatcher is not None:
-                self._spawn(self._dispatcher.worker_left(record.worker_id, dropped))
-            if dropped:
-                self.metrics.leases_dropped.labels("worker_left").inc(len(dropped))
-                actions = self.pairs.worker_left(record.worker_id, [lease.lease_id for lease in dropped])
-                if actions and self._pd is not None:
-                    self._spawn(self._pd.execute(actions))
-            log.info("worker_left", worker_id=record.worker_id, model=record.model, leases_dropped=len(dropped))
+                self._spawn(self._dispatcher.worker_left(record.worker_id, []))
+            kept = self.core.leases.count(record.worker_id)
+            log.info("worker_left", worker_id=record.worker_id, model=record.model, leases_kept=kept,
+                     **({"kept_for_s": self.core.leave_grace(record)} if kept else {}))
         elif before == (record.model, record.status):
             return  # a heartbeat
         else:
@@ -268,7 +266,7 @@ class RouterService(RoutePath):
             self.metrics.prefilled.inc()
 
     async def _sweep(self) -> None:
-        interval = max(0.05, min(5.0, self.settings.lease_max_age / 10))
+        interval = max(0.05, min(1.0, self.settings.lease_max_age / 10))  # also a leaving worker's grace
         while True:
             await asyncio.sleep(interval)
             now = time.monotonic()
@@ -279,6 +277,8 @@ class RouterService(RoutePath):
             self._breaker_metrics()
             for worker_id, state in self.core.breaker.snapshot(now).items():  # open -> half_open with time
                 self.metrics.set_breaker_state(worker_id, state.state.value)
+            for worker_id, gone in self.core.departures(now):
+                self._spawn(self._worker_gone(worker_id, gone))
             dropped = self.core.expire(now)
             if not dropped:
                 continue
@@ -291,6 +291,20 @@ class RouterService(RoutePath):
                 "leases_expired", count=len(dropped), max_age=self.settings.lease_max_age,
                 workers=sorted({lease.worker_id for lease in dropped}),
             )
+
+    async def _worker_gone(self, worker_id: str, dropped: list[Lease]) -> None:
+        """A worker stayed out of discovery past its grace: its leases are dropped, their requesters
+        told (NATS request plane), their PD pairs failed."""
+        self.metrics.leases_dropped.labels("worker_left").inc(len(dropped))
+        log.warning("worker_gone", worker_id=worker_id, leases_dropped=len(dropped))
+        actions = self.pairs.worker_left(worker_id, [lease.lease_id for lease in dropped])
+        try:
+            if self._dispatcher is not None:
+                await self._dispatcher.worker_left(worker_id, dropped)
+            if actions and self._pd is not None:
+                await self._pd.execute(actions)
+        except Exception:  # (a spawned task: nothing else would say it failed)
+            log.exception("worker_gone_failed", worker_id=worker_id)
 
     def _lease_gauge(self, lease: Lease) -> None:
         worker = self.core.fleet.get(lease.worker_id)
