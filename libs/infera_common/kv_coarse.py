@@ -28,6 +28,7 @@ from __future__ import annotations
 from xxhash import xxh3_64_intdigest
 
 from infera_common.block_hash import ROOT, pack_tokens
+from infera_common.int_columns import pack_map, unpack_map
 
 _OFFSET_BITS = 32  # a page's key: run id << 32 | its offset in the run
 _OFFSET_MASK = (1 << _OFFSET_BITS) - 1
@@ -137,25 +138,30 @@ class CoarsePages:
 
 
 def dump_pages(coarse: CoarsePages) -> dict:
-    """Everything ``load_pages`` needs to rebuild ``coarse`` (plain msgpack-able values)."""
+    """Everything ``load_pages`` needs to rebuild ``coarse`` (plain msgpack-able values; its pages and
+    block counts as integer columns, ``int_columns``)."""
     return {
         "page_size": coarse.page_size, "index_size": coarse.index_size, "next": coarse._next,
-        "pages": [[h, key] for h, key in coarse.pages.items()],
+        "pages": pack_map(coarse.pages), "refs": pack_map(coarse.refs),
         "runs": [[rid, r.parent, r.data, r.lead, r.blocks, r.live] for rid, r in coarse._runs.items()],
     }
 
 
 def load_pages(state: dict) -> CoarsePages:
-    """The ``CoarsePages`` ``dump_pages`` described; its block counts recomputed from its pages.
-    Raises ``ValueError`` (or ``KeyError``/``TypeError``) on a malformed state."""
+    """The ``CoarsePages`` ``dump_pages`` described. Raises ``ValueError`` (or ``KeyError``/
+    ``TypeError``) on a malformed state. A dump without ``refs`` (an older agent's, pages as pairs)
+    has its block counts recomputed from its pages, page by page."""
     coarse = CoarsePages(int(state["page_size"]), int(state["index_size"]))
     coarse._next = int(state["next"])
     for rid, parent, data, lead, blocks, live in state["runs"]:
         coarse._runs[int(rid)] = _Run(int(parent), bytes(data), int(lead), [int(b) for b in blocks], int(live))
+    coarse.pages = unpack_map(state["pages"])
+    if "refs" in state:
+        coarse.refs = unpack_map(state["refs"])
+        return coarse
     refs = coarse.refs
-    for engine_hash, key in state["pages"]:
+    for key in coarse.pages.values():
         run = coarse._runs[key >> _OFFSET_BITS]  # KeyError: a page of no run
-        coarse.pages[int(engine_hash)] = int(key)
         done, inside = divmod(run.lead + (key & _OFFSET_MASK) + 1, coarse._k)
         if not inside:  # the page completes a block, which it holds
             block = run.blocks[done - 1]

@@ -27,10 +27,12 @@ relays).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from infera_common.block_hash import ROOT, block_hashes, pack_hashes
+from infera_common.int_columns import pack_map, unpack_map
 from infera_common.kv_coarse import CoarsePages, dump_pages, load_pages
 from infera_common.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from infera_common.schemas import KvRelay
@@ -261,11 +263,12 @@ class BlockTranslator:
 
 def dump_translator(translator: BlockTranslator) -> dict:
     """Everything ``load_translator`` needs to continue where ``translator`` is (plain msgpack-able
-    values): per block size its map engine hash -> index hash, and its folded pages. A translator
-    that follows the same engine events from there gives the same changes as this one would."""
+    values): per block size its map engine hash -> index hash (integer columns, ``int_columns``),
+    and its folded pages. A translator that follows the same engine events from there gives the
+    same changes as this one would."""
     return {
         "index_size": translator.index_size,
-        "sizes": {size: [[e, i] for e, i in blocks.engine.items()] for size, blocks in translator._sizes.items()},
+        "sizes": {size: pack_map(blocks.engine) for size, blocks in translator._sizes.items()},
         "coarse": [dump_pages(c) for c in translator._coarse.values()],
     }
 
@@ -275,11 +278,10 @@ def load_translator(state: dict) -> BlockTranslator:
     ``KeyError`` or ``TypeError`` on a malformed state."""
     index_size = state["index_size"]
     translator = BlockTranslator(None if index_size is None else int(index_size))
-    for size, pairs in state["sizes"].items():
+    for size, engine in state["sizes"].items():
         blocks = translator._sizes[int(size)] = _Blocks()
-        for engine_hash, index_hash in pairs:
-            blocks.engine[int(engine_hash)] = int(index_hash)
-            blocks.refs[int(index_hash)] = blocks.refs.get(int(index_hash), 0) + 1
+        blocks.engine = unpack_map(engine)
+        blocks.refs = dict(Counter(blocks.engine.values()))  # index hash -> engine hashes naming it
     for pages in state["coarse"]:
         coarse = load_pages(pages)
         translator._coarse[coarse.page_size] = coarse

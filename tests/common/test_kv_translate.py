@@ -9,6 +9,7 @@ import msgpack
 import pytest
 
 from infera_common.block_hash import block_hashes, unpack_hashes
+from infera_common.int_columns import pack_column, unpack_column, unpack_map
 from infera_common.kv_translate import BlockDelta, BlockTranslator, delta_relay, dump_translator, load_translator
 from infera_common.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -373,19 +374,51 @@ def test_a_bad_token_inside_a_run_of_one_page_events_costs_that_event_and_what_h
     assert d.stored == {2: set(block_hashes([5, 6], 2))}
 
 
+def _older_dump(state: dict) -> dict:
+    """A dump as agents wrote it before session 25: maps as lists of pairs, no folded block counts."""
+    pairs = lambda packed: [list(kv) for kv in unpack_map(packed).items()]  # noqa: E731
+    return {**state, "sizes": {size: pairs(m) for size, m in state["sizes"].items()},
+            "coarse": [{k: pairs(v) if k == "pages" else v for k, v in c.items() if k != "refs"}
+                       for c in state["coarse"]]}
+
+
+def _hashes_from(offset: int, events: list) -> list:
+    """The events with every engine hash moved by ``offset`` (SGLang's are signed 64-bit, vLLM's not)."""
+    moved = lambda h: None if h is None else h + offset  # noqa: E731
+    return [BlockStored([moved(h) for h in e.block_hashes], moved(e.parent_block_hash), e.token_ids, e.block_size)
+            if type(e) is BlockStored else BlockRemoved([moved(h) for h in e.block_hashes])
+            if type(e) is BlockRemoved else e for e in events]
+
+
+@pytest.mark.parametrize("hashes", [0, -(1 << 63), (1 << 64) - 10**6], ids=["small", "signed", "unsigned"])
+@pytest.mark.parametrize("dump", ["columns", "older-pairs"])
 @pytest.mark.parametrize("index_size", [None, 8], ids=["pages", "folded-pages"])
-def test_a_translator_rebuilt_from_its_dump_continues_exactly_as_the_original(index_size):
+def test_a_translator_rebuilt_from_its_dump_continues_exactly_as_the_original(index_size, dump, hashes):
     """What an index reads from the worker-agent (``/kv_state``) when it starts following an engine
     late: the next batches, stored on top of old blocks or removing them, must give the same changes
-    as the translator that saw the whole history (not orphans, not unknown removals)."""
-    batches = random_batches(11, 300)
+    as the translator that saw the whole history (not orphans, not unknown removals). Whatever the
+    engine's hash range, and from an older agent's dump too."""
+    batches = [_hashes_from(hashes, events) for events in random_batches(11, 300)]
     original = BlockTranslator(index_size)
     for events in batches[:150]:
         original.apply(events)
-    restored = load_translator(msgpack.unpackb(msgpack.packb(dump_translator(original)), strict_map_key=False))
+    state = dump_translator(original)
+    state = _older_dump(state) if dump == "older-pairs" else state
+    restored = load_translator(msgpack.unpackb(msgpack.packb(state), strict_map_key=False))
     assert {s: set(h) for s, h in restored.held().items()} == {s: set(h) for s, h in original.held().items()}
     for events in batches[150:]:
         a, b = original.apply(events), restored.apply(events)
         assert (a.reset, a.stored, a.removed, a.orphaned, a.unknown_removed) == (
             b.reset, b.stored, b.removed, b.orphaned, b.unknown_removed)
     assert {s: set(h) for s, h in restored.held().items()} == {s: set(h) for s, h in original.held().items()}
+
+
+@pytest.mark.parametrize("values, packed_as", [
+    ([3, -5, 1 << 62], "q"), ([(1 << 64) - 1, 0], "Q"), ([-1, 1 << 63], None), ([], "q"),
+])
+def test_integer_columns_keep_every_value_in_the_smallest_type_that_holds_them(values, packed_as):
+    packed = pack_column(values)
+    assert (packed["t"] if isinstance(packed, dict) else None) == packed_as
+    assert unpack_column(msgpack.unpackb(msgpack.packb(packed))) == values
+    with pytest.raises((ValueError, KeyError, TypeError)):
+        unpack_map({"k": pack_column([1, 2]), "v": pack_column([1])})
