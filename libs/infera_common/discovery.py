@@ -45,6 +45,12 @@ async def open_bucket(js: JetStreamContext) -> KeyValue:
             return await js.key_value(DISCOVERY_BUCKET)
 
 
+def late_sweep(due: float, now: float, interval: float) -> bool:
+    """Whether a sweep due at ``due`` woke so late (by more than its interval, and at least half a
+    second) that its process was stalled: records it would expire may have fresh heartbeats queued."""
+    return now - due > max(interval, 0.5)
+
+
 class Registrar:
     """Keeps one worker record in discovery: put, heartbeat every ttl/3, delete on stop."""
 
@@ -214,7 +220,14 @@ class Watcher:
 
     async def _sweep(self) -> None:
         while True:
+            due = time.monotonic() + self._sweep_interval
             await asyncio.sleep(self._sweep_interval)
+            if late_sweep(due, time.monotonic(), self._sweep_interval):
+                # this process's loop was stalled: heartbeats that came meanwhile wait unread behind
+                # this sweep, and ageing the workers out now would take the whole fleet out of its view
+                log.warning("discovery_sweep_late", late_s=round(time.monotonic() - due, 2),
+                            note="expiry waits one more sweep for the heartbeats received meanwhile")
+                continue
             for change in self.view.expire(time.monotonic()):
                 log.info("worker_expired", worker_id=change.record.worker_id)
                 self._emit(change)

@@ -96,3 +96,53 @@ async def test_a_lost_bucket_is_recreated_rewatched_and_refilled_by_restore(nats
     await reg.stop()
     await watcher.stop()
     await nc.close()
+
+
+def test_a_sweep_that_woke_past_its_interval_is_late():
+    from infera_common.discovery import late_sweep
+    assert not late_sweep(10.0, 10.3, 0.25)  # an ordinary wake-up
+    assert late_sweep(10.0, 11.0, 0.25)  # the loop was held a second
+    assert not late_sweep(10.0, 11.0, 2.0) and late_sweep(10.0, 12.5, 2.0)
+
+
+async def test_a_watcher_whose_loop_stalled_past_the_ttl_keeps_the_workers_that_beat_meanwhile(nats_server):
+    """The agents live in other processes and kept beating; this one's loop was held (a long
+    synchronous step): their heartbeats wait unread, and ageing them out would empty its fleet."""
+    import threading
+
+    beating = threading.Event()
+    stop = threading.Event()
+
+    def agent() -> None:  # another process's loop: its own thread, loop and connection
+        async def run() -> None:
+            nc = await connect(nats_server, "agent")
+            reg = Registrar(nc.jetstream(), _record("a", ttl=1.5, status=WorkerStatus.ACTIVE))
+            await reg.start()
+            beating.set()
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+            await reg.stop()
+            await nc.close()
+        asyncio.run(run())
+
+    thread = threading.Thread(target=agent)
+    thread.start()
+    nc = await connect(nats_server, "t")
+    changes = []
+    watcher = Watcher(nc.jetstream(), on_change=changes.append, sweep_interval=0.05)
+    try:
+        await watcher.start()
+        assert await asyncio.to_thread(beating.wait, 10)
+        for _ in range(100):
+            if watcher.view.get("a") is not None:
+                break
+            await asyncio.sleep(0.02)
+        time.sleep(3.0)  # this loop stalls for twice the TTL
+        await asyncio.sleep(0.5)
+        assert watcher.view.get("a") is not None
+        assert [c.kind for c in changes if c.record.worker_id == "a"].count("leave") == 0
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 10)
+        await watcher.stop()
+        await nc.close()

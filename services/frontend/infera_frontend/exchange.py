@@ -28,7 +28,9 @@ from infera_common.logs import get_logger
 from infera_common.openai_errors import normalize_error
 from infera_common.schemas import Endpoint, FrameWire, decode_frame
 
-from infera_frontend.failover import FRAMES_LOST, UPSTREAM_TIMEOUT, RetryableError, worker_error_reason
+from infera_frontend.failover import (
+    CLIENT_TOO_SLOW, FRAMES_LOST, UPSTREAM_TIMEOUT, RetryableError, worker_error_reason,
+)
 from infera_frontend.inbox import Mailbox
 from infera_frontend.validation import ApiError
 
@@ -40,6 +42,9 @@ log = get_logger("frontend.relay")
 DONE_PAYLOAD = b"[DONE]"
 #: Put in a mailbox by ``Exchange.lose``: the reader raises the loss instead of waiting on.
 LOST = object()
+#: Most SSE payloads one ``read`` returns: a backlog is written to the client in slices, the event
+#: loop running between them (a client that caught up on 200,000 unread frames stalled it for ~7 s).
+READ_BATCH = 256
 
 
 def frame_error(frame: FrameWire) -> ApiError:
@@ -92,6 +97,7 @@ class Exchange:
         self._lost_reason = FRAMES_LOST  # the retry reason that goes with it
         self._ahead: dict[int, FrameWire] = {}  # frames that came after a gap, by number
         self._replay_from = -1  # the number from which the worker was last asked to send frames again
+        box.on_overflow = self._too_slow
 
     def close(self) -> None:
         """Stop receiving frames (always call, e.g. in ``finally``)."""
@@ -132,7 +138,18 @@ class Exchange:
         if not self.ended and not self._lost:
             self._lost = why
             self._lost_reason = reason
-            self._box.put(LOST)
+            self._box.force(LOST)
+
+    def _too_slow(self) -> None:
+        """The mailbox is full: the client reads this stream more slowly than the engine writes it.
+        The engine's request is cancelled at once (the client may never read again); the client gets
+        what waited, then the error."""
+        unread = len(self._box)
+        self._relay.metrics.clients_too_slow.inc()
+        log.warning("client_too_slow", request_id=self.request_id, worker_id=self.worker_id, unread_frames=unread)
+        self.cancel(CLIENT_TOO_SLOW)
+        self.lose(f"the client read this answer more slowly than the engine wrote it: {unread} response frames "
+                  "waited unread (--max-unread-frames)", reason=CLIENT_TOO_SLOW)
 
     def fill_gap(self, again: bool = False) -> None:
         """Frames from the next number on are missing: ask the worker to send them again (once per
@@ -203,12 +220,14 @@ class Exchange:
             raise ApiError(502, "the worker sent an unreadable response frame") from None
         return frame
 
-    def _frames_lost(self, why: str) -> RetryableError:
+    def _frames_lost(self, why: str) -> ApiError:
         reason = self._lost_reason
         if reason == FRAMES_LOST:
             self._relay.metrics.frames_lost.inc()
         self.cancel(reason)
         self.done = True
+        if reason == CLIENT_TOO_SLOW:  # (logged when it happened; the client's doing: not retried)
+            return ApiError(408, f"{why}; the request was cancelled", type="timeout_error", code=CLIENT_TOO_SLOW)
         log.warning("response_frames_lost", request_id=self.request_id, worker_id=self.worker_id,
                     frames_received=self._seq, why=why, reason=reason)
         return RetryableError(502, f"{why}; the request was cancelled rather than answered incompletely",
@@ -309,6 +328,6 @@ class Exchange:
                 break
             else:
                 self._relay.metrics.bad_frames.inc()
-            if out and box.empty():
+            if out and (box.empty() or len(out) >= READ_BATCH):
                 break
         return out

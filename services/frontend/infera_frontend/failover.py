@@ -38,6 +38,7 @@ UPSTREAM_TIMEOUT = "upstream_timeout"
 NO_ROUTER = "no_router"
 FRAMES_LOST = "frames_lost"
 SENDER_GONE = "sender_gone"  # the process sending the request's frames left the bus (sender_watch.py)
+CLIENT_TOO_SLOW = "client_too_slow"  # its frames piled up unread (--max-unread-frames): cancelled, never retried
 
 
 class RetryableError(ApiError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
+from collections.abc import Callable
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -23,16 +24,33 @@ def _wake(waiter: asyncio.Future) -> None:
 
 
 class Mailbox:
-    """A request's messages in arrival order; lighter than ``asyncio.Queue`` (one waiter at most)."""
+    """A request's messages in arrival order; lighter than ``asyncio.Queue`` (one waiter at most).
 
-    __slots__ = ("_loop", "_items", "_waiter")
+    At most ``limit`` messages wait unread (0: no limit): a stream whose client reads more slowly
+    than its engine writes would otherwise pile up in this process without bound (the engine does
+    not slow down for it). The first message past it calls ``on_overflow`` once; those past it are
+    dropped. ``force`` puts a message all the same (the reader's end marker)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    __slots__ = ("_loop", "_items", "_waiter", "limit", "on_overflow", "_overflowed")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, limit: int = 0) -> None:
         self._loop = loop
         self._items: deque[Msg] = deque()
         self._waiter: asyncio.Future | None = None
+        self.limit = limit
+        self.on_overflow: Callable[[], None] | None = None
+        self._overflowed = False
 
     def put(self, msg: Msg) -> None:
+        if self.limit and len(self._items) >= self.limit:
+            if not self._overflowed:
+                self._overflowed = True
+                if self.on_overflow is not None:
+                    self.on_overflow()
+            return
+        self.force(msg)
+
+    def force(self, msg: Msg) -> None:
         self._items.append(msg)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -68,8 +86,9 @@ class Mailbox:
 
 
 class Inbox:
-    def __init__(self, nc: NATS, frontend_id: str) -> None:
+    def __init__(self, nc: NATS, frontend_id: str, max_unread: int = 0) -> None:
         self._nc = nc
+        self.max_unread = max_unread  # each mailbox's limit
         self.prefix = f"_INBOX.{frontend_id}."
         self._boxes: dict[str, Mailbox] = {}
         self._ids = itertools.count(1)
@@ -85,7 +104,7 @@ class Inbox:
 
     def open(self) -> tuple[str, Mailbox]:
         subject = f"{self.prefix}{next(self._ids)}"
-        box = Mailbox(asyncio.get_running_loop())
+        box = Mailbox(asyncio.get_running_loop(), self.max_unread)
         self._boxes[subject] = box
         return subject, box
 

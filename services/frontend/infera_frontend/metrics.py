@@ -80,6 +80,12 @@ class FrontendMetrics:
             "Requests ended because response frames from the worker never arrived and it could not send them again.",
             registry=r,
         )
+        self.clients_too_slow = Counter(
+            "infera_frontend_clients_too_slow",
+            "Streams cancelled because their client read them more slowly than the engine wrote them, until "
+            "--max-unread-frames response frames waited unread.",
+            registry=r,
+        )
         self.frames_replayed = Counter(
             "infera_frontend_frames_replayed",
             "Times a worker sent the frames of a request again, after they were lost on the way (a broker outage).",

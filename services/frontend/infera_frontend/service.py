@@ -82,7 +82,7 @@ class Frontend:
             raise RuntimeError(self.discovery.start_failed(exc, s.nats_url)) from exc
         # running workers this discovery does not list report load too: a plane mix to name, not to wait out
         self._load_sub = await self.nc.subscribe(LOAD_SUBJECTS, cb=self._on_load)
-        self.inbox = Inbox(self.nc, self.frontend_id)
+        self.inbox = Inbox(self.nc, self.frontend_id, s.max_unread_frames)
         await self.inbox.start()
         self.relay = Relay(self.nc, self.inbox, self.metrics, route_timeout=s.route_timeout,
                            upstream_timeout=s.upstream_timeout, request_timeout=s.request_timeout,

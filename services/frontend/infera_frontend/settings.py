@@ -58,6 +58,13 @@ class FrontendSettings(DrainSettings, PlaneSettings, LogSettings):
         "the client (worker-agent 502/503/504, engine 429/502/503/504, no frame within --upstream-timeout, "
         "no router subscribed); never once a token was sent, never for other 4xx or cancellations. 0: no retry.",
     )
+    max_unread_frames: int = Field(
+        32_768, ge=64,
+        description="Most response frames of one request that may wait in the frontend for its client to read "
+        "them (a stream sends about one per token and sample). A client reading more slowly than the engine "
+        "writes (engines do not slow down for it) would pile them up without bound: past this, the request is "
+        "cancelled on the engine and the client gets what waited, then an error.",
+    )
     frontend_id: str | None = Field(
         None, pattern=TOKEN_RE.pattern,
         description="This frontend's id (letters, digits, '_', '-'); names its reply inbox. Default: generated.",
