@@ -180,6 +180,9 @@ async def test_router_refusals_are_passed_through(frontend, fleet, route_status,
     assert status == route_status and "X-Request-Id" in headers
     err = openai_error(raw)
     assert err["message"] == "router says no" and err["type"] == etype
+    # every worker full: the client is told when to come back, with OpenAI's code for it
+    assert (headers.get("Retry-After"), err["code"]) == (("1", "rate_limit_exceeded") if route_status == 429
+                                                         else (None, err["code"]))
 
 
 async def test_router_unreachable_is_503_after_the_route_timeout(make_frontend, nats_server):

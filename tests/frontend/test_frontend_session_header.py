@@ -1,5 +1,6 @@
 """Session affinity plumbing: every value of X-Dynamo-Session-ID reaches the router, unmodified."""
 
+import asyncio
 import json
 
 import aiohttp
@@ -79,3 +80,25 @@ async def test_nats_api_passes_the_header(frontend, fleet, nats_server):
         assert fleet.routed[-1].session_ids == []
     finally:
         await nc.close()
+
+
+async def _raw_post(fe, header_value: bytes) -> bytes:
+    """One request written byte for byte: a header value no HTTP client library would send."""
+    body = json.dumps(chat_body()).encode()
+    port = int(url(fe, "/").rsplit(":", 1)[1].split("/")[0])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\n" + H.encode() + b": " + header_value + b"\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    await writer.drain()
+    answer = await reader.read()
+    writer.close()
+    return answer.split(b"\r\n", 1)[0]
+
+
+async def test_a_value_that_is_not_utf8_is_carried_as_its_bytes(frontend, fleet):
+    """It was a 500 (the route request could not be encoded), with affinity on or off."""
+    for value in (b"sess-\xff\xfe", b"\xe9" * 3, b"caf\xc3"):  # bytes, Latin-1, a cut UTF-8 sequence
+        status_line = await _raw_post(frontend, value)
+        assert status_line.endswith(b" 200 OK"), status_line
+        assert fleet.routed[-1].session_ids == [value.decode("latin-1")]  # the same bytes: the same id

@@ -31,7 +31,7 @@ from infera_frontend.listing import model_entry, models_list, workers_list
 from infera_frontend.metrics import FrontendMetrics
 from infera_frontend.pipeline import Pipeline, new_request_id
 from infera_frontend.exchange import Exchange
-from infera_frontend.session import SESSION_HEADER
+from infera_frontend.session import SESSION_HEADER, http_session_ids
 from infera_frontend.validation import ApiError, Parsed
 
 log = get_logger("frontend.http")
@@ -39,9 +39,16 @@ log = get_logger("frontend.http")
 _JSON = "application/json"
 
 
+#: seconds a client refused with 429 (every worker at its pending limit) is told to wait: queues
+#: drain in about a request's time, and clients that honour it do not retry in a tight loop
+RETRY_AFTER_S = 1
+
+
 def error_response(err: ApiError, request_id: str | None) -> web.Response:
     body = error_body(err.status, err.message, type=err.type, param=err.param, code=err.code)
-    headers = {"X-Request-Id": request_id} if request_id else None
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    if err.status == 429:
+        headers["Retry-After"] = str(RETRY_AFTER_S)
     return web.Response(body=json.dumps(body).encode(), status=err.status, content_type=_JSON, headers=headers)
 
 
@@ -126,7 +133,7 @@ class HttpApi:
             parsed = self.pipeline.parse(endpoint, body)
             span.set_attribute("infera.model", parsed.model)
             ex = await self.pipeline.open(parsed, body, carried, traceparent=traceparent(span),
-                                          session_ids=request.headers.getall(SESSION_HEADER, []))
+                                          session_ids=http_session_ids(request.headers.getall(SESSION_HEADER, [])))
             status, payload = ex.status, ex.body
             m.first_byte("http", ep, time.perf_counter() - t0)
             if payload is not None:

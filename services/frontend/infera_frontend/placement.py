@@ -26,7 +26,7 @@ NO_ROUTER_PAUSE = 0.25
 _ROUTER_ERROR_TYPES = {
     400: ("invalid_request_error", None),
     404: ("invalid_request_error", "model_not_found"),
-    429: ("rate_limit_error", None),
+    429: ("rate_limit_error", "rate_limit_exceeded"),
     503: ("service_unavailable_error", None),
 }
 
