@@ -174,6 +174,15 @@ class ChatTokenizer:
             alternatives = sorted(self._added, key=len, reverse=True)
             self._split_re = re.compile("|".join(re.escape(a) for a in alternatives))
         self.cache = SegmentCache()
+        # the most characters one token stands for: every vocabulary entry's text (a byte-level
+        # entry's characters are its bytes, which decode to no more characters), four times over
+        # when a normalizer may fold several characters into one first (NFC composing, say)
+        longest = max(map(len, tokenizer.get_vocab()), default=1)
+        self.max_chars_per_token = longest * (1 if tokenizer.normalizer is None else 4)
+
+    def min_tokens(self, chars: int) -> int:
+        """The fewest tokens a text of ``chars`` characters can become: a bound known before tokenizing."""
+        return chars // self.max_chars_per_token
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ChatTokenizer:

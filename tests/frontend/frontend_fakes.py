@@ -130,9 +130,10 @@ class FakeFleet:
         return None
 
 
-def worker_record(worker_id: str = WORKER, model: str = MODEL, status=WorkerStatus.ACTIVE) -> WorkerRecord:
+def worker_record(worker_id: str = WORKER, model: str = MODEL, status=WorkerStatus.ACTIVE,
+                  context_length: int | None = None) -> WorkerRecord:
     return WorkerRecord(worker_id=worker_id, model=model, engine="mock", url="http://127.0.0.1:1",
-                        advertise_host="127.0.0.1", status=status, ttl=6.0)
+                        advertise_host="127.0.0.1", status=status, ttl=6.0, context_length=context_length)
 
 
 async def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:

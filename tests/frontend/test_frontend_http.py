@@ -407,3 +407,33 @@ async def test_x_session_id_header_is_not_interpreted(frontend, fleet):
     status, _, _ = await post(frontend, "/v1/chat/completions", chat_body(), headers={"X-Session-Id": "bad id!"})
     assert status == 200
     assert fleet.routed[-1].session_ids == []
+
+
+async def test_a_prompt_far_past_the_context_length_is_refused_before_it_is_tokenized(make_frontend, nats_server):
+    """Its characters alone say it cannot fit (``ChatTokenizer.min_tokens``): no seconds of
+    tokenizing, no gigabyte held, nothing routed."""
+    from infera_common.nats_conn import connect
+
+    nc = await connect(nats_server, "registrar-only")
+    registrar = Registrar(nc.jetstream(), worker_record(context_length=8192))
+    await registrar.start()
+    try:
+        fe = await make_frontend()
+        await wait_until(lambda: fe.models.context_length(MODEL) == 8192)
+        floor = fe.http.pipeline.tokenizer.min_tokens(2_000_000)
+        assert floor >= 8192
+        spent = []
+        real = fe.http.pipeline.tokens
+
+        async def tokens(parsed):
+            spent.append(1)
+            return await real(parsed)
+
+        fe.http.pipeline.tokens = tokens
+        status, _, raw = await post(fe, "/v1/chat/completions", chat_body("ab" * 1_000_000))
+        assert status == 400 and spent == []
+        err = openai_error(raw)
+        assert err["code"] == "context_length_exceeded" and f"at least {floor} tokens" in err["message"], err
+    finally:
+        await registrar.stop()
+        await nc.close()

@@ -136,3 +136,13 @@ def test_segment_cache_is_bounded():
     cache.put("c", [9, 10, 11])  # 11 ids: the oldest piece goes
     assert cache.get("a") is None and list(cache.get("b")) == [5, 6, 7, 8] and list(cache.get("c")) == [9, 10, 11]
     assert list(cache.put("huge", list(range(50)))) == list(range(50)) and cache.get("huge") is None
+
+
+@pytest.mark.parametrize("text", [
+    "#" * 5000, "\n" + " " * 4000, "=" * 3000 + "abc", "hello world " * 500, "日本語のテキスト" * 300,
+    "<|im_start|>" * 200, "".join(chr(0x20 + (i * 7919) % 5000) for i in range(6000)),
+])
+def test_the_token_floor_never_exceeds_the_real_count(tok, text):
+    """What the frontend refuses before tokenizing must not fit for certain (``min_tokens``)."""
+    assert tok.min_tokens(len(text)) <= len(tok.encode(text, add_special_tokens=True))
+    assert tok.min_tokens(len(text)) > 0

@@ -9,7 +9,7 @@ from infera_common.fleet import Change
 from infera_common.openai_errors import error_body, normalize_error
 from infera_common.schemas import Endpoint, WorkerRecord, WorkerStatus
 
-from infera_frontend.prepare import ModelTable, Tokens, check_context
+from infera_frontend.prepare import ModelTable, Tokens, check_context, check_context_floor, longest_prompt_chars
 from infera_frontend.prepare import sequences
 from infera_frontend.validation import ApiError, parse_body, request_ids
 
@@ -230,3 +230,22 @@ def test_a_request_past_the_context_length_is_refused_before_routing(endpoint, b
     assert (err.param if err else None) == param
     if err is not None:
         assert f"maximum context length is {limit} tokens" in err.message
+
+
+def test_the_floor_refuses_only_what_cannot_fit_and_says_it_is_a_floor():
+    chat = parse_body(CHAT, json.dumps({"model": "m", "messages": OK_MSG, "max_tokens": 10}).encode())
+    check_context_floor(chat, 90, 100)  # 90 tokens at least, 100 at most: it may fit
+    with pytest.raises(ApiError) as caught:
+        check_context_floor(chat, 91, 100)  # 91 + 10 cannot
+    assert caught.value.param == "max_tokens" and "at least 101 tokens (at least 91 in the messages" in caught.value.message
+    check_context_floor(chat, 10**6, None)  # no limit known: nothing refused
+
+
+@pytest.mark.parametrize("endpoint, body, chars", [
+    (CHAT, {"messages": [{"role": "user", "content": "abc"}, {"role": "user", "content": "de"}]}, 5),
+    (Endpoint.COMPLETIONS, {"prompt": "abcd"}, 4),
+    (Endpoint.COMPLETIONS, {"prompt": ["ab", "abcdef", "a"]}, 6),  # each prompt is one sequence
+    (Endpoint.COMPLETIONS, {"prompt": [1, 2, 3]}, 0),  # token ids: counted exactly, not bounded
+])
+def test_the_longest_prompt_to_tokenize(endpoint, body, chars):
+    assert longest_prompt_chars(parse_body(endpoint, json.dumps({"model": "m", **body}).encode())) == chars

@@ -20,7 +20,8 @@ from infera_frontend.exchange import Exchange
 from infera_frontend.failover import Attempts, engine_status_reason, retry_reason
 from infera_frontend.metrics import UNKNOWN_MODEL, FrontendMetrics
 from infera_frontend.prepare import (
-    OFFLOAD_CHARS, ModelTable, Tokens, check_context, check_sequences, prompt_chars, samples, sequences, tokenize,
+    OFFLOAD_CHARS, ModelTable, Tokens, check_context, check_context_floor, check_sequences, longest_prompt_chars,
+    prompt_chars, samples, sequences, tokenize,
 )
 from infera_frontend.relay import Relay
 from infera_frontend.validation import ApiError, Parsed, parse_body, request_ids
@@ -35,7 +36,7 @@ def new_request_id() -> str:
 class Pipeline:
     def __init__(
         self, tokenizer: ChatTokenizer, models: ModelTable, relay: Relay, metrics: FrontendMetrics,
-        max_body_bytes: int, max_retries: int = 0, max_sequences: int | None = None,
+        max_body_bytes: int, max_retries: int = 0, max_sequences: int | None = None, tokenize_threads: int = 2,
     ) -> None:
         self.tokenizer = tokenizer
         self.models = models
@@ -44,6 +45,7 @@ class Pipeline:
         self.max_body_bytes = max_body_bytes
         self.max_retries = max_retries
         self.max_sequences = max_sequences
+        self._threads = asyncio.Semaphore(tokenize_threads)  # long prompts tokenized at once (memory)
 
     @staticmethod
     def request_ids(header: str | None) -> tuple[str, str]:
@@ -71,7 +73,8 @@ class Pipeline:
     async def tokens(self, parsed: Parsed) -> Tokens:
         t0 = time.perf_counter()
         if prompt_chars(parsed) > OFFLOAD_CHARS:
-            tokens = await asyncio.to_thread(tokenize, self.tokenizer, parsed)
+            async with self._threads:
+                tokens = await asyncio.to_thread(tokenize, self.tokenizer, parsed)
         else:
             tokens = tokenize(self.tokenizer, parsed)
         self.metrics.tokenized(parsed.endpoint.value, time.perf_counter() - t0)
@@ -93,8 +96,10 @@ class Pipeline:
         what it returns then).
         """
         self.models.check(parsed.model)
+        limit = self.models.context_length(parsed.model)
+        check_context_floor(parsed, self.tokenizer.min_tokens(longest_prompt_chars(parsed)), limit)
         tokens = await self.tokens(parsed)
-        check_context(parsed, tokens, self.models.context_length(parsed.model))
+        check_context(parsed, tokens, limit)
         attempts = Attempts(self.max_retries)
         failed: ApiError | Exchange | None = None  # the previous attempt's answer, while retrying
         while True:

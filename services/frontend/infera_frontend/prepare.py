@@ -152,6 +152,17 @@ def prompt_chars(parsed: Parsed) -> int:
     return sum(map(len, prompt))  # validated: a list of strings
 
 
+def longest_prompt_chars(parsed: Parsed) -> int:
+    """The characters of the request's longest prompt to tokenize (0 for token ids): a chat's
+    messages make one prompt, a completions batch several."""
+    prompt = parsed.data.get("prompt")
+    if parsed.endpoint == Endpoint.CHAT or isinstance(prompt, str):
+        return prompt_chars(parsed)
+    if not prompt or not isinstance(prompt[0], str):
+        return 0
+    return max(map(len, prompt))
+
+
 def tokenize(tok: ChatTokenizer, parsed: Parsed) -> Tokens:
     """Token ids for routing, as the engine will compute them.
 
@@ -185,21 +196,34 @@ def check_context(parsed: Parsed, tokens: Tokens, limit: int | None) -> None:
     would refuse the same request after its routing; the frontend says it first, the same way for
     every engine. Not checked without a limit, for prompts whose count is not known (token
     invariant), or when the client asks vLLM to cut the prompt down (``truncate_prompt_tokens``)."""
+    if tokens.ok:
+        _check_length(parsed, tokens.longest_prompt, limit, exact=True)
+
+
+def check_context_floor(parsed: Parsed, at_least: int, limit: int | None) -> None:
+    """``check_context`` before tokenizing, with the fewest tokens the longest prompt can become
+    (``ChatTokenizer.min_tokens``): a prompt far past the context length is refused at once, not
+    after seconds of tokenizing (an 8 MiB prompt held the frontend ~20 s and ~1.2 GB)."""
+    _check_length(parsed, at_least, limit, exact=False)
+
+
+def _check_length(parsed: Parsed, prompt: int, limit: int | None, exact: bool) -> None:
     data = parsed.data
-    if limit is None or not tokens.ok or data.get("truncate_prompt_tokens") is not None:
+    if limit is None or data.get("truncate_prompt_tokens") is not None:
         return
     chat = parsed.endpoint == Endpoint.CHAT
     where = "messages" if chat else "prompt"
-    prompt = tokens.longest_prompt
+    count = f"{prompt}" if exact else f"at least {prompt}"
     if prompt >= limit:
         raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, your {where} "
-                       f"resulted in {prompt} tokens, leaving no room for the completion. Please reduce the "
+                       f"resulted in {count} tokens, leaving no room for the completion. Please reduce the "
                        f"length of the {where}.", type="invalid_request_error", param=where,
                        code="context_length_exceeded")
     key = "max_completion_tokens" if chat and data.get("max_completion_tokens") is not None else "max_tokens"
     wanted = data.get(key)
     if wanted is not None and prompt + wanted > limit:
+        total = f"{prompt + wanted}" if exact else f"at least {prompt + wanted}"
         raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                       f"{prompt + wanted} tokens ({prompt} in the {where}, {wanted} in the completion). Please "
+                       f"{total} tokens ({count} in the {where}, {wanted} in the completion). Please "
                        f"reduce the length of the {where} or `{key}`.", type="invalid_request_error", param=key,
                        code="context_length_exceeded")

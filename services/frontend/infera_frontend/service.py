@@ -91,7 +91,8 @@ class Frontend:
         self.relay.start_watch()
         self._reconnects.add("discovery", self.watcher.restore)
         pipeline = Pipeline(tokenizer, self.models, self.relay, self.metrics, s.max_body_bytes,
-                            max_retries=s.request_max_retries, max_sequences=s.max_sequences_per_request)
+                            max_retries=s.request_max_retries, max_sequences=s.max_sequences_per_request,
+                            tokenize_threads=s.tokenize_threads)
         http = self.http = HttpApi(pipeline, self.watcher.view, self.metrics, self.not_ready,
                                    fleet_info=self.fleet_info)
         self._runner = web.AppRunner(

@@ -58,6 +58,12 @@ class FrontendSettings(DrainSettings, PlaneSettings, LogSettings):
         "the client (worker-agent 502/503/504, engine 429/502/503/504, no frame within --upstream-timeout, "
         "no router subscribed); never once a token was sent, never for other 4xx or cancellations. 0: no retry.",
     )
+    tokenize_threads: int = Field(
+        2, ge=1, le=64,
+        description="Most long prompts (over 8,192 characters) tokenized at once, each in a worker thread off the "
+        "event loop; the others wait their turn. Tokenizing holds memory in proportion to the prompt (~1.2 GB "
+        "for an 8 MiB one), which this bounds; raise it on a frontend with more cores and memory.",
+    )
     max_unread_frames: int = Field(
         32_768, ge=64,
         description="Most response frames of one request that may wait in the frontend for its client to read "
