@@ -130,6 +130,7 @@ class InFlight:
     on_done: Done | None
     task: asyncio.Task | None = None
     stop: StopReason | None = None  # set (once) when the runner stops this request; then its task is cancelled
+    started: bool = False  # its task has run: a task cancelled before that never runs a line of it
 
 
 class RequestRunner:
@@ -314,7 +315,11 @@ class RequestRunner:
 
     # --- one request ---------------------------------------------------------------------------
     async def _serve(self, entry: InFlight) -> None:
-        outcome = await self._relay_once(entry)
+        entry.started = True
+        if entry.stop is not None:  # stopped before this task first ran: the engine never had it
+            outcome = await self._stopped_unstarted(entry)
+        else:
+            outcome = await self._relay_once(entry)
         # One turn of the loop lets the client's flusher send the last frame on its own: batched
         # with the ack, the broker would forward it only after doing the ack's stream work.
         await asyncio.sleep(0)
@@ -354,6 +359,17 @@ class RequestRunner:
             await entry.engine.abort(env.request_id)
         return outcome
 
+    async def _stopped_unstarted(self, entry: InFlight) -> Outcome:
+        """A request stopped (a cancel right behind its envelope) before its task ran: the requester
+        gets the stop's error frame, and the request is finished like any other."""
+        self._untrack(entry)
+        reason = entry.stop
+        assert reason is not None
+        if not entry.sink.closed:
+            await quietly(entry.sink.error(reason.status, reason.message, reason.failed_worker), "error_frame",
+                          entry.envelope.request_id)
+        return reason.outcome
+
     def _untrack(self, entry: InFlight) -> None:
         key = (entry.worker_id, entry.envelope.request_id)
         if self._inflight.pop(key, None) is not None:
@@ -369,7 +385,8 @@ class RequestRunner:
         if entry.stop is not None or entry.task is None or entry.task.done():
             return False
         entry.stop = reason
-        entry.task.cancel()
+        if entry.started:  # else it sees the stop when it runs: cancelled now, it would never run at all
+            entry.task.cancel()
         return True
 
     async def _prefilled(self, worker_id: str, env: WorkEnvelope) -> None:
