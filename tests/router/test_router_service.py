@@ -211,8 +211,12 @@ async def test_worker_gone_from_discovery_past_its_ttl_drops_its_leases_and_tell
     for i, inbox in enumerate(inboxes):
         assert (await bench.route(request_id=f"q{i}", reply_subject=inbox)).status == 200
     assert bench.leases("a") == 2
+    assert bench.metric("infera_router_routed_total", model="m", worker="a", status="200") == 2
     await bench.registrars.pop("a").stop()  # its agent is gone: nothing will answer q0 and q2
     await eventually(lambda: bench.router.core.fleet.get("a") is None)
+    series = bench.router.metrics.registry.get_sample_value  # its per-worker series went with it
+    assert series("infera_router_routed_total", {"model": "m", "worker": "a", "status": "200"}) is None
+    assert series("infera_router_routed_total", {"model": "m", "worker": "b", "status": "200"}) == 2
     assert bench.leases("a") == 2  # kept for one TTL: an agent that discovery lost for a moment comes back
     told = [await heard.next_msg(timeout=4) for _ in range(2)]
     assert sorted(m.subject for m in told) == [inboxes[0], inboxes[2]]

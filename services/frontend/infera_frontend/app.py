@@ -140,10 +140,10 @@ class HttpApi:
                 return web.Response(body=payload, status=status, content_type=_JSON,
                                     headers={"X-Request-Id": request_id})
             resp = web.StreamResponse(status=status, headers={**sse.HEADERS, "X-Request-Id": request_id})
-            await resp.prepare(request)
             try:
+                await resp.prepare(request)
                 await self._stream(resp, ex)
-            except ConnectionResetError:  # the client went away mid-stream
+            except ConnectionResetError:  # the client went away (as the stream began, or mid-stream)
                 status = 499
                 m.client_disconnects.labels(ep).inc()
                 ex.cancel("client_disconnect")

@@ -237,6 +237,9 @@ class RouterMetrics:
             self.kv_workers_without_events.labels(worker_id, reason).set(1)
 
     def forget_worker(self, worker_id: str) -> None:
+        """A worker left: its series go, or they would pile up where worker ids change with each start."""
+        for per_worker in (self.routed, self.publish_refused, self.kv_picks, self.breaker_trips):
+            per_worker.remove_by_labels({"worker": worker_id})
         reason = self._blind.pop(worker_id, None)
         if reason is not None:
             self.kv_workers_without_events.remove(worker_id, reason)
