@@ -49,6 +49,20 @@ async def test_a_client_that_stops_reading_has_its_request_cancelled_and_gets_wh
     assert "infera_frontend_clients_too_slow_total 1.0" in metrics
 
 
+async def test_a_client_that_never_reads_again_loses_its_connection_after_the_grace(make_frontend, fleet):
+    """Else its handler would wait on the socket for good, holding what waited for it."""
+    fe = await make_frontend(upstream_timeout=30, max_unread_frames=256)
+    fe.http.slow_client_grace = 0.5
+    await wait_until(lambda: fe.models.is_known(MODEL))
+    fleet.script = flood
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(url(fe, "/v1/chat/completions"), json=chat_body(stream=True))
+        await resp.content.readuntil(b"\n\n")  # then never reads again
+        assert await fleet.wait_cancel(resp.headers["X-Request-Id"], timeout=10.0) is not None
+        await wait_until(lambda: len(fe.inbox) == 0, timeout=5.0)  # the handler ended, its frames freed
+        resp.close()
+
+
 def test_a_mailbox_past_its_limit_drops_what_comes_and_says_so_once():
     box = Mailbox(asyncio.new_event_loop(), limit=3)
     overflows = []

@@ -42,6 +42,8 @@ _JSON = "application/json"
 #: seconds a client refused with 429 (every worker at its pending limit) is told to wait: queues
 #: drain in about a request's time, and clients that honour it do not retry in a tight loop
 RETRY_AFTER_S = 1
+#: as nginx's send_timeout: how long a stopped reader keeps its connection (``HttpApi.slow_client_grace``)
+SLOW_CLIENT_GRACE_S = 60.0
 
 
 def error_response(err: ApiError, request_id: str | None) -> web.Response:
@@ -83,6 +85,9 @@ class HttpApi:
         self.metrics = metrics
         self._not_ready = ready  # returns the reasons the frontend is not ready (empty: ready)
         self.stopping = False  # set when the frontend drains: a cancelled handler was cut, not left
+        #: seconds a client whose stream was cancelled for reading too slowly has to read what waited,
+        #: before its connection is closed (it may never read again: its handler and frames would stay)
+        self.slow_client_grace = SLOW_CLIENT_GRACE_S
 
     def build(self, max_body_bytes: int) -> web.Application:
         # aiohttp refuses bodies of client_max_size bytes or more: allow exactly max_body_bytes
@@ -140,6 +145,11 @@ class HttpApi:
                 return web.Response(body=payload, status=status, content_type=_JSON,
                                     headers={"X-Request-Id": request_id})
             resp = web.StreamResponse(status=status, headers={**sse.HEADERS, "X-Request-Id": request_id})
+            closing: list[asyncio.TimerHandle] = []
+            transport = request.transport
+            if transport is not None:  # a client that stops reading for good loses its connection
+                ex.on_too_slow = lambda: closing.append(
+                    asyncio.get_running_loop().call_later(self.slow_client_grace, transport.abort))
             try:
                 await resp.prepare(request)
                 await self._stream(resp, ex)
@@ -147,6 +157,9 @@ class HttpApi:
                 status = 499
                 m.client_disconnects.labels(ep).inc()
                 ex.cancel("client_disconnect")
+            finally:
+                for timer in closing:  # (a keep-alive connection serves the client's next request)
+                    timer.cancel()
             return resp
         except ApiError as err:
             status = err.status

@@ -22,6 +22,7 @@ frames it sent (``has_all``); ``fill_gap`` asks for the missing ones, ``lose`` e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from infera_common.logs import get_logger
@@ -62,7 +63,8 @@ class Exchange:
 
     __slots__ = ("_relay", "request_id", "worker_id", "_subject", "_box", "stream", "endpoint", "done",
                  "_closed", "_cancelled", "_error", "_expected_tokens", "status", "body", "_first", "_seq", "_alive",
-                 "_lost", "_lost_reason", "_ahead", "_replay_from", "lease", "frames_router", "sender_known")
+                 "_lost", "_lost_reason", "_ahead", "_replay_from", "lease", "frames_router", "sender_known",
+                 "on_too_slow")
 
     def __init__(
         self, relay: Relay, request_id: str, worker_id: str, subject: str, box: Mailbox, stream: bool,
@@ -98,6 +100,7 @@ class Exchange:
         self._ahead: dict[int, FrameWire] = {}  # frames that came after a gap, by number
         self._replay_from = -1  # the number from which the worker was last asked to send frames again
         box.on_overflow = self._too_slow
+        self.on_too_slow: Callable[[], None] | None = None  # the transport's: its client stopped reading
 
     def close(self) -> None:
         """Stop receiving frames (always call, e.g. in ``finally``)."""
@@ -148,6 +151,8 @@ class Exchange:
         self._relay.metrics.clients_too_slow.inc()
         log.warning("client_too_slow", request_id=self.request_id, worker_id=self.worker_id, unread_frames=unread)
         self.cancel(CLIENT_TOO_SLOW)
+        if self.on_too_slow is not None:
+            self.on_too_slow()
         self.lose(f"the client read this answer more slowly than the engine wrote it: {unread} response frames "
                   "waited unread (--max-unread-frames)", reason=CLIENT_TOO_SLOW)
 
