@@ -257,8 +257,7 @@ class RequestRunner:
             return
         sink = FrameSink(self._publish, env.reply_subject, keep=1)
         self._retire(worker_id, env.request_id, sink)
-        await quietly(sink.error(refused.status, refused.message, refused.failed_worker), "error_frame",
-                      env.request_id)
+        await tell_stop(sink, refused, env.request_id)
         await self._finish(worker_id, env, on_done, refused.outcome)
 
     def _refusal_for(self, worker_id: str, env: WorkEnvelope) -> StopReason | None:
@@ -342,9 +341,7 @@ class RequestRunner:
             task = asyncio.current_task()
             while task is not None and task.uncancel():
                 pass
-            if not sink.closed:
-                await quietly(sink.error(reason.status, reason.message, reason.failed_worker), "error_frame",
-                              env.request_id)
+            await tell_stop(sink, reason, env.request_id)
             if reason.abort_engine:
                 await entry.engine.abort(env.request_id)
             return reason.outcome
@@ -365,9 +362,7 @@ class RequestRunner:
         self._untrack(entry)
         reason = entry.stop
         assert reason is not None
-        if not entry.sink.closed:
-            await quietly(entry.sink.error(reason.status, reason.message, reason.failed_worker), "error_frame",
-                          entry.envelope.request_id)
+        await tell_stop(entry.sink, reason, entry.envelope.request_id)
         return reason.outcome
 
     def _untrack(self, entry: InFlight) -> None:
@@ -430,6 +425,12 @@ class RequestRunner:
 
 def _key(worker_id: str, request_id: str) -> str:
     return f"{worker_id}\x00{request_id}"
+
+
+async def tell_stop(sink: FrameSink, reason: StopReason, request_id: str) -> None:
+    """The requester's error frame for a stopped (or refused) request, unless its answer has ended."""
+    if not sink.closed:
+        await quietly(sink.error(reason.status, reason.message, reason.failed_worker), "error_frame", request_id)
 
 
 async def quietly(aw: Awaitable, what: str, request_id: str | None = None) -> None:
