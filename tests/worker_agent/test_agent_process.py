@@ -330,12 +330,12 @@ async def test_a_hung_engine_is_registered_unhealthy_gets_no_work_and_comes_back
     try:
         assert await eventually(lambda: (r := bus.watcher.view.get("w-hang")) is not None
                                 and r.status == WorkerStatus.UNHEALTHY, 10)
-        assert agent.event("engine_unhealthy") is not None
+        assert agent.event("engine_unhealthy", timeout=5) is not None  # logged after the status is put
         assert bus.watcher.view.active(model) == []  # routers send it nothing new
     finally:
         os.kill(engine_pid, signal.SIGCONT)
     await bus.active("w-hang", timeout=10)  # the next probe passes: routable again
-    assert agent.event("engine_healthy_again") is not None
+    assert agent.event("engine_healthy_again", timeout=5) is not None
     rid, sub = await bus.submit("w-hang", chat(3, stream=False))
     assert (await bus.frames(sub))[0].status == 200
     os.kill(agent.pid, signal.SIGTERM)
