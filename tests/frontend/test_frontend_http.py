@@ -7,6 +7,7 @@ import time
 
 import aiohttp
 import pytest
+from structlog.testing import capture_logs
 
 from infera_common.discovery import Registrar
 from infera_common.schemas import Endpoint, Frame, WorkerStatus
@@ -277,6 +278,26 @@ async def test_agent_error_frames(frontend, fleet):
     assert status == 200 and payloads[0] == b'{"choices": []}'
     assert json.loads(payloads[1])["error"]["message"] == "engine crashed"
     assert payloads[2] == b"[DONE]"
+
+
+async def test_a_stream_that_fails_midway_is_counted_and_logged_as_the_error_it_ended_in(frontend, fleet):
+    # the client saw 200 and then an error event: dashboards and logs must still show a failure
+    async def fails_mid_stream(f, req):
+        await f.frame(req, Frame(kind="head", status=200))
+        await f.frame(req, Frame(kind="data", seq=1, body=b'{"choices": []}'))
+        await f.frame(req, Frame(kind="error", seq=2, status=502, message="the engine's connection broke"))
+
+    fleet.script = fails_mid_stream
+    with capture_logs() as logs:
+        status, headers, _ = await post(frontend, "/v1/chat/completions", chat_body(stream=True),
+                                        headers={"X-Request-Id": "cut-1"})
+    assert status == 200
+    metrics = frontend.metrics.registry
+    labels = {"transport": "http", "endpoint": "/v1/chat/completions", "model": MODEL}
+    assert metrics.get_sample_value("infera_frontend_requests_total", {**labels, "status": "502"}) == 1
+    assert not metrics.get_sample_value("infera_frontend_requests_total", {**labels, "status": "200"})
+    [line] = [e for e in logs if e["event"] == "stream_failed"]
+    assert line["request_id"].startswith("cut-1-") and line["worker_id"] == WORKER and line["status"] == 502
 
 
 async def test_client_disconnect_mid_stream_cancels_within_a_second(make_frontend, fleet):

@@ -152,7 +152,10 @@ class HttpApi:
                     asyncio.get_running_loop().call_later(self.slow_client_grace, transport.abort))
             try:
                 await resp.prepare(request)
-                await self._stream(resp, ex)
+                failed = await self._stream(resp, ex)
+                if failed is not None:  # the client saw 200, then an error event: count and log the error
+                    status = failed.status
+                    ex.failed_midway(failed)
             except ConnectionResetError:  # the client went away (as the stream began, or mid-stream)
                 status = 499
                 m.client_disconnects.labels(ep).inc()
@@ -188,16 +191,20 @@ class HttpApi:
             finish(span, status)
 
     @staticmethod
-    async def _stream(resp: web.StreamResponse, ex: Exchange) -> None:
+    async def _stream(resp: web.StreamResponse, ex: Exchange) -> ApiError | None:
+        """Write the stream; the error that ended it (sent as a final error event), if one did."""
+        failed = None
         try:
             while payloads := await ex.read():
                 await resp.write(sse.events(payloads))
         except ApiError as err:  # mid-stream: the status line is gone, so a final error event
+            failed = err
             await resp.write(sse.error_event(
                 error_body(err.status, err.message, type=err.type, param=err.param, code=err.code)
             ))
         await resp.write(sse.DONE)
         await resp.write_eof()
+        return failed
 
     # --- fleet, health, metrics -----------------------------------------------------------------
 

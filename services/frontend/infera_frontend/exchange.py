@@ -143,6 +143,12 @@ class Exchange:
             self._lost_reason = reason
             self._box.force(LOST)
 
+    def failed_midway(self, err: ApiError) -> None:
+        """The answer ended in ``err`` after its head went out (the client got an error event, not an
+        error status): say so, with the request and its worker."""
+        log.warning("stream_failed", request_id=self.request_id, worker_id=self.worker_id, status=err.status,
+                    error=err.message)
+
     def _too_slow(self) -> None:
         """The mailbox is full: the client reads this stream more slowly than the engine writes it.
         The engine's request is cancelled at once (the client may never read again); the client gets

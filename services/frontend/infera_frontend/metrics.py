@@ -17,13 +17,15 @@ class FrontendMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "infera_frontend_requests", "Requests answered, by transport (http|nats), endpoint, HTTP status and model.",
+            "infera_frontend_requests", "Requests answered, by transport (http|nats), endpoint, HTTP status and model; a stream that "
+            "ended in an error event after its 200 counts under that error's status.",
             ["transport", "endpoint", "status", "model"], registry=r,
         )
         self.ttfb = Histogram(
             "infera_frontend_time_to_first_byte_seconds",
-            "Request arrival to the response head (status line / first NATS reply); a stream's head "
-            "waits for its first token.",
+            "Request arrival to the response head (status line / first NATS reply) of requests a worker "
+            "answered; a stream's head waits for its first token. Errors the frontend answers itself "
+            "(4xx, no worker, router errors) are not observed.",
             ["transport", "endpoint"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.duration = Histogram(

@@ -261,6 +261,7 @@ class NatsApi:
                         await reply.send(p, _DATA)
             except ApiError as err:
                 status = err.status
+                ex.failed_midway(err)
                 await self._error(reply, err, request_id)
                 return
             await reply.last(b"", {HEADER_KIND: KIND_END, HEADER_REQUEST_ID: request_id})
