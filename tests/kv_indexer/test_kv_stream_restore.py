@@ -52,3 +52,46 @@ async def test_restore_resumes_a_surviving_stream_without_repeats_and_follows_a_
     await asyncio.sleep(0.2)
     assert len(seen) == 6
     await nc.close()
+
+
+async def test_a_consumer_restarted_by_missed_heartbeats_after_a_restore_repeats_nothing(nats_server):
+    nc = await connect(nats_server, "t")
+    js = nc.jetstream()
+    seen: list[bytes] = []
+    follower = StreamFollower(js, lambda subject, data: seen.append(data), Flag())
+    await follower.prepare(None, None)
+    subject = kv_event_subject("w1")
+    for i in range(3):
+        await js.publish(subject, b"old-%d" % i)
+    await follower.replay()
+    await follower.restore()  # resumed at seq 4, nothing delivered since
+    # what nats-py's ordered consumer does when two idle heartbeats go missing (a stalled broker):
+    # it begins again after the last stream seq it delivered (was: 0, so the whole stream again)
+    jsi = follower._sub._sub._jsi
+    await jsi.reset_ordered_consumer(jsi._sseq + 1)
+    await js.publish(subject, b"old-3")
+    await _until(lambda: len(seen) == 4)
+    await asyncio.sleep(0.3)
+    assert seen == [b"old-0", b"old-1", b"old-2", b"old-3"] and follower.repeats == 0  # none sent again
+    await follower.stop()
+    await nc.close()
+
+
+async def test_messages_repeated_after_a_restore_are_dropped(nats_server):
+    nc = await connect(nats_server, "t")
+    js = nc.jetstream()
+    seen: list[bytes] = []
+    follower = StreamFollower(js, lambda subject, data: seen.append(data), Flag())
+    await follower.prepare(None, None)
+    subject = kv_event_subject("w1")
+    for i in range(3):
+        await js.publish(subject, b"old-%d" % i)
+    await follower.replay()
+    await follower.restore()
+    await follower._sub._sub._jsi.reset_ordered_consumer(1)  # a consumer that begins again from the start
+    await js.publish(subject, b"old-3")
+    await _until(lambda: len(seen) == 4)
+    await asyncio.sleep(0.3)
+    assert seen == [b"old-0", b"old-1", b"old-2", b"old-3"] and follower.repeats == 3
+    await follower.stop()
+    await nc.close()

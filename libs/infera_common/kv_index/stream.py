@@ -62,7 +62,9 @@ class StreamFollower:
         self._limits: tuple[float | None, float | None] = (None, None)  # as given to prepare()
         self._created = None  # when the followed stream was created (another one: follow it from its start)
         self._following = False  # between replay() and stop(): what restore() puts back
+        self._resume_from = 0  # after restore(): messages of a lower stream seq were applied already
         self.messages = 0
+        self.repeats = 0  # messages delivered again after a restore, dropped
 
     @property
     def replaying(self) -> bool:
@@ -94,6 +96,7 @@ class StreamFollower:
             await ensure_kv_event_stream(self._js, *self._limits)
             created = (await self._js.stream_info(KV_EVENT_STREAM)).created
         await self._unsubscribe()
+        self._resume_from = start
         self._sub = await self._subscribe(start)
         self._created = created  # (only now: an attempt that failed is redone from the same decision)
         if not same:
@@ -112,8 +115,10 @@ class StreamFollower:
         config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
         if start_seq > 1:
             config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq)
-        return await self._js.subscribe(KV_EVENT_SUBJECTS, stream=KV_EVENT_STREAM, cb=self._on_message,
-                                        ordered_consumer=True, config=config)
+        sub = await self._js.subscribe(KV_EVENT_SUBJECTS, stream=KV_EVENT_STREAM, cb=self._on_message,
+                                       ordered_consumer=True, config=config)
+        _resumes_after(sub, start_seq - 1)
+        return sub
 
     async def replay(self) -> None:
         t0 = time.monotonic()
@@ -165,6 +170,17 @@ class StreamFollower:
         await unsubscribe_quietly(sub)
 
     async def _on_message(self, msg: Msg) -> None:
+        if self._resume_from:  # (until the first message past the restore point)
+            try:
+                seq = msg.metadata.sequence.stream
+            except Exception:  # not a JetStream message
+                seq = self._resume_from
+            if seq < self._resume_from:
+                if not self.repeats:
+                    log.warning("stream_repeats_dropped", from_seq=seq, resumed_at=self._resume_from)
+                self.repeats += 1
+                return
+            self._resume_from = 0
         self._handle(msg.subject, msg.data)
         self.messages += 1
         self._last = msg
@@ -184,6 +200,16 @@ class StreamFollower:
             self._caught_up.set()
             return True
         return False
+
+
+def _resumes_after(sub: Subscription, seq: int) -> None:
+    """nats-py's ordered consumer, when it misses two idle heartbeats (a broker that stalls), begins
+    again after the last stream seq it delivered: 0 until one arrives, so one begun at a later seq
+    (``restore``) would be sent the whole stream again. Tell it where it begins (``_on_message``
+    drops what it would repeat all the same)."""
+    jsi = getattr(getattr(sub, "_sub", None), "_jsi", None)  # (the push subscription's inner one)
+    if seq > 0 and jsi is not None and getattr(jsi, "_sseq", None) == 0:
+        jsi._sseq = seq
 
 
 async def request_resync(nc, requester: str) -> None:
