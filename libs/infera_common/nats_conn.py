@@ -100,6 +100,13 @@ class RepeatedErrors:
         self._seen.clear()
 
 
+#: How often each client pings the broker, and how many pings may go unanswered before it takes the
+#: connection for dead and reconnects: a stalled broker or a silent network cut is noticed within
+#: 9-12 s (nats-py's defaults, 120 s and 2, took 6-8 minutes), however idle the service is. (A loop
+#: held for long adds one ping, not several: the pinging task sleeps on the same loop.)
+PING_INTERVAL_S = 3.0
+MAX_OUTSTANDING_PINGS = 2
+
 #: Why a service run on its own dials NATS although its plane flags need none (etcd, http, zmq).
 BETWEEN_SERVICES = ("the frontend, router and kv-indexer, run as separate processes, talk to one another over NATS "
                     "whatever the plane flags; to run them without a broker, run them as one process: "
@@ -151,6 +158,8 @@ async def connect(url: str, name: str, connect_timeout: float = 10.0, reconnects
             reconnected_cb=on_reconnect,
             connect_timeout=2,
             allow_reconnect=True,
+            ping_interval=PING_INTERVAL_S,
+            max_outstanding_pings=MAX_OUTSTANDING_PINGS,
         ),
         name="nats-connect",
     )

@@ -2,13 +2,17 @@
 
 import asyncio
 import json
+import os
 import re
+import signal
 import time
 
 import aiohttp
 import pytest
 from structlog.testing import capture_logs
 
+from infera.procs import free_port, start_nats, stop_process
+from infera_common import nats_conn
 from infera_common.discovery import Registrar
 from infera_common.schemas import Endpoint, Frame, WorkerStatus
 from tests.frontend.frontend_fakes import (
@@ -389,6 +393,35 @@ async def test_not_ready_without_nats(make_frontend, nats_server):
             assert r.status == 503 and "NATS not connected" in (await r.json())["reasons"]
         async with s.get(url(fe, "/health")) as r:
             assert r.status == 200
+
+
+async def test_a_stalled_broker_makes_the_frontend_not_ready_and_it_comes_back(make_frontend, tmp_path, monkeypatch):
+    # a broker that stops answering (SIGSTOP: its sockets stay open) is noticed by the clients' pings
+    monkeypatch.setattr(nats_conn, "PING_INTERVAL_S", 0.3)
+    monkeypatch.setattr(nats_conn, "MAX_OUTSTANDING_PINGS", 1)
+    port = free_port()
+    broker = start_nats(port, tmp_path / "js")
+    try:
+        fe = await make_frontend(nats_url=f"nats://127.0.0.1:{port}")
+
+        async def ready() -> int:
+            async with aiohttp.ClientSession() as s, s.get(url(fe, "/ready")) as r:
+                return r.status
+
+        assert await ready() == 200
+        os.kill(broker.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while await ready() == 200 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert await ready() == 503
+        os.kill(broker.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while await ready() == 503 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert await ready() == 200
+    finally:
+        os.kill(broker.pid, signal.SIGCONT)
+        stop_process(broker)
 
 
 async def test_stream_request_answered_without_sse_returns_the_body(frontend, fleet):
