@@ -97,6 +97,9 @@ class WorkerRecord(_Msg):
     #: ``max_model_len``: a frontend refuses longer requests itself, in the OpenAI error format
     #: (None: not said, an older agent, or an engine that truncates long prompts instead)
     context_length: int | None = None
+    #: the engine lowers a request's ``max_tokens`` to what its context leaves after the prompt (vLLM)
+    #: where SGLang refuses the request: a frontend then refuses only ``max_tokens`` past ``context_length``
+    clamps_max_tokens: bool = False
     status: WorkerStatus = WorkerStatus.STARTING
     max_pending: int = 0  # broker-enforced pending limit (0 = unknown)
     version: str = ""

@@ -5,11 +5,14 @@ import time
 
 import pytest
 
-from infera_common.fleet import Change
+from infera_common.fleet import Change, FleetView
 from infera_common.openai_errors import error_body, normalize_error
 from infera_common.schemas import Endpoint, WorkerRecord, WorkerStatus
 
-from infera_frontend.prepare import ModelTable, Tokens, check_context, check_context_floor, longest_prompt_chars
+from infera_frontend.listing import model_entry, models_list
+from infera_frontend.prepare import (
+    ContextLimit, ModelTable, Tokens, check_context, check_context_floor, longest_prompt_chars,
+)
 from infera_frontend.prepare import sequences
 from infera_frontend.validation import ApiError, parse_body, request_ids
 
@@ -144,9 +147,11 @@ def test_an_engine_codes_and_types_become_openais():
     assert (err["type"], err["code"]) == ("internal_server_error", "9")
 
 
-def _rec(wid: str, model: str, status: WorkerStatus, context_length: int | None = None) -> WorkerRecord:
+def _rec(wid: str, model: str, status: WorkerStatus, context_length: int | None = None,
+         clamps: bool = False) -> WorkerRecord:
     return WorkerRecord(worker_id=wid, model=model, engine="mock", url="http://x", advertise_host="x",
-                        status=status, heartbeat_at=time.time(), context_length=context_length)
+                        status=status, heartbeat_at=time.time(), context_length=context_length,
+                        clamps_max_tokens=clamps)
 
 
 def _status(table: ModelTable, model: str) -> int:
@@ -187,24 +192,29 @@ def test_the_sequences_a_request_runs_in_the_engine(endpoint, body, expected):
 
 def test_the_context_length_of_a_model_is_the_longest_its_active_workers_take():
     table = ModelTable()
-    assert table.context_length("m") is None
+    assert table.context_limit("m") is None
     table.apply(Change("join", _rec("a", "m", WorkerStatus.ACTIVE, 4096)))
     table.apply(Change("join", _rec("b", "m", WorkerStatus.ACTIVE, 8192)))
     table.apply(Change("join", _rec("c", "m", WorkerStatus.STARTING, 100)))  # not routable: not counted
-    table.apply(Change("join", _rec("d", "other", WorkerStatus.ACTIVE, 1000)))
-    assert table.context_length("m") == 8192  # a request some worker takes is not refused
+    table.apply(Change("join", _rec("d", "other", WorkerStatus.ACTIVE, 1000, clamps=True)))
+    assert table.context_limit("m") == ContextLimit(8192)  # a request some worker takes is not refused
     table.apply(Change("update", _rec("b", "m", WorkerStatus.DRAINING, 8192)))
-    assert table.context_length("m") == 4096
+    assert table.context_limit("m") == ContextLimit(4096)
+    table.apply(Change("join", _rec("f", "m", WorkerStatus.ACTIVE, 2048, clamps=True)))
+    assert table.context_limit("m") == ContextLimit(4096, clamps=True)  # one clamps: what it would serve passes
+    table.apply(Change("leave", _rec("f", "m", WorkerStatus.ACTIVE, 2048, clamps=True)))
     table.apply(Change("join", _rec("e", "m", WorkerStatus.ACTIVE)))  # an agent that does not say
-    assert table.context_length("m") is None  # it may take anything: nothing refused
+    assert table.context_limit("m") is None  # it may take anything: nothing refused
     table.apply(Change("leave", _rec("e", "m", WorkerStatus.ACTIVE)))
     table.apply(Change("leave", _rec("a", "m", WorkerStatus.ACTIVE, 4096)))
-    assert table.context_length("m") is None and table.context_length("other") == 1000
+    assert table.context_limit("m") is None and table.context_limit("other") == ContextLimit(1000, clamps=True)
 
 
-def _context_error(endpoint: Endpoint, body: dict, tokens: Tokens, limit: int | None) -> ApiError | None:
+def _context_error(endpoint: Endpoint, body: dict, tokens: Tokens, limit: int | None,
+                   clamps: bool = False) -> ApiError | None:
+    context = ContextLimit(limit, clamps) if limit is not None else None
     try:
-        check_context(parse_body(endpoint, json.dumps({"model": "m", **body}).encode()), tokens, limit)
+        check_context(parse_body(endpoint, json.dumps({"model": "m", **body}).encode()), tokens, context)
     except ApiError as err:
         assert err.status == 400 and err.code == "context_length_exceeded"
         return err
@@ -232,11 +242,27 @@ def test_a_request_past_the_context_length_is_refused_before_routing(endpoint, b
         assert f"maximum context length is {limit} tokens" in err.message
 
 
+@pytest.mark.parametrize("endpoint, body, tokens, param", [
+    (CHAT, {"messages": OK_MSG, "max_tokens": 50}, Tokens(None, 99), None),  # cut to 1 output token
+    (CHAT, {"messages": OK_MSG, "max_tokens": 100}, Tokens(None, 10), None),
+    (CHAT, {"messages": OK_MSG, "max_tokens": 101}, Tokens(None, 10), "max_tokens"),  # past the length itself
+    (CHAT, {"messages": OK_MSG, "max_completion_tokens": 101}, Tokens(None, 10), "max_completion_tokens"),
+    (CHAT, {"messages": OK_MSG, "max_tokens": 1}, Tokens(None, 100), "messages"),  # still no room at all
+    (Endpoint.COMPLETIONS, {"prompt": "x", "max_tokens": 90}, Tokens(None, 60), None),
+])
+def test_workers_that_clamp_max_tokens_are_refused_only_what_they_refuse(endpoint, body, tokens, param):
+    # vLLM cuts max_tokens to what the prompt leaves of the context; it refuses max_tokens past the
+    # context length itself, and prompts that leave no room
+    err = _context_error(endpoint, body, tokens, 100, clamps=True)
+    assert (err.param if err else None) == param
+
+
 def test_the_floor_refuses_only_what_cannot_fit_and_says_it_is_a_floor():
     chat = parse_body(CHAT, json.dumps({"model": "m", "messages": OK_MSG, "max_tokens": 10}).encode())
-    check_context_floor(chat, 90, 100)  # 90 tokens at least, 100 at most: it may fit
+    check_context_floor(chat, 90, ContextLimit(100))  # 90 tokens at least, 100 at most: it may fit
+    check_context_floor(chat, 95, ContextLimit(100, clamps=True))  # its max_tokens would be cut
     with pytest.raises(ApiError) as caught:
-        check_context_floor(chat, 91, 100)  # 91 + 10 cannot
+        check_context_floor(chat, 91, ContextLimit(100))  # 91 + 10 cannot
     assert caught.value.param == "max_tokens" and "at least 101 tokens (at least 91 in the messages" in caught.value.message
     check_context_floor(chat, 10**6, None)  # no limit known: nothing refused
 
@@ -249,3 +275,15 @@ def test_the_floor_refuses_only_what_cannot_fit_and_says_it_is_a_floor():
 ])
 def test_the_longest_prompt_to_tokenize(endpoint, body, chars):
     assert longest_prompt_chars(parse_body(endpoint, json.dumps({"model": "m", **body}).encode())) == chars
+
+
+def test_the_model_list_gives_the_context_length_when_every_active_worker_said_it():
+    view = FleetView()
+    now = time.time()
+    view.put(_rec("a", "m", WorkerStatus.ACTIVE, 4096), 0.0, now)
+    view.put(_rec("b", "m", WorkerStatus.ACTIVE, 8192), 0.0, now)
+    view.put(_rec("c", "m", WorkerStatus.DRAINING, 100_000), 0.0, now)  # not routable: not counted
+    view.put(_rec("d", "other", WorkerStatus.ACTIVE), 0.0, now)  # did not say
+    listed = {m["id"]: m for m in models_list(view)["data"]}
+    assert listed["m"]["max_model_len"] == 8192 and "max_model_len" not in listed["other"]
+    assert model_entry(view, "m") == listed["m"] and model_entry(view, "gone") is None

@@ -125,7 +125,8 @@ async def test_errors_use_the_flavours_shape(start_engine, flavor):
         ({"messages": []}, "messages"),
         ({**CHAT, "max_tokens": -3}, "max_tokens"),
         ({**CHAT, "temperature": -1}, "temperature"),
-        ({**CHAT, "max_tokens": 40}, "context length"),
+        ({**CHAT, "max_tokens": 40 if flavor == "sglang" else 65}, "context length" if flavor == "sglang"
+         else "max_model_len=64"),
         ({"messages": [{"role": "user", "content": "word " * 80}]}, "context length"),
     ]
     for body, needle in cases:
@@ -143,6 +144,15 @@ async def test_errors_use_the_flavours_shape(start_engine, flavor):
     for raw in (b"{not json", b"\xff\xfe", b"[1, 2]"):
         async with client.session.post("/v1/completions", data=raw, headers={"Content-Type": "application/json"}) as r:
             assert r.status == 400
+
+
+async def test_vllm_flavour_cuts_max_tokens_to_what_the_prompt_leaves_of_the_context(start_engine):
+    # as vLLM does; the sglang flavour refuses the same request (above)
+    client = await start_engine("--engine-flavor", "vllm", "--speedup", "50", "--context-length", "64")
+    status, body = await client.post("/v1/chat/completions", {**CHAT, "max_tokens": 40})
+    prompt = body["usage"]["prompt_tokens"]
+    assert status == 200 and prompt + 40 > 64
+    assert body["usage"]["completion_tokens"] == 64 - prompt and body["choices"][0]["finish_reason"] == "length"
 
 
 async def test_vllm_flavour_refuses_an_unknown_model(start_engine):

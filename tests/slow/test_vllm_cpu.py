@@ -360,6 +360,21 @@ def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cac
         wait_for(lambda: total(scrape(f"http://127.0.0.1:{agent_port}"), "infera_agent_engine_canaries_total",
                                reason="idle", outcome="answered") >= 1, 40,
                  "the worker-agent's idle canary to be answered", procs, ["worker-agent"], 0.5)
+
+        # 6. vLLM cuts max_tokens to what the prompt leaves of its context (1024) and refuses only
+        # max_tokens past the context itself: the frontend lets the first through and refuses the second
+        assert worker.get("clamps_max_tokens") is True and worker.get("context_length") == 1024
+        words = 900
+        while (n := chat_token_count(model, "erosion " * words)) > 1000:
+            words -= 50
+        long_chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "erosion " * words}],
+                     "temperature": 0, "ignore_eos": True}
+        status, body = http_json(frontend + "/v1/chat/completions", {**long_chat, "max_tokens": n})
+        assert status == 200, (body, procs.tails())
+        assert body["usage"]["completion_tokens"] == 1024 - n and body["choices"][0]["finish_reason"] == "length"
+        status, body = http_json(frontend + "/v1/chat/completions", {**long_chat, "max_tokens": 1025})
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+        assert body["error"]["param"] == "max_tokens", body
     finally:
         procs.stop_all()
 

@@ -130,6 +130,7 @@ async def test_registers_serves_streams_releases_and_reports_load(bus, agents):
     assert (record.engine, record.max_pending, record.ttl) == ("mock", 7, 2.0)
     assert record.kv_capacity_tokens == 16384 * 64  # the engine's KV pool, for the routers' eviction term
     assert record.context_length == 4096  # its /v1/models max_model_len: frontends refuse longer requests
+    assert not record.clamps_max_tokens  # the sglang flavour refuses prompt + max_tokens past it, as SGLang does
     assert record.url.startswith("http://127.0.0.1:")
     active = agent.event("worker_active", timeout=5)  # its start-up heap is out of the collector's way
     assert active is not None and active["frozen_objects"] > 10_000
@@ -356,7 +357,9 @@ async def test_a_hung_gpu_behind_a_passing_health_check_is_found_by_the_canary(b
     agent = agents("w-stall", ["--health-check-interval", "0.3", "--health-check-timeout", "1",
                                "--load-interval", "0.1", "--metrics-port", str(metrics_port)],
                    ["--engine-flavor", "vllm"])
-    model = (await bus.active("w-stall")).model
+    record = await bus.active("w-stall")
+    model = record.model
+    assert record.clamps_max_tokens  # as vLLM does: frontends let prompt + max_tokens past the context through
     rid, sub = await bus.submit("w-stall", chat(600, stream=True, model=model))  # ~3.4 s of tokens
     first = await bus.frames(sub, n=2)
     assert first[-1].kind == "data", first

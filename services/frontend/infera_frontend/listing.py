@@ -11,28 +11,32 @@ from infera_common.schemas import WorkerStatus
 OWNER = "infera"
 
 
-def _served(view: FleetView) -> dict[str, float]:
-    """Each model with at least one active worker: when its earliest such worker started."""
-    created: dict[str, float] = {}
+def _served(view: FleetView) -> dict[str, dict[str, Any]]:
+    """Each model with at least one active worker: its model object (``created``: when its earliest
+    such worker started; ``max_model_len``, as vLLM lists it: the longest context length among them,
+    when every one of them said)."""
+    models: dict[str, dict[str, Any]] = {}
+    lengths: dict[str, list[int | None]] = {}
     for rec in view.workers():
         if rec.status == WorkerStatus.ACTIVE:
-            created[rec.model] = min(created.get(rec.model, rec.started_at), rec.started_at)
-    return created
-
-
-def _model(model: str, started: float) -> dict[str, Any]:
-    return {"id": model, "object": "model", "created": int(started), "owned_by": OWNER}
+            entry = models.setdefault(rec.model, {"id": rec.model, "object": "model", "created": int(rec.started_at),
+                                                  "owned_by": OWNER})
+            entry["created"] = min(entry["created"], int(rec.started_at))
+            lengths.setdefault(rec.model, []).append(rec.context_length)
+    for model, said in lengths.items():
+        if None not in said:
+            models[model]["max_model_len"] = max(said)  # type: ignore[type-var]
+    return models
 
 
 def models_list(view: FleetView) -> dict[str, Any]:
     """OpenAI's model list: each model with at least one active worker."""
-    return {"object": "list", "data": [_model(model, ts) for model, ts in sorted(_served(view).items())]}
+    return {"object": "list", "data": [entry for _, entry in sorted(_served(view).items())]}
 
 
 def model_entry(view: FleetView, model: str) -> dict[str, Any] | None:
     """OpenAI's model object (``GET /v1/models/{model}``), as ``models_list`` lists it; None when not listed."""
-    started = _served(view).get(model)
-    return None if started is None else _model(model, started)
+    return _served(view).get(model)
 
 
 def workers_list(view: FleetView) -> dict[str, Any]:

@@ -96,7 +96,7 @@ class Pipeline:
         what it returns then).
         """
         self.models.check(parsed.model)
-        limit = self.models.context_length(parsed.model)
+        limit = self.models.context_limit(parsed.model)
         check_context_floor(parsed, self.tokenizer.min_tokens(longest_prompt_chars(parsed)), limit)
         tokens = await self.tokens(parsed)
         check_context(parsed, tokens, limit)

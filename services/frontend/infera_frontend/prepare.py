@@ -20,6 +20,16 @@ from infera_frontend.validation import ApiError, Parsed
 OFFLOAD_CHARS = 8_192
 
 
+@dataclass(frozen=True, slots=True)
+class ContextLimit:
+    """The context length a model's workers take, and how they treat ``max_tokens`` past what the
+    prompt leaves of it: refused (SGLang: prompt + ``max_tokens`` must fit) or clamped to fit (vLLM,
+    which refuses only ``max_tokens`` past the context length itself)."""
+
+    length: int
+    clamps: bool = False
+
+
 class ModelTable:
     """Per model: how many workers serve it, how many are active. Follows discovery changes.
 
@@ -30,7 +40,8 @@ class ModelTable:
     def __init__(self, discovery: str = "", unlisted: UnlistedWorkers | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._workers: dict[str, tuple[str, bool]] = {}  # worker_id -> (model, active)
-        self._lengths: dict[str, dict[str, int | None]] = {}  # model -> active worker_id -> context length
+        # model -> active worker_id -> (context length, whether its engine clamps max_tokens to fit)
+        self._lengths: dict[str, dict[str, tuple[int | None, bool]]] = {}
         self._known: Counter[str] = Counter()
         self._active: Counter[str] = Counter()
         self.discovery = discovery
@@ -54,7 +65,7 @@ class ModelTable:
             self._known[rec.model] += 1
             if active:
                 self._active[rec.model] += 1
-                self._lengths.setdefault(rec.model, {})[rec.worker_id] = rec.context_length
+                self._lengths.setdefault(rec.model, {})[rec.worker_id] = (rec.context_length, rec.clamps_max_tokens)
             self.unlisted.listed(rec.worker_id)
 
     def lists(self, worker_id: str) -> bool:
@@ -64,13 +75,17 @@ class ModelTable:
     def is_known(self, model: str) -> bool:
         return self._known[model] > 0
 
-    def context_length(self, model: str) -> int | None:
-        """The longest request some active worker of ``model`` accepts; None when one of them did
-        not say (it may accept anything) or none is active."""
-        lengths = self._lengths.get(model)
-        if not lengths or None in lengths.values():
+    def context_limit(self, model: str) -> ContextLimit | None:
+        """What the active workers of ``model`` accept: the longest context length among them, and
+        whether one of them clamps ``max_tokens`` to fit (then only ``max_tokens`` past the length is
+        refused); None when one of them did not say (it may accept anything) or none is active."""
+        limits = self._lengths.get(model)
+        if not limits:
             return None
-        return max(lengths.values())  # type: ignore[type-var]
+        lengths = [length for length, _ in limits.values()]
+        if None in lengths:
+            return None
+        return ContextLimit(max(lengths), any(clamps for _, clamps in limits.values()))  # type: ignore[type-var]
 
     def check(self, model: str) -> None:
         """Raise the client's error when ``model`` cannot be served now: 404 unknown, 503 none active
@@ -189,28 +204,31 @@ def tokenize(tok: ChatTokenizer, parsed: Parsed) -> Tokens:
     return Tokens(batches[0], sum(len(b) for b in batches), longest=max(len(b) for b in batches))
 
 
-def check_context(parsed: Parsed, tokens: Tokens, limit: int | None) -> None:
+def check_context(parsed: Parsed, tokens: Tokens, limit: ContextLimit | None) -> None:
     """400 ``context_length_exceeded`` when the request cannot fit the model's context length
-    (``limit``, the longest any of its workers takes): a prompt of ``limit`` tokens or more leaves
-    no room for one output token, and a prompt plus the ``max_tokens`` asked must fit. Every engine
-    would refuse the same request after its routing; the frontend says it first, the same way for
-    every engine. Not checked without a limit, for prompts whose count is not known (token
-    invariant), or when the client asks vLLM to cut the prompt down (``truncate_prompt_tokens``)."""
+    (``limit``: the longest any of its workers takes): a prompt of that many tokens or more leaves no
+    room for one output token; a prompt plus the ``max_tokens`` asked must fit, unless the workers
+    clamp ``max_tokens`` to what is left (vLLM), when only ``max_tokens`` past the length is refused.
+    The engines would refuse the same requests after routing (SGLang's sum check is ``>=``, one token
+    stricter: that one it refuses itself); the frontend says it first, the same way for every engine.
+    Not checked without a limit, for prompts whose count is not known (token invariant), or when the
+    client asks vLLM to cut the prompt down (``truncate_prompt_tokens``)."""
     if tokens.ok:
         _check_length(parsed, tokens.longest_prompt, limit, exact=True)
 
 
-def check_context_floor(parsed: Parsed, at_least: int, limit: int | None) -> None:
+def check_context_floor(parsed: Parsed, at_least: int, limit: ContextLimit | None) -> None:
     """``check_context`` before tokenizing, with the fewest tokens the longest prompt can become
     (``ChatTokenizer.min_tokens``): a prompt far past the context length is refused at once, not
     after seconds of tokenizing (an 8 MiB prompt held the frontend ~20 s and ~1.2 GB)."""
     _check_length(parsed, at_least, limit, exact=False)
 
 
-def _check_length(parsed: Parsed, prompt: int, limit: int | None, exact: bool) -> None:
+def _check_length(parsed: Parsed, prompt: int, context: ContextLimit | None, exact: bool) -> None:
     data = parsed.data
-    if limit is None or data.get("truncate_prompt_tokens") is not None:
+    if context is None or data.get("truncate_prompt_tokens") is not None:
         return
+    limit = context.length
     chat = parsed.endpoint == Endpoint.CHAT
     where = "messages" if chat else "prompt"
     count = f"{prompt}" if exact else f"at least {prompt}"
@@ -221,7 +239,15 @@ def _check_length(parsed: Parsed, prompt: int, limit: int | None, exact: bool) -
                        code="context_length_exceeded")
     key = "max_completion_tokens" if chat and data.get("max_completion_tokens") is not None else "max_tokens"
     wanted = data.get(key)
-    if wanted is not None and prompt + wanted > limit:
+    if wanted is None:
+        return
+    if context.clamps:
+        if wanted > limit:
+            raise ApiError(400, f"`{key}` is {wanted}, more than this model's maximum context length of {limit} "
+                           f"tokens; the completion is cut to what the {where} leaves of it, but `{key}` itself "
+                           f"cannot be greater. Please request fewer output tokens.",
+                           type="invalid_request_error", param=key, code="context_length_exceeded")
+    elif prompt + wanted > limit:
         total = f"{prompt + wanted}" if exact else f"at least {prompt + wanted}"
         raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                        f"{total} tokens ({count} in the {where}, {wanted} in the completion). Please "

@@ -263,7 +263,16 @@ class Engine:
             raise RequestError(
                 f"the prompt has {n} tokens; this model's context length is {ctx} tokens", param=params.prompt_param
             )
-        if params.max_new_tokens is not None:
+        if params.max_new_tokens is not None and self.config.engine_flavor == "vllm":
+            # vLLM cuts max_tokens to what the prompt leaves of the context; only more than the
+            # context length itself is an error
+            if params.max_new_tokens > ctx:
+                raise RequestError(
+                    f"max_tokens={params.max_new_tokens} cannot be greater than max_model_len={ctx}. "
+                    "Please request fewer output tokens.", param="max_tokens",
+                )
+            limit, reason = min(params.max_new_tokens, ctx - n), "length"
+        elif params.max_new_tokens is not None:
             if n + params.max_new_tokens > ctx:
                 raise RequestError(
                     f"this model's maximum context length is {ctx} tokens, but {n + params.max_new_tokens} "

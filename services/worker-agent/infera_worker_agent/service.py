@@ -286,6 +286,7 @@ class Agent:
             discovery_backend=self.s.discovery_backend, request_transport=self.s.request_transport,
             kv_event_transport=self.s.kv_event_transport, status=status, max_pending=self.s.max_pending,
             finds_hangs=self._finds_hangs(), context_length=self._context_length,
+            clamps_max_tokens=self._pd_plan.family == "vllm",
             version=installed(["infera"]).get("infera", ""), ttl=self.s.discovery_ttl, started_at=self._started_at,
             **self._kv.record_fields(self.plan.advertise_host),
             kv_state_url=(state_url(self.s.metrics_host, self.plan.advertise_host, self._metrics_port)
