@@ -9,6 +9,7 @@ from infera_common.fleet import Change, FleetView
 from infera_common.openai_errors import error_body, normalize_error
 from infera_common.schemas import Endpoint, WorkerRecord, WorkerStatus
 
+from infera_frontend import prepare
 from infera_frontend.listing import model_entry, models_list
 from infera_frontend.prepare import (
     ContextLimit, ModelTable, Tokens, check_context, check_context_floor, longest_prompt_chars,
@@ -175,7 +176,18 @@ def test_model_table_follows_discovery():
     table.apply(Change("leave", _rec("b", "m", WorkerStatus.ACTIVE)))
     assert _status(table, "m") == 503
     table.apply(Change("leave", _rec("a", "m", WorkerStatus.DRAINING)))
-    assert _status(table, "m") == 404 and not table.is_known("m")
+    # every worker gone: the model is unavailable, not unknown (an outage is not the client's error)
+    assert _status(table, "m") == 503 and table.is_known("m")
+    assert _status(table, "typo") == 404 and not table.is_known("typo")
+
+
+def test_the_models_that_lost_their_workers_are_remembered_within_a_bound(monkeypatch):
+    monkeypatch.setattr(prepare, "SERVED_MODELS_KEPT", 3)
+    table = ModelTable()
+    for model in ("m1", "m2", "m3", "m1", "m4"):  # m1 served again: the most recent
+        table.apply(Change("join", _rec(model, model, WorkerStatus.ACTIVE)))
+        table.apply(Change("leave", _rec(model, model, WorkerStatus.ACTIVE)))
+    assert [_status(table, m) for m in ("m1", "m2", "m3", "m4")] == [503, 404, 503, 503]
 
 
 @pytest.mark.parametrize("endpoint, body, expected", [

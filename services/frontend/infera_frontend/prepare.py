@@ -16,6 +16,9 @@ from infera_common.tokenizer import ChatTemplateError, ChatTokenizer
 from infera_frontend.unlisted import UnlistedWorkers, mismatch_message
 from infera_frontend.validation import ApiError, Parsed
 
+#: How many models that lost every worker a frontend keeps answering 503 for (not 404: unknown).
+SERVED_MODELS_KEPT = 1024
+
 #: Prompts longer than this (characters) are tokenized in a worker thread, off the event loop.
 OFFLOAD_CHARS = 8_192
 
@@ -44,6 +47,9 @@ class ModelTable:
         self._lengths: dict[str, dict[str, tuple[int | None, bool]]] = {}
         self._known: Counter[str] = Counter()
         self._active: Counter[str] = Counter()
+        # models some worker served since this frontend started, most recent last (bounded): a model
+        # whose workers all left is unavailable (503), not unknown (404)
+        self._served: dict[str, None] = {}
         self.discovery = discovery
         self.unlisted = unlisted if unlisted is not None else UnlistedWorkers()
         self._clock = clock
@@ -63,6 +69,10 @@ class ModelTable:
             active = rec.status == WorkerStatus.ACTIVE
             self._workers[rec.worker_id] = (rec.model, active)
             self._known[rec.model] += 1
+            self._served.pop(rec.model, None)
+            self._served[rec.model] = None
+            if len(self._served) > SERVED_MODELS_KEPT:
+                del self._served[next(iter(self._served))]
             if active:
                 self._active[rec.model] += 1
                 self._lengths.setdefault(rec.model, {})[rec.worker_id] = (rec.context_length, rec.clamps_max_tokens)
@@ -73,7 +83,8 @@ class ModelTable:
         return worker_id in self._workers
 
     def is_known(self, model: str) -> bool:
-        return self._known[model] > 0
+        """Whether a worker serving ``model`` is registered, or was since this frontend started."""
+        return self._known[model] > 0 or model in self._served
 
     def context_limit(self, model: str) -> ContextLimit | None:
         """What the active workers of ``model`` accept: the longest context length among them, and
@@ -97,12 +108,15 @@ class ModelTable:
             raise ApiError(503, mismatch_message(model, elsewhere, self.discovery or "?"),
                            type="service_unavailable_error", code="discovery_mismatch")
         where = f" (discovery: {self.discovery})" if self.discovery else ""
-        if self._known[model] <= 0:
+        if self._known[model] <= 0 and model not in self._served:
             registered = f" in {self.discovery}" if self.discovery else ""
             raise ApiError(
                 404, f"The model `{model}` does not exist: no worker serving it is registered{registered}.",
                 type="invalid_request_error", param="model", code="model_not_found",
             )
+        if self._known[model] <= 0:
+            raise ApiError(503, f"No worker serves the model `{model}` right now: every worker that served it "
+                           f"has left{where}; retry shortly.", type="service_unavailable_error")
         raise ApiError(503, f"No active worker serves the model `{model}` right now{where}; retry shortly.",
                        type="service_unavailable_error")
 
