@@ -113,13 +113,13 @@ async def run_service(service: Service, *, name: str, metrics_host: str, metrics
         await runner.cleanup()
 
 
-def configure_observability(settings: Any, service: str) -> Any:
-    """This process's structured logs and, with ``--otlp-traces-endpoint``, its trace export, from its
-    ``LogSettings``; returns the logger."""
+def configure_observability(settings: Any, service: str, **fields: object) -> Any:
+    """This process's structured logs (every line with ``service`` and ``fields``) and, with
+    ``--otlp-traces-endpoint``, its trace export, from its ``LogSettings``; returns the logger."""
     from infera_common.logs import configure_logging
     from infera_common.tracing import configure_tracing
 
-    log = configure_logging(settings.log_level, settings.log_format, service)
+    log = configure_logging(settings.log_level, settings.log_format, service, **fields)
     configure_tracing(settings.otlp_traces_endpoint, service)
     return log
 

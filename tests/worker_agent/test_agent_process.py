@@ -159,6 +159,10 @@ async def test_registers_serves_streams_releases_and_reports_load(bus, agents):
         text = await resp.text()
     assert 'infera_agent_requests_total{outcome="ok"} 2.0' in text
     assert alive(agent.pid)
+    # every line says whose it is, whichever module wrote it (aggregated logs are filtered by it)
+    lines = agent.logs()
+    unowned = [e for e in lines if (e.get("worker_id"), e.get("service")) != ("w-main", "worker-agent")]
+    assert len(lines) > 5 and not unowned, unowned[:3]
 
 
 async def report_running(load_sub, running: int, reports: int = 50) -> LoadReport:

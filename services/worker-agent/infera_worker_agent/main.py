@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(f"{PROG}: error: {problem}", file=sys.stderr)
         return 2
-    configure_observability(settings, "worker-agent")
+    configure_observability(settings, "worker-agent", worker_id=settings.worker_id)
     from infera_worker_agent.service import Agent  # not needed to print the command
 
     with event_loop_runner() as runner:
