@@ -4,6 +4,7 @@ overlap answers out over NATS request/reply."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -207,11 +208,16 @@ def test_ingest_metrics_reach_prometheus_on_the_tick_and_a_worker_that_left_keep
     assert registry.get_sample_value("infera_kv_indexer_relay_messages_total", {"kind": "blocks"}) == 1
     assert registry.get_sample_value("infera_kv_indexer_relay_messages_total", {"kind": "batch"}) == 1
     assert registry.get_sample_value("infera_kv_indexer_worker_blocks", {"worker": "w1"}) == 3
+    # when each worker's latest events were relayed: a worker whose time stops moving has a broken event path
+    last = "infera_kv_indexer_worker_last_event_timestamp_seconds"
+    for wid in ("w1", "w2"):
+        assert time.time() - 5 < registry.get_sample_value(last, {"worker": wid}) <= time.time()
     service._on_stream_message(e1.subject, e1.relay(e1.removed(tokens(12), 1)))
     service._on_change(Change("leave", record("w2")))
     service._flush_metrics()
     assert registry.get_sample_value("infera_kv_indexer_worker_blocks", {"worker": "w1"}) == 1
     assert registry.get_sample_value("infera_kv_indexer_worker_blocks", {"worker": "w2"}) is None
+    assert registry.get_sample_value(last, {"worker": "w2"}) is None and registry.get_sample_value(last, {"worker": "w1"})
     assert registry.get_sample_value("infera_kv_indexer_blocks_applied_total", {"op": "removed"}) == 2
 
 

@@ -60,6 +60,13 @@ class KvIndexerMetrics:
         self.worker_blocks = Gauge(
             "infera_kv_indexer_worker_blocks", "Blocks indexed per worker (all DP ranks).", ["worker"], registry=r,
         )
+        self.worker_last_event = Gauge(
+            "infera_kv_indexer_worker_last_event_timestamp_seconds",
+            "Unix time at which the latest KV event message applied from the worker was relayed (its engine's "
+            "events, as its agent relayed them; or read from its publisher). A worker that takes requests but "
+            "whose time stops moving has a broken event path: alert on time() minus it.",
+            ["worker"], registry=r,
+        )
         self.workers = Gauge(
             "infera_kv_indexer_workers",
             "Workers by state: seen (in discovery, events arrived), unseen (in discovery, no events yet), "
@@ -148,15 +155,22 @@ class KvIndexerMetrics:
             child = self._children[(name, label)] = family.labels(label)
         return child
 
-    def set_blocks(self, worker_id: str, blocks: int) -> None:
+    def set_blocks(self, worker_id: str, blocks: int, relayed: float | None = None) -> None:
+        """A worker's block count; with ``relayed``, when its latest event message was relayed."""
         child = self._block_gauges.get(worker_id)
         if child is None:
             child = self._block_gauges[worker_id] = self.worker_blocks.labels(worker_id)
         child.set(blocks)
+        if relayed is not None:
+            self.worker_last_event.labels(worker_id).set(relayed)
 
     def forget_worker(self, worker_id: str) -> None:
         if self._block_gauges.pop(worker_id, None) is not None:
             self.worker_blocks.remove(worker_id)
+        try:
+            self.worker_last_event.remove(worker_id)
+        except KeyError:  # no event came from it
+            pass
         self.forget_zmq_worker(worker_id)
 
     def set_zmq_endpoints(self, worker_id: str, connected: int) -> None:

@@ -75,7 +75,8 @@ class KvIndexerService:
         self._query_sub: Any | None = None
         self._housekeeper: asyncio.Task | None = None
         self._mismatch_warned: set[str] = set()
-        self._changed: set[str] = set()  # workers whose blocks changed since the last tick
+        # workers whose blocks changed since the last tick: when their latest message was relayed
+        self._changed: dict[str, float] = {}
         self._query_ok = self.metrics.queries.labels("ok")
         self._query_malformed = self.metrics.queries.labels("malformed")
 
@@ -245,7 +246,7 @@ class KvIndexerService:
                 m.orphaned.inc(out.orphaned)
         else:
             log.info("worker_cleared", worker_id=relay.worker_id, dp_rank=relay.dp_rank)
-        self._changed.add(relay.worker_id)  # its block gauge: set on the next tick
+        self._changed[relay.worker_id] = relay.ts  # its gauges: set on the next tick
 
     async def _housekeeping(self) -> None:
         while True:
@@ -260,10 +261,10 @@ class KvIndexerService:
     def _flush_metrics(self) -> None:
         """The ingest path's deferred metrics: counters, each changed worker's block gauge, the worker counts."""
         self.metrics.flush()
-        changed, self._changed = self._changed, set()
-        for worker_id in changed:
+        changed, self._changed = self._changed, {}
+        for worker_id, relayed in changed.items():
             if self.index.is_seen(worker_id):  # (not a worker that left since)
-                self.metrics.set_blocks(worker_id, self.index.worker_blocks(worker_id))
+                self.metrics.set_blocks(worker_id, self.index.worker_blocks(worker_id), relayed)
         self.metrics.set_workers(*self.index.counts())
 
     # --- queries ---------------------------------------------------------------------------
