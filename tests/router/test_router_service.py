@@ -330,3 +330,33 @@ async def test_concurrent_requests_all_answered_and_accounted(bench):
     assert statuses.count(200) == 50 and statuses.count(429) == 10
     assert bench.leases("a") == 25 and bench.leases("b") == 25
     assert len({r.lease_id for r in replies if r.status == 200}) == 50
+
+
+_SPANS: list = []  # the in-memory exporter, once the process has a tracer provider (it can be set once)
+
+
+@pytest.fixture
+def route_spans():
+    """The spans this process ends from now on (an in-memory exporter behind the global provider)."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    if not _SPANS:
+        provider = TracerProvider()
+        _SPANS.append(InMemorySpanExporter())
+        provider.add_span_processor(SimpleSpanProcessor(_SPANS[0]))
+        trace.set_tracer_provider(provider)
+    _SPANS[0].clear()
+    return _SPANS[0]
+
+
+async def test_the_route_span_says_what_the_requester_got_after_the_workers_ack(bench, route_spans):
+    # the span used to end with the plan, before the worker's queue answered: 429s were traced as 200
+    await bench.worker("a", max_pending=1)
+    assert (await bench.route(request_id="1")).status == 200
+    assert (await bench.route(request_id="2")).status == 429
+    spans = {s.attributes["infera.request_id"]: s for s in route_spans.get_finished_spans() if s.name == "route"}
+    assert spans["1"].attributes["infera.route.status"] == 200 and spans["1"].attributes["infera.worker_id"] == "a"
+    assert spans["2"].attributes["infera.route.status"] == 429 and "infera.worker_id" not in spans["2"].attributes

@@ -45,6 +45,7 @@ class Routing:
     full: int = 0
     gone: int = 0
     failed: int = 0
+    span: Span | None = None  # the request's ``route`` span, ended with the reply (``RoutePath._reply``)
 
 
 class RoutePath:
@@ -79,7 +80,7 @@ class RoutePath:
                     return
                 elif getattr(self.core.policy, "needs_kv", False):
                     kv = KvView.failed("no_tokens" if not request.tokens else "no_block_size")
-                await self._route(request, msg.reply, t0, kv, span)
+                handed_over = await self._route(request, msg.reply, t0, kv, span)
             finally:
                 if not handed_over:
                     finish(span)
@@ -90,6 +91,7 @@ class RoutePath:
 
     async def _route_with_kv(self, request: RouteRequest, reply_to: str, t0: float, query: OverlapQuery,
                              candidates: list[WorkerState], span: Span) -> None:
+        handed_over = False
         try:
             assert self._kv is not None
             ask = start_span("kv query", request.traceparent, attributes={"infera.kv.workers": len(candidates)})
@@ -99,43 +101,68 @@ class RoutePath:
             finally:
                 finish(ask)
             kv.hashes = query.hashes  # for the in-flight view and the lease
-            await self._route(request, reply_to, t0, kv, span)
+            handed_over = await self._route(request, reply_to, t0, kv, span)
         except Exception as exc:  # never leave a requester without an answer
             log.exception("route_failed", request_id=request.request_id)
             await self._send(reply_to, RouteReply(status=500, message=f"router failure: {type(exc).__name__}: {exc}",
                                                   router_id=self.router_id), t0)
         finally:
-            finish(span)
+            if not handed_over:
+                finish(span)
 
-    async def _route(self, request: RouteRequest, reply_to: str, t0: float, kv: KvView | None, span: Span) -> None:
+    async def _route(self, request: RouteRequest, reply_to: str, t0: float, kv: KvView | None, span: Span) -> bool:
+        """Plan and start handing the request over; True when ``span`` went to the routing, which
+        ends it with the reply (the worker's ack may come later), False when the caller ends it."""
         try:
             plan = self.core.plan(request, kv, time.monotonic())
         except SessionIdError as exc:
             await self._send(reply_to, RouteReply(status=400, message=str(exc), router_id=self.router_id), t0)
-            return
-        span.set_attribute("infera.route.status", plan.status)
-        if plan.order:
-            span.set_attribute("infera.worker_id", plan.order[0].worker_id)
+            span.set_attribute("infera.route.status", 400)
+            return False
         if plan.costs:
             span.set_attribute("infera.kv.matched_blocks", plan.costs[0].matched_blocks)
-        routing = Routing(request, reply_to, plan.order, t0, plan=plan)
-        if plan.all_open:
-            self.metrics.breaker_all_open.labels(request.model).inc()
-        if plan.status != 200:
-            await self._reply(routing, plan.status, plan.message)
-            return
-        if plan.costs:
-            routing.costs = plan.costs
-            routing.hashes = kv.hashes if kv is not None else {}
-            self._account_pick(request, plan.costs, asked=kv is None or kv.asked)
-        if plan.disaggregated and self._pd is not None:
-            async def reply(status: int, message: str, worker_id: str | None, lease_id: str | None) -> None:
-                await self._reply(routing, status, message, worker_id, lease_id)
+        routing = Routing(request, reply_to, plan.order, t0, plan=plan, span=span)
+        try:
+            if plan.all_open:
+                self.metrics.breaker_all_open.labels(request.model).inc()
+            if plan.status != 200:
+                await self._reply(routing, plan.status, plan.message)
+                return True
+            if plan.costs:
+                routing.costs = plan.costs
+                routing.hashes = kv.hashes if kv is not None else {}
+                self._account_pick(request, plan.costs, asked=kv is None or kv.asked)
+            if plan.disaggregated and self._pd is not None:
+                async def reply(status: int, message: str, worker_id: str | None, lease_id: str | None) -> None:
+                    await self._reply(routing, status, message, worker_id, lease_id)
 
-            # two legs, each waiting for its broker ack: in a task, not in the subscription's callback
-            self._spawn(self._pd.route(request, plan, reply, routing.hashes))
-            return
-        await self._try_next(routing)
+                # two legs, each waiting for its broker ack: in a task, not in the subscription's callback
+                self._spawn(self._pd_route(routing, reply))
+                return True
+            await self._try_next(routing)
+        except BaseException:
+            routing.span = None  # back to the caller, which ends it
+            raise
+        return True
+
+    async def _pd_route(self, r: Routing, reply) -> None:  # noqa: ANN001 - pd_flow.Reply
+        assert self._pd is not None and r.plan is not None
+        try:
+            await self._pd.route(r.request, r.plan, reply, r.hashes)
+        except Exception as exc:  # never leave a requester without an answer
+            log.exception("route_failed", request_id=r.request.request_id)
+            if r.span is not None:  # (not answered yet)
+                await self._reply(r, 500, f"router failure: {type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _end_span(r: Routing, status: int, worker_id: str | None = None) -> None:
+        """End the request's ``route`` span (once) with the status its requester got."""
+        span, r.span = r.span, None
+        if span is not None:
+            span.set_attribute("infera.route.status", status)
+            if worker_id:
+                span.set_attribute("infera.worker_id", worker_id)
+            finish(span, status)
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -263,6 +290,7 @@ class RoutePath:
         reply = RouteReply(status=status, message=message, worker_id=worker_id, lease_id=lease_id,
                            router_id=self.router_id,
                            frames_from=self._dispatcher.frames_from if self._dispatcher is not None else "worker")
+        self._end_span(r, status, worker_id)
         await self._send(r.reply_to, reply, r.t0)
 
     async def _send(self, reply_to: str, reply: RouteReply, t0: float) -> None:
