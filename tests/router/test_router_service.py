@@ -360,3 +360,14 @@ async def test_the_route_span_says_what_the_requester_got_after_the_workers_ack(
     spans = {s.attributes["infera.request_id"]: s for s in route_spans.get_finished_spans() if s.name == "route"}
     assert spans["1"].attributes["infera.route.status"] == 200 and spans["1"].attributes["infera.worker_id"] == "a"
     assert spans["2"].attributes["infera.route.status"] == 429 and "infera.worker_id" not in spans["2"].attributes
+
+
+async def test_refused_routes_are_logged_once_per_status_not_once_per_request(bench):
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        for i in range(5):  # an outage: every request of a model refused
+            assert (await bench.route("nope", request_id=f"r{i}")).status == 404
+    refused = [e for e in logs if e["event"] == "route_refused"]
+    assert len(refused) == 1 and refused[0]["status"] == 404 and refused[0]["request_id"] == "r0"
+    assert bench.metric("infera_router_routed_total", model="nope", worker="", status="404") == 5

@@ -284,9 +284,14 @@ class RoutePath:
         if r.plan is not None:
             self.core.discard(r.plan)
         self.metrics.routed_inc(request.model, worker_id or "", status)
-        if status != 200:
-            (log.debug if status == 429 else log.info)(
-                "route_refused", request_id=request.request_id, model=request.model, status=status, message=message)
+        if status == 429:  # a full fleet: counted (routed_total), not a line per request
+            log.debug("route_refused", request_id=request.request_id, model=request.model, status=status,
+                      message=message)
+        elif status != 200:  # the first of a status, then one every REFUSALS_LOG_EVERY seconds (an outage)
+            held = self._refusals.let_through(str(status), time.monotonic())
+            if held is not None:
+                log.info("route_refused", request_id=request.request_id, model=request.model, status=status,
+                         message=message, **({"repeated": held} if held else {}))
         reply = RouteReply(status=status, message=message, worker_id=worker_id, lease_id=lease_id,
                            router_id=self.router_id,
                            frames_from=self._dispatcher.frames_from if self._dispatcher is not None else "worker")

@@ -23,7 +23,7 @@ from infera_common.fleet import Change
 from infera_common.kv_index.stream import request_resync
 from infera_common.logs import get_logger
 from infera_common.nats_conn import (
-    Reconnects, close_connection, connect, flush_all, nats_log_fields, unsubscribe_quietly,
+    Reconnects, close_connection, connect, flush_all, nats_log_fields, unsubscribe_quietly, RepeatedErrors,
 )
 from infera_common.schemas import LoadReport, Prefilled, Release, WorkerRecord, WorkerStatus, decode
 from infera_common.subjects import (
@@ -51,6 +51,9 @@ from infera_router.sessions import SessionTable
 from infera_router.settings import RouterSettings
 
 log = get_logger("router")
+
+#: a refused route (no worker, model unknown, ...) is logged once per status per this many seconds
+REFUSALS_LOG_EVERY = 10.0
 T = TypeVar("T")
 
 #: How long start() tries to reach NATS before giving up with a clear error.
@@ -83,6 +86,7 @@ class RouterService(RoutePath):
         self._local_kv = (LocalKvIndex(self.metrics) if settings.kv_index == "local" and self._needs_kv()
                           else None)
         self._route_tasks: set[asyncio.Task] = set()
+        self._refusals = RepeatedErrors(REFUSALS_LOG_EVERY)  # route_refused lines, per status
         self.nc: NATS | None = nc
         self._own_nc = nc is None
         self._watcher: FleetWatcher | None = None
