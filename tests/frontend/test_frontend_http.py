@@ -358,6 +358,7 @@ async def test_models_workers_health_ready_metrics(frontend, fleet):
     assert 'model="_unknown",status="404"' in text
     assert "infera_frontend_tokenize_seconds_count" in text
     assert "infera_frontend_time_to_first_byte_seconds_count" in text
+    assert "_created" not in text  # no creation-time series beside each counter (it doubled the series)
 
 
 async def test_one_model_is_retrieved_as_the_openai_sdk_asks(frontend, fleet):

@@ -6,10 +6,13 @@ import json
 
 import pytest
 
+from infera_common.fleet import Change
 from infera_common.schemas import Frame
 from infera_frontend import relay as relay_module
 from infera_frontend.token_check import TokenChecker, reported_prompt_tokens
-from tests.frontend.frontend_fakes import MODEL, WORKER, chat_body, chunk_json, completion_json, script_ok
+from tests.frontend.frontend_fakes import (
+    MODEL, WORKER, chat_body, chunk_json, completion_json, script_ok, worker_record,
+)
 from tests.frontend.test_frontend_http import post, sse_payloads
 
 
@@ -72,6 +75,18 @@ async def test_usage_mismatch_is_counted_per_request_and_logged_once_per_worker(
     assert len(warnings) == 1
     assert (warnings[0]["worker_id"], warnings[0]["frontend_prompt_tokens"], warnings[0]["engine_prompt_tokens"]) == (
         WORKER, 35, 36)
+
+
+async def test_a_worker_that_leaves_takes_its_mismatch_series_along(frontend, fleet, logged):
+    fleet.script = engine_counting(36)
+    await post(frontend, "/v1/chat/completions", chat_body())
+    assert mismatches(frontend) == 1
+    frontend._on_change(Change("leave", worker_record()))  # what discovery says when it goes
+    registry = frontend.metrics.registry
+    assert registry.get_sample_value("infera_frontend_token_mismatch_total", {"worker": WORKER}) is None
+    frontend._on_change(Change("join", worker_record()))  # back (a new engine): its first mismatch is logged again
+    await post(frontend, "/v1/chat/completions", chat_body())
+    assert mismatches(frontend) == 1 and len([e for e, _ in logged.events if e == "token_mismatch"]) == 2
 
 
 async def test_matching_usage_and_answers_without_usage_count_nothing(frontend, fleet, logged):

@@ -115,6 +115,13 @@ class FrontendMetrics:
             child = cache[key] = metric.labels(*key)
         return child
 
+    def forget_worker(self, worker_id: str) -> None:
+        """Drop a worker's series (it left discovery)."""
+        try:
+            self.token_mismatch.remove(worker_id)
+        except KeyError:  # no mismatch counted for it
+            pass
+
     def started(self, transport: str) -> None:
         self._child(self.in_flight, transport).inc()
 

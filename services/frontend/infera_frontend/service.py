@@ -11,6 +11,7 @@ from aiohttp import web
 from nats.aio.client import Client as NATS
 
 from infera_common.discovery_select import FleetWatcher, discovery_for
+from infera_common.fleet import Change
 from infera_common.logs import get_logger
 from infera_common.nats_conn import Reconnects, close_connection, connect, nats_log_fields, unsubscribe_quietly
 from infera_common.schemas import LoadReport, decode
@@ -55,6 +56,14 @@ class Frontend:
         self.port: int | None = None
         self._stopped = False
 
+    def _on_change(self, change: Change) -> None:
+        self.models.apply(change)
+        if change.kind == "leave":  # its per-worker series and note go with it (label cardinality)
+            worker_id = change.record.worker_id
+            self.metrics.forget_worker(worker_id)
+            if self.relay is not None:
+                self.relay.token_checker.forget(worker_id)
+
     def not_ready(self) -> list[str]:
         reasons = []
         if self.nc is None or not self.nc.is_connected:
@@ -75,7 +84,7 @@ class Frontend:
         self.discovery = discovery_for(s, js)
         log.info("discovery", frontend_id=self.frontend_id, **nats_log_fields(s.nats_url, self._own_nc),
                  **self.discovery.log_fields())
-        self.watcher = self.discovery.watcher(on_change=self.models.apply)
+        self.watcher = self.discovery.watcher(on_change=self._on_change)
         try:
             await self.watcher.start()
         except Exception as exc:

@@ -38,7 +38,11 @@ class RouterMetrics:
             ["worker", "reason"], registry=r,
         )
         self.active_leases = Gauge(
-            "infera_router_active_leases", "Leases this router holds, per worker.", ["worker"], registry=r,
+            "infera_router_active_leases",
+            "Leases this router holds, per worker: requests queued or running there, and requests whose hand-over "
+            "to it waits for the queue's answer (each counts on one worker at a time; one refused as full moves to "
+            "the next, so under a burst of 429s this may exceed the worker's --max-pending for a moment).",
+            ["worker"], registry=r,
         )
         self.releases = Counter(
             "infera_router_lease_releases", "Leases released by the worker-agent, by outcome.", ["outcome"], registry=r,
