@@ -17,8 +17,9 @@ class FrontendMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "infera_frontend_requests", "Requests answered, by transport (http|nats), endpoint, HTTP status and model; a stream that "
-            "ended in an error event after its 200 counts under that error's status.",
+            "infera_frontend_requests",
+            "Requests answered, by transport (http|nats), endpoint, HTTP status and model; a stream that ended in "
+            "an error event after its 200 counts under that error's status.",
             ["transport", "endpoint", "status", "model"], registry=r,
         )
         self.ttfb = Histogram(
