@@ -3,8 +3,8 @@
 A ZMQ PUB message is multipart ``[topic, seq, payload]``: ``seq`` an 8-byte big-endian integer,
 ``payload`` a msgpack event batch. Both engine generations are accepted:
 
-- batch as an array ``[ts, events, dp_rank?]`` (SGLang; vLLM before its map encoding) or as a map
-  ``{"ts", "events", "data_parallel_rank"}`` (vLLM now);
+- batch as an array ``[ts, events, dp_rank?]`` (SGLang and vLLM: msgspec ``array_like``), or as a
+  map ``{"ts", "events", "data_parallel_rank"}`` (no engine was seen sending it; read all the same);
 - each event as a map tagged ``"type"`` or as a positional array whose first element is the tag:
   ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]``,
   ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``.

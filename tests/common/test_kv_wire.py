@@ -11,7 +11,23 @@ from infera_common.kv_wire import (
 TOKENS = list(range(100, 108))  # two blocks of 4
 
 
-def _vllm_map_batch() -> bytes:  # vLLM now: map batch, map events tagged "type"
+def _vllm_batch() -> bytes:
+    # vLLM 0.32, as a real engine's publisher sent it (session 26 capture): an array batch (msgspec
+    # array_like), map events tagged "type" with the fields of its structs, defaults omitted
+    return msgpack.packb([
+        1.5,
+        [
+            {"type": "BlockStored", "block_hashes": [2**64 - 1, 2**63], "parent_block_hash": None,
+             "token_ids": TOKENS, "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None,
+             "extra_keys": [None, None], "group_idx": 0, "kv_cache_spec_kind": "full_attention"},
+            {"type": "BlockRemoved", "block_hashes": [2**63], "medium": "GPU", "group_idx": 0},
+            {"type": "AllBlocksCleared"},
+        ],
+        3,
+    ])
+
+
+def _map_batch() -> bytes:  # a map batch with map events: no engine was seen sending it; read all the same
     return msgpack.packb({
         "ts": 1.5,
         "events": [
@@ -24,7 +40,7 @@ def _vllm_map_batch() -> bytes:  # vLLM now: map batch, map events tagged "type"
     })
 
 
-def _sglang_array_batch() -> bytes:  # SGLang / older vLLM: array batch, positional tagged events
+def _sglang_array_batch() -> bytes:  # SGLang: array batch, positional tagged events
     return msgpack.packb([
         1.5,
         [
@@ -36,7 +52,7 @@ def _sglang_array_batch() -> bytes:  # SGLang / older vLLM: array batch, positio
     ])
 
 
-@pytest.mark.parametrize("payload", [_vllm_map_batch(), _sglang_array_batch()])
+@pytest.mark.parametrize("payload", [_vllm_batch(), _map_batch(), _sglang_array_batch()])
 def test_both_encodings_decode_to_the_same_events(payload):
     batch = decode_batch(payload)
     assert batch.ts == 1.5 and batch.dp_rank == 3 and batch.malformed == []

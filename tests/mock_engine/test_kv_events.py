@@ -105,9 +105,9 @@ async def complete(client, prompt: list[int]) -> dict:
 async def test_events_of_reuse_eviction_and_flush_reach_a_subscriber_in_the_flavours_encoding(kv_engine, flavor):
     client = await kv_engine(flavor, "--kv-events-config", kv_config())
     status, sources = await client.get_json("/kv_event_sources")
-    assert status == 200 and isinstance(sources, list) and len(sources) == 1
-    source = sources[0]
-    assert source["data_parallel_rank"] == 0 and source["topic"] == "kv"
+    assert status == 200 and isinstance(sources, dict) and list(sources) == ["0"]  # vLLM 0.32: by DP rank
+    source = sources["0"]
+    assert source["topic"] == "kv" and source["enable_kv_cache_events"] is True and source["publisher"] == "zmq"
     assert source["endpoint"].startswith("tcp://") and not source["endpoint"].endswith(":0")
     _, info = await client.get_json("/server_info")
     kv = info["kv_events"]
@@ -137,9 +137,10 @@ async def test_events_of_reuse_eviction_and_flush_reach_a_subscriber_in_the_flav
         raw = msgpack.unpackb(payload, strict_map_key=False)
         batch = decode_batch(payload)
         assert batch.malformed == [] and batch.dp_rank == 0
-        if flavor == "vllm":
-            assert isinstance(raw, dict) and raw["data_parallel_rank"] == 0
-            assert all(isinstance(e, dict) and "type" in e for e in raw["events"])
+        if flavor == "vllm":  # as vLLM 0.32 sends them: an array batch of map events
+            assert isinstance(raw, list) and raw[2] == 0
+            assert all(isinstance(e, dict) and "type" in e for e in raw[1])
+            assert all(e["group_idx"] == 0 for e in raw[1] if e["type"] != "AllBlocksCleared")
         else:
             assert isinstance(raw, list) and raw[2] == 0
             assert all(isinstance(e, list) and isinstance(e[0], str) for e in raw[1])
@@ -178,7 +179,7 @@ async def test_events_of_reuse_eviction_and_flush_reach_a_subscriber_in_the_flav
 async def test_hashes_are_signed_in_the_sglang_flavour(kv_engine):
     client = await kv_engine("sglang", "--kv-events-config", kv_config(), "--num-kv-blocks", "64")
     _, sources = await client.get_json("/kv_event_sources")
-    sub = Subscriber(local(sources[0]["endpoint"]))
+    sub = Subscriber(local(sources["0"]["endpoint"]))
     try:
         await sub.sync(client)
         await complete(client, list(range(3000, 3000 + 40 * PAGE + 1)))  # 40 full blocks
@@ -192,7 +193,7 @@ async def test_hashes_are_signed_in_the_sglang_flavour(kv_engine):
 async def test_replay_returns_buffered_batches_from_a_start_seq_then_the_end_marker(kv_engine):
     client = await kv_engine("vllm", "--kv-events-config", kv_config(buffer_steps=3))
     _, sources = await client.get_json("/kv_event_sources")
-    sub = Subscriber(local(sources[0]["endpoint"]))
+    sub = Subscriber(local(sources["0"]["endpoint"]))
     try:
         await sub.sync(client)
         for i in range(3):
@@ -206,7 +207,7 @@ async def test_replay_returns_buffered_batches_from_a_start_seq_then_the_end_mar
     ctx = zmq.asyncio.Context()
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(local(sources[0]["replay_endpoint"]))
+    dealer.connect(local(sources["0"]["replay_endpoint"]))
 
     async def replay(start: int) -> list[tuple[int, bytes]]:
         await dealer.send_multipart([b"", start.to_bytes(8, "big")])
@@ -217,7 +218,7 @@ async def test_replay_returns_buffered_batches_from_a_start_seq_then_the_end_mar
             if decode_seq(seq) == END_SEQ:
                 assert (topic, payload) == (b"", b"")
                 return got
-            assert topic == sources[0]["topic"].encode()
+            assert topic == sources["0"]["topic"].encode()
             got.append((decode_seq(seq), payload))
 
     try:
@@ -255,7 +256,7 @@ async def test_a_host_port_endpoint_connects_to_a_bound_subscriber(kv_engine):
 ])
 async def test_configs_the_engine_would_not_publish_with_publish_nothing(kv_engine, flavor, config):
     client = await kv_engine(flavor, "--kv-events-config", json.dumps(config))
-    assert (await client.get_json("/kv_event_sources"))[1] == []
+    assert (await client.get_json("/kv_event_sources"))[1] == {}
     assert (await client.get_json("/server_info"))[1]["kv_events"] is None
 
 
@@ -276,7 +277,7 @@ async def test_flush_and_reset_are_refused_while_a_request_holds_blocks(kv_engin
     client = await kv_engine("vllm", "--kv-events-config", kv_config(), "--speedup", "1")
     scheduler = client.server.engine.scheduler
     _, sources = await client.get_json("/kv_event_sources")
-    sub = Subscriber(local(sources[0]["endpoint"]))
+    sub = Subscriber(local(sources["0"]["endpoint"]))
     try:
         await sub.sync(client)
         task = asyncio.create_task(client.post("/v1/completions", {"prompt": list(range(5000, 5020)),

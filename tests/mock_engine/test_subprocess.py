@@ -79,7 +79,7 @@ def test_vllm_serve_style_positional_model(model_dir, tmp_path, subprocess_env):
         assert models["data"][0]["id"] == "smol" and models["data"][0]["owned_by"] == "vllm"
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/kv_event_sources", timeout=5) as r:
             sources = json.loads(r.read())
-        assert len(sources) == 1 and sources[0]["endpoint"].startswith("tcp://0.0.0.0:")
+        assert list(sources) == ["0"] and sources["0"]["endpoint"].startswith("tcp://0.0.0.0:")
     finally:
         assert stop_process(proc) == 0
 

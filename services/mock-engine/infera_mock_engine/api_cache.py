@@ -26,8 +26,9 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
 
 
 async def kv_event_sources(request: web.Request) -> web.Response:
-    """vLLM: a bare JSON array, one entry per DP rank publishing KV events ([] when none)."""
-    return json_response([publisher.source() for publisher in engine_of(request).publishers])
+    """vLLM 0.32: a map from DP rank (a string) to that rank's events config, with the endpoints
+    bound (``{}`` when none publishes). (Earlier vLLM gave a bare array; the agent reads both.)"""
+    return json_response({str(p.dp_rank): p.source() for p in engine_of(request).publishers})
 
 
 def add_routes(app: web.Application) -> None:

@@ -3,11 +3,14 @@
 A ZMQ message is multipart `[topic, seq, payload]`, seq an 8-byte big-endian counter from 0 per
 publisher, payload one msgpack batch per scheduler step:
 
-- vllm: a map `{"ts", "events", "data_parallel_rank"}`; each event a map tagged "type" (vLLM's
-  msgspec structs with `tag=True`; fields without a default are always present):
+- vllm (0.32): an array `[ts, events, dp_rank]` (msgspec `array_like=True`); each event a map
+  tagged "type" (its structs have `tag=True, omit_defaults=True`):
   `{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size",
-  "lora_id", "medium", "lora_name"}`, `{"type": "BlockRemoved", "block_hashes", "medium"}`,
-  `{"type": "AllBlocksCleared"}`. One BlockStored per run of blocks a sequence stored in the step.
+  "lora_id", "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"}` (extra keys
+  one null per block, group 0, "full_attention"), `{"type": "BlockRemoved", "block_hashes",
+  "medium", "group_idx"}`, `{"type": "AllBlocksCleared"}`. One BlockStored per run of blocks a
+  sequence stored in the step. (As a real vLLM 0.32 sent them, captured in session 26; the mock
+  had sent a map batch, which no engine does.)
 - sglang: an array `[ts, events, dp_rank]`; each event a positional array tagged by its first
   element (msgspec `array_like=True, tag=True`): `["BlockStored", block_hashes, parent_block_hash,
   token_ids, block_size, lora_id, medium]`, `["BlockRemoved", block_hashes, medium]`,
@@ -35,7 +38,7 @@ def encode_seq(seq: int) -> bytes:
 
 def encode_batch(flavor: str, ts: float, events: list[KvEvent], dp_rank: int) -> bytes:
     if flavor == "vllm":
-        return msgpack.packb({"ts": ts, "events": [_vllm(e) for e in events], "data_parallel_rank": dp_rank})
+        return msgpack.packb([ts, [_vllm(e) for e in events], dp_rank])
     out: list[list[Any]] = []
     for e in events:
         out.extend(_sglang(e))
@@ -46,9 +49,10 @@ def _vllm(e: KvEvent) -> dict[str, Any]:
     if isinstance(e, BlockStored):
         return {"type": "BlockStored", "block_hashes": e.block_hashes, "parent_block_hash": e.parent_block_hash,
                 "token_ids": e.token_ids, "block_size": e.block_size, "lora_id": None, "medium": MEDIUM,
-                "lora_name": None}
+                "lora_name": None, "extra_keys": [None] * len(e.block_hashes), "group_idx": 0,
+                "kv_cache_spec_kind": "full_attention"}
     if isinstance(e, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": e.block_hashes, "medium": MEDIUM}
+        return {"type": "BlockRemoved", "block_hashes": e.block_hashes, "medium": MEDIUM, "group_idx": 0}
     if isinstance(e, AllBlocksCleared):
         return {"type": "AllBlocksCleared"}
     raise TypeError(f"not a KV event: {e!r}")

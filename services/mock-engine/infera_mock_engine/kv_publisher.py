@@ -157,9 +157,11 @@ class KvEventPublisher:
 
     # ---- discovery -----------------------------------------------------------------
     def source(self) -> dict[str, Any]:
-        """vLLM /kv_event_sources entry."""
-        return {"data_parallel_rank": self.dp_rank, "endpoint": self.bound_endpoint,
-                "replay_endpoint": self.bound_replay_endpoint, "topic": self.config.topic}
+        """vLLM 0.32's /kv_event_sources entry (its KVEventsConfig of this rank, as bound)."""
+        c = self.config
+        return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.bound_endpoint,
+                "replay_endpoint": self.bound_replay_endpoint, "buffer_steps": c.buffer_steps, "hwm": c.hwm,
+                "max_queue_size": c.max_queue_size, "topic": c.topic}
 
     def descriptor(self, dp_size: int = 1) -> dict[str, Any]:
         """SGLang /server_info `kv_events` entry (its keys, plus the resolved endpoints)."""

@@ -7,8 +7,9 @@ agent runs with ``--no-enable-kv-events``, the agent appends
 ports by the DP rank (rank r on P+r and R+r), so P..P+dp-1 and R..R+dp-1 must all be free: the
 caller passes ``find_ports(n)`` returning the first port of n contiguous free ports.
 
-After health the engine's own report wins over the plan: vLLM's ``GET /kv_event_sources`` (a bare
-array of ``{data_parallel_rank, endpoint, replay_endpoint, topic}``) or SGLang's / the mock's
+After health the engine's own report wins over the plan: vLLM's ``GET /kv_event_sources`` (0.32: a
+map from DP rank to ``{endpoint, replay_endpoint, topic, ...}``; earlier a bare array of
+``{data_parallel_rank, endpoint, replay_endpoint, topic}``) or SGLang's / the mock's
 ``/server_info`` ``kv_events`` descriptor; the planned endpoints are the fallback. The agent reaches
 a wildcard endpoint (``tcp://*:P``, ``tcp://0.0.0.0:P``) at 127.0.0.1 and advertises it at the
 advertise host (the endpoint rules live in ``infera_common.kv_endpoints``, shared with the kv-indexer).
