@@ -44,6 +44,39 @@ async def test_stream_include_usage_adds_a_final_usage_chunk(engine):
     assert all(c["usage"] is None for c in events[:-2])
 
 
+@pytest.mark.parametrize("flavor", ["sglang", "vllm"])
+async def test_usage_in_the_flavours_stream_chunks(start_engine, flavor):
+    client = await start_engine("--engine-flavor", flavor, "--speedup", "50")
+    _, events = await client.sse("/v1/chat/completions", {**CHAT, "max_tokens": 3, "stream": True,
+                                                          "stream_options": {"include_usage": True}})
+    if flavor == "vllm":  # vLLM leaves the key out of the other chunks; SGLang says null
+        assert all("usage" not in c for c in events[:-2])
+    else:
+        assert all(c["usage"] is None for c in events[:-2])
+    # continuous_usage_stats: every chunk carries its usage so far, the role chunk's with no completion yet
+    _, events = await client.sse("/v1/chat/completions", {**CHAT, "max_tokens": 3, "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})
+    chunks = events[:-2]
+    assert chunks[0]["usage"] == {"prompt_tokens": 35, "completion_tokens": 0, "total_tokens": 35}
+    assert [c["usage"]["completion_tokens"] for c in chunks][-1] == 3
+    assert events[-2]["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("body, param", [
+    ({**CHAT, "temperature": 3}, "temperature"),
+    ({**CHAT, "top_k": -5}, "top_k"),
+    ({**CHAT, "max_tokens": 2, "min_tokens": 5}, "min_tokens"),
+    ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+])
+async def test_the_vllm_flavour_refuses_what_vllm_refuses(start_engine, body, param):
+    vllm = await start_engine("--engine-flavor", "vllm", "--speedup", "50")
+    status, err = await vllm.post("/v1/chat/completions", {**body, "max_tokens": body.get("max_tokens", 2)})
+    assert status == 400 and err["error"]["param"] == param, err
+    sglang = await start_engine("--engine-flavor", "sglang", "--speedup", "50")
+    assert (await sglang.post("/v1/chat/completions", {**body, "max_tokens": body.get("max_tokens", 2)}))[0] == 200
+
+
 async def test_completions_stream_and_non_stream(engine):
     status, body = await engine.post("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 5, "seed": 1})
     assert status == 200 and body["object"] == "text_completion" and body["id"].startswith("cmpl-")
@@ -189,3 +222,16 @@ async def test_vllm_flavour_reports_stop_reason(start_engine):
     stop = " " + body["choices"][0]["message"]["content"].split()[3]
     _, body = await client.post("/v1/chat/completions", {**req, "stop": [stop]})
     assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["stop_reason"] == stop
+
+
+async def test_a_fault_after_the_stream_began_breaks_the_connection_rather_than_leaving_it_open(engine, monkeypatch):
+    import aiohttp
+
+    from infera_mock_engine import api_openai
+
+    def broken(*_):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(api_openai, "_stop_fields", broken)  # raised at the final chunk, the head long gone
+    with pytest.raises(aiohttp.ClientPayloadError):  # (the client used to wait without end)
+        await engine.sse("/v1/chat/completions", {**CHAT, "max_tokens": 3, "stream": True})

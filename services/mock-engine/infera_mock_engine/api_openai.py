@@ -64,6 +64,8 @@ CHAT, COMPLETION = _Shape(chat=True), _Shape(chat=False)
 VLLM_MAX_N_ENV, VLLM_MAX_N_DEFAULT = "VLLM_MAX_N_SEQUENCES", 16384
 #: Below this temperature vLLM samples greedily (its ``_SAMPLING_EPS``).
 VLLM_GREEDY_BELOW = 1e-5
+#: The most stop strings vLLM takes in one request (its request models' ``StopParam``).
+VLLM_MAX_STOP = 4
 
 
 def _check_common(engine: Engine, body: _OpenAIRequest) -> None:
@@ -77,6 +79,20 @@ def _check_common(engine: Engine, body: _OpenAIRequest) -> None:
     if body.n > 1 and body.temperature is not None and body.temperature < VLLM_GREEDY_BELOW:
         raise RequestError(f"n is {body.n} with greedy sampling (temperature 0), where every sample would be "
                            "the same: n must be 1", param="n")
+    # vLLM 0.32's own checks (its SamplingParams and request models), which the sglang flavour does not make
+    if body.temperature is not None and body.temperature > 2.0:
+        raise RequestError(f"temperature must be in [0, 2], got {body.temperature}.", param="temperature")
+    if body.top_k is not None and body.top_k < -1:
+        raise RequestError(f"top_k must be 0 (disable), or at least 1, got {body.top_k}.", param="top_k")
+    limit = body.token_limit
+    if limit is not None and body.min_tokens > limit:
+        raise RequestError(f"min_tokens must be less than or equal to max_tokens={limit}, got {body.min_tokens}.",
+                           param="min_tokens")
+    if body.stream_options is not None and not body.stream:
+        raise RequestError("Stream options can only be defined when `stream=True`.", param="stream_options")
+    if isinstance(body.stop, list) and len(body.stop) > VLLM_MAX_STOP:
+        raise RequestError(f"List should have at most {VLLM_MAX_STOP} items after validation, not "
+                           f"{len(body.stop)}", param="stop")
 
 
 def _params(rid: str, prompt_ids: list[int], body: _OpenAIRequest, limit: int | None) -> GenerationParams:
@@ -229,22 +245,32 @@ async def _whole(engine: Engine, choices: list[_Choice], shape: _Shape, head: di
 async def _stream(request: web.Request, engine: Engine, body: _OpenAIRequest, choices: list[_Choice],
                   shape: _Shape, head: dict[str, Any]) -> web.StreamResponse:
     sse = SseWriter(request, choices[0].stream.params.rid)
-    extra = {"usage": None} if body.include_usage else {}
+    # with include_usage, SGLang's other chunks say "usage": null and vLLM's leave it out
+    extra = {"usage": None} if body.include_usage and engine.config.engine_flavor != "vllm" else {}
+    so_far = body.continuous_usage
 
-    def chunk(choice: dict[str, Any]) -> dict[str, Any]:
-        return {"id": head["id"], "object": shape.chunk_object, "created": head["created"],
-                "model": head["model"], "choices": [choice], **extra}
+    def chunk(choice: dict[str, Any], opening: bool = False) -> dict[str, Any]:
+        out = {"id": head["id"], "object": shape.chunk_object, "created": head["created"],
+               "model": head["model"], "choices": [choice], **extra}
+        if so_far:  # continuous_usage_stats: this choice's usage so far, on every chunk (none yet in the role's)
+            s = choices_by_index[choice["index"]].stream
+            done = 0 if opening else s.completion_tokens
+            out["usage"] = {"prompt_tokens": s.prompt_tokens, "completion_tokens": done,
+                            "total_tokens": s.prompt_tokens + done}
+        return out
+
+    choices_by_index = {c.index: c for c in choices}
 
     async def relay(c: _Choice) -> None:
         """One choice's chunks, tagged with its index (interleaved with the others', as vLLM's are)."""
-        fast = c.logprobs is None  # the common case: each text delta spliced into a fixed frame
+        fast = c.logprobs is None and not so_far  # the common case: each text delta spliced into a fixed frame
         delta = TextSplice(dumps(chunk(shape.delta_choice(TEXT_SLOT, None, index=c.index)))) if fast else None
         opened = False
         async for out in c.stream:
             if not opened:  # as both engines do, once the engine's first output is in: not before prefill
                 opened = True
                 if shape.chat:
-                    await sse.send(chunk(shape.delta_choice("", None, role=True, index=c.index)))
+                    await sse.send(chunk(shape.delta_choice("", None, role=True, index=c.index), opening=True))
                 elif c.echo:
                     first = shape.delta_choice(c.echo, None, index=c.index)
                     if c.logprobs is not None:
@@ -258,7 +284,8 @@ async def _stream(request: web.Request, engine: Engine, body: _OpenAIRequest, ch
                         await sse.send_json(delta(out.text))
                     continue
                 part = shape.delta_choice(out.text, None, index=c.index)
-                part["logprobs"] = c.logprobs.part(out.token_ids)
+                if c.logprobs is not None:
+                    part["logprobs"] = c.logprobs.part(out.token_ids)
                 await sse.send(chunk(part))
                 continue
             final = shape.delta_choice(out.text or None, out.finish_reason, index=c.index)

@@ -59,6 +59,10 @@ def describe_validation(exc: ValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or str(exc), param
 
 
+#: set on a request whose streamed response has begun (``SseWriter.start``)
+STREAM_STARTED = web.RequestKey("infera_mock_stream_started", bool)
+
+
 def make_error_middleware(flavor: str):
     @web.middleware
     async def errors(request: web.Request, handler):
@@ -77,6 +81,10 @@ def make_error_middleware(flavor: str):
             raise  # the client went away mid-response; nothing to answer
         except Exception as e:  # noqa: BLE001 - one bad request must not take the engine down
             log.exception("unhandled error on %s %s", request.method, request.path)
+            if request.get(STREAM_STARTED):  # its head is gone: the connection breaks, as an engine's would
+                if request.transport is not None:
+                    request.transport.close()
+                raise
             return error_response(flavor, 500, f"internal error: {type(e).__name__}: {e}")
 
     return errors

@@ -10,6 +10,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from infera_mock_engine.engine import Engine, RequestError
+from infera_mock_engine.errors import STREAM_STARTED
 
 ENGINE = web.AppKey("engine", Engine)
 M = TypeVar("M", bound=BaseModel)
@@ -64,6 +65,7 @@ class SseWriter:
         )
 
     async def start(self) -> None:
+        self.request[STREAM_STARTED] = True
         await self.response.prepare(self.request)
 
     async def send(self, obj: Any) -> None:

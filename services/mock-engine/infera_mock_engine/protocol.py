@@ -47,6 +47,8 @@ class _OpenAIRequest(PdFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    top_k: int | None = None
+    min_tokens: int = 0
     rid: str | None = None  # SGLang extension
     request_id: str | None = None  # vLLM extension
 
@@ -58,6 +60,11 @@ class _OpenAIRequest(PdFields):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk, so far (``include_usage`` and ``continuous_usage_stats``)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class ChatCompletionRequest(_OpenAIRequest):
