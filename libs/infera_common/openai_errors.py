@@ -105,6 +105,14 @@ def error_message(status: int, body: bytes) -> str:
     return json.loads(normalize_error(status, body))["error"]["message"]
 
 
+def _param(param: Any) -> str | None:
+    """The request field an engine's error names, as OpenAI names it: FastAPI's validation errors
+    (vLLM's "N validation errors") say where in the request, ``body.stop``; the field is ``stop``."""
+    if not isinstance(param, str):
+        return None
+    return param.removeprefix("body.") or None
+
+
 def normalize_error(status: int, body: bytes) -> bytes:
     """An engine's error body as OpenAI error JSON: kept verbatim if already OpenAI-shaped.
 
@@ -118,7 +126,7 @@ def normalize_error(status: int, body: bytes) -> bytes:
     if is_openai_error(obj):
         err = obj["error"]
         etype, code = _openai_type(status, err.get("type")), _openai_code(status, err.get("code"))
-        param = err.get("param") if isinstance(err.get("param"), str) else None
+        param = _param(err.get("param"))
         if err.get("type") == etype and err.get("code") == code and "param" in err and err["param"] == param:
             return body
         return json.dumps(error_body(status, err["message"], type=etype, param=param, code=code)).encode()
@@ -129,6 +137,6 @@ def normalize_error(status: int, body: bytes) -> bytes:
     if isinstance(obj, dict):  # vLLM/SGLang ErrorResponse: {"object": "error", "message", "type", "param", "code"}
         kw["type"] = _openai_type(status, obj.get("type"))
         if isinstance(obj.get("param"), str):
-            kw["param"] = obj["param"]
+            kw["param"] = _param(obj["param"])
         kw["code"] = _openai_code(status, obj.get("code"))
     return error_json(status, message or f"upstream error (HTTP {status})", **kw)

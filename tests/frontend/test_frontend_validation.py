@@ -146,6 +146,10 @@ def test_an_engine_codes_and_types_become_openais():
     err = json.loads(normalize_error(500, b'{"error": {"message": "m", "type": "INTERNAL_SERVER_ERROR", '
                                           b'"code": 9}}'))["error"]
     assert (err["type"], err["code"]) == ("internal_server_error", "9")
+    # vLLM's FastAPI validation errors name where in the request the field is: OpenAI names the field
+    err = json.loads(normalize_error(400, b'{"error": {"message": "1 validation errors", "type": "Bad Request", '
+                                          b'"param": "body.stop", "code": 400}}'))["error"]
+    assert err["param"] == "stop" and err["type"] == "invalid_request_error"
 
 
 def _rec(wid: str, model: str, status: WorkerStatus, context_length: int | None = None,
