@@ -332,24 +332,20 @@ async def test_concurrent_requests_all_answered_and_accounted(bench):
     assert len({r.lease_id for r in replies if r.status == 200}) == 50
 
 
-_SPANS: list = []  # the in-memory exporter, once the process has a tracer provider (it can be set once)
-
-
 @pytest.fixture
-def route_spans():
-    """The spans this process ends from now on (an in-memory exporter behind the global provider)."""
-    from opentelemetry import trace
+def route_spans(monkeypatch):
+    """The spans this process ends during the test: an in-memory exporter behind a provider of the
+    test's own (the global one stays the no-op: other tests count on tracing being off)."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    if not _SPANS:
-        provider = TracerProvider()
-        _SPANS.append(InMemorySpanExporter())
-        provider.add_span_processor(SimpleSpanProcessor(_SPANS[0]))
-        trace.set_tracer_provider(provider)
-    _SPANS[0].clear()
-    return _SPANS[0]
+    from infera_common import tracing
+
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_TRACER", provider.get_tracer("infera"))
+    return exporter
 
 
 async def test_the_route_span_says_what_the_requester_got_after_the_workers_ack(bench, route_spans):
