@@ -24,16 +24,22 @@ async def _until(cond, timeout: float = 5.0) -> None:
     assert cond()
 
 
-async def test_restore_resumes_a_surviving_stream_without_repeats_and_follows_a_new_one_from_its_start(nats_server):
+async def _replayed(nats_server: str) -> tuple:
+    """A follower that replayed a stream of three messages (old-0..2), what it applied so far."""
     nc = await connect(nats_server, "t")
     js = nc.jetstream()
     seen: list[bytes] = []
     follower = StreamFollower(js, lambda subject, data: seen.append(data), Flag())
     await follower.prepare(None, None)
-    subject = kv_event_subject("w1")
     for i in range(3):
-        await js.publish(subject, b"old-%d" % i)
+        await js.publish(kv_event_subject("w1"), b"old-%d" % i)
     await follower.replay()
+    return nc, js, follower, seen
+
+
+async def test_restore_resumes_a_surviving_stream_without_repeats_and_follows_a_new_one_from_its_start(nats_server):
+    nc, js, follower, seen = await _replayed(nats_server)
+    subject = kv_event_subject("w1")
     assert seen == [b"old-0", b"old-1", b"old-2"]
     await follower.restore()  # a reconnect to the same broker: resumed after old-2
     await js.publish(subject, b"old-3")
@@ -55,15 +61,8 @@ async def test_restore_resumes_a_surviving_stream_without_repeats_and_follows_a_
 
 
 async def test_a_consumer_restarted_by_missed_heartbeats_after_a_restore_repeats_nothing(nats_server):
-    nc = await connect(nats_server, "t")
-    js = nc.jetstream()
-    seen: list[bytes] = []
-    follower = StreamFollower(js, lambda subject, data: seen.append(data), Flag())
-    await follower.prepare(None, None)
+    nc, js, follower, seen = await _replayed(nats_server)
     subject = kv_event_subject("w1")
-    for i in range(3):
-        await js.publish(subject, b"old-%d" % i)
-    await follower.replay()
     await follower.restore()  # resumed at seq 4, nothing delivered since
     # what nats-py's ordered consumer does when two idle heartbeats go missing (a stalled broker):
     # it begins again after the last stream seq it delivered (was: 0, so the whole stream again)
@@ -78,15 +77,8 @@ async def test_a_consumer_restarted_by_missed_heartbeats_after_a_restore_repeats
 
 
 async def test_messages_repeated_after_a_restore_are_dropped(nats_server):
-    nc = await connect(nats_server, "t")
-    js = nc.jetstream()
-    seen: list[bytes] = []
-    follower = StreamFollower(js, lambda subject, data: seen.append(data), Flag())
-    await follower.prepare(None, None)
+    nc, js, follower, seen = await _replayed(nats_server)
     subject = kv_event_subject("w1")
-    for i in range(3):
-        await js.publish(subject, b"old-%d" % i)
-    await follower.replay()
     await follower.restore()
     await follower._sub._sub._jsi.reset_ordered_consumer(1)  # a consumer that begins again from the start
     await js.publish(subject, b"old-3")
