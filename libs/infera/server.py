@@ -52,6 +52,7 @@ class Server:
         self.router = RouterService(settings, RouterMetrics(self.registry), nc=self._client("router"))
         self.frontend = Frontend(settings, nc=self._client("frontend"), metrics=FrontendMetrics(self.registry))
         self._metrics_runner: Any = None
+        self.metrics_port: int | None = None  # the separate /metrics endpoint's, when --metrics-port is given
 
     def _client(self, name: str):
         return self.bus.connect(name) if self.bus is not None else None
@@ -64,9 +65,9 @@ class Server:
         await self.indexer.start()
         await self.router.start()
         await self.frontend.start()
-        if self.settings.metrics_port:
-            self._metrics_runner, _ = await start_metrics_server(
-                self.registry, self.settings.metrics_host, self.settings.metrics_port)
+        if (port := self.settings.metrics_bind_port()) is not None:  # a separate endpoint, besides --port's
+            self._metrics_runner, self.metrics_port = await start_metrics_server(
+                self.registry, self.settings.metrics_host, port)
 
     async def stop(self) -> None:
         """Frontend first (it refuses new requests and drains those under way for --drain-timeout,
@@ -82,19 +83,22 @@ class Server:
             await self.bus.close()
 
 
-def describe(settings: ServerSettings, port: int | None) -> str:
+def describe(settings: ServerSettings, port: int | None, metrics_port: int | None = None) -> str:
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     planes = (f"discovery {settings.discovery_backend}"
               + (f" at {settings.etcd_endpoint}" if settings.discovery_backend == "etcd" else "")
               + f", requests over {settings.request_transport}, KV events over {settings.kv_event_transport}")
+    metrics = (f"; /metrics also on http://{settings.metrics_host}:{metrics_port}/metrics"
+               if metrics_port is not None else "")
     return (f"infera.server: serving the OpenAI API on http://{host}:{port} ({planes}; router "
-            f"{settings.router_policy})\n  curl http://{host}:{port}/v1/workers")
+            f"{settings.router_policy}{metrics})\n  curl http://{host}:{port}/v1/workers")
 
 
 async def serve(settings: ServerSettings) -> int:
     server = Server(settings)
-    return await run_until_signal(server, name="infera.server",
-                                  on_started=lambda: print(describe(settings, server.port), flush=True))
+    return await run_until_signal(
+        server, name="infera.server",
+        on_started=lambda: print(describe(settings, server.port, server.metrics_port), flush=True))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,13 +1,16 @@
 """``python -m infera.server``'s settings: the frontend's, the router's and the kv-indexer's, in one model.
 
-Every flag is declared once, in its service's settings; this class only joins them (the runbooks'
-``--host``, ``--port``, ``--router-tokenizer-path``, ``--router-policy``, ``--session-affinity``,
-``--pd-prefill-guard-release``, the plane flags, ...) and adds the one flag only the server has,
+Every flag is declared once, in its service's settings or in ``infera_common.settings``; this class
+only joins them (the runbooks' ``--host``, ``--port``, ``--router-tokenizer-path``, ``--router-policy``,
+``--session-affinity``, ``--pd-prefill-guard-release``, the plane flags, ...), names its own default
+for ``--metrics-port`` (none: /metrics is on ``--port``) and adds the one flag only the server has,
 ``--router-backend``.
 """
 
 from __future__ import annotations
 
+
+from typing import ClassVar
 
 from pydantic import Field, field_validator
 
@@ -21,16 +24,14 @@ ROUTER_BACKENDS = ("python",)
 
 class ServerSettings(FrontendSettings, RouterSettings, KvIndexerSettings):
     model_config = FrontendSettings.model_config
+    # /metrics is served on --port with the frontend's, router's and index's series together; a
+    # --metrics-port adds a separate endpoint
+    metrics_service: ClassVar[str] = "server"
 
     router_backend: str = Field(
         "python",
         description="The router implementation. This build's router is the Python one (policies kv-aware, "
         "round-robin, least-loaded); other values are refused.",
-    )
-    metrics_port: int = Field(
-        0, ge=0, le=65535,
-        description="Port of a separate /metrics endpoint; 0 (default): none, /metrics is served on --port "
-        "with the frontend's, router's and index's series together.",
     )
 
     @field_validator("router_backend")

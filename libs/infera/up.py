@@ -36,9 +36,9 @@ from infera.procs import free_port, start_etcd, start_nats, stop_processes, wait
 from infera.server_settings import ServerSettings
 from infera_common.models import BUNDLED_MODEL_NAME
 from infera_common.ports import IN_USE, bind_failure
-from infera_common.schemas import KvEventTransport, RequestTransport
-from infera_common.settings import TracingSettings, directory_to_write, parse_cli
-from infera_router.settings import PolicyName
+from infera_common.settings import PlaneChoices, TracingSettings, directory_to_write, parse_cli
+from infera_frontend.settings import ApiAddressSettings
+from infera_router.settings import PolicySettings
 from infera_worker_agent.settings import AgentSettings
 
 
@@ -49,9 +49,10 @@ RESTARTS = 5
 RESTART_WINDOW = 600.0
 
 
-class UpSettings(TracingSettings):  # --otlp-traces-endpoint: passed to every service
-    host: str = Field("127.0.0.1", description="Address the frontend listens on.")
-    port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI HTTP endpoint.")
+class UpSettings(TracingSettings, ApiAddressSettings, PolicySettings, PlaneChoices):
+    """``infera up``'s own flags; ``--host``/``--port``, ``--router-policy`` and the plane flags are the
+    frontend's, the router's and every service's, passed on to the processes it starts."""
+
     workers: int = Field(2, ge=0, le=64, description="Number of aggregated mock engines (each behind a worker-agent).")
     prefill_workers: int = Field(
         0, ge=0, le=64,
@@ -65,26 +66,11 @@ class UpSettings(TracingSettings):  # --otlp-traces-endpoint: passed to every se
         description="How the prefill and decode mock engines hand over the KV: SGLang's bootstrap rooms, "
         "or vLLM's Mooncake connector (the mock engines then speak the vLLM flavour).",
     )
-    router_policy: PolicyName | None = Field(  # type: ignore[valid-type]  # the router's own choices
-        None, description="Routing policy passed to the router (default: the router's own default)."
-    )
     engine_arg: list[str] = Field(
         default_factory=list,
         description="Extra mock-engine arguments, shell-split, e.g. --engine-arg='--speedup 10'. Repeatable.",
     )
     nats_port: int = Field(0, ge=0, le=65535, description="nats-server port (0: a free port).")
-    discovery_backend: Literal["nats", "etcd"] = Field(
-        "nats", description="Where the workers register: the NATS JetStream KV bucket, or an etcd that "
-        "infera up starts.",
-    )
-    request_transport: RequestTransport = Field(
-        "nats", description="How requests reach the engines, given to every process: the workers' JetStream "
-        "queues, or the router calling each engine's HTTP API.",
-    )
-    kv_event_transport: KvEventTransport = Field(
-        "nats", description="How the engines' KV events reach the index, given to every process: relayed into "
-        "JetStream by the agents, or read by the index from the engines' ZMQ publishers.",
-    )
     etcd_port: int = Field(0, ge=0, le=65535, description="etcd client port with --discovery-backend etcd "
                            "(0: a free port).")
     state_dir: str | None = Field(None, description="Directory for JetStream state and logs (default: a temp dir).")
@@ -121,6 +107,7 @@ def main(argv: list[str]) -> int:
         for problem in problems:
             print(f"infera up: error: {problem}", file=sys.stderr)
         return 2
+    port = settings.port or free_port()
     nats_port = settings.nats_port or free_port()
     nats_url = f"nats://127.0.0.1:{nats_port}"
     etcd_port = (settings.etcd_port or free_port()) if settings.discovery_backend == "etcd" else None
@@ -132,7 +119,7 @@ def main(argv: list[str]) -> int:
         plan = plan_fleet(
             nats_url=nats_url,
             host=settings.host,
-            port=settings.port,
+            port=port,
             workers=settings.workers,
             router_policy=settings.router_policy,
             engine_args=engine_args,
@@ -173,7 +160,7 @@ def main(argv: list[str]) -> int:
             except (OSError, RuntimeError, TimeoutError) as exc:  # not installed, port taken, ...
                 print(f"infera up: error: cannot start etcd: {exc}; see {logs / 'etcd.log'}", file=sys.stderr)
                 return 1
-        url = f"http://{_client_host(settings.host)}:{settings.port}"
+        url = f"http://{_client_host(settings.host)}:{port}"
         for spec in plan:
             if spec.role == "worker" and not any(name in worker_names for name, _ in running):
                 # the frontend holds its port before any worker-agent picks free ports for its engine:
@@ -181,7 +168,7 @@ def main(argv: list[str]) -> int:
                 front = "server" if broker_free else "frontend"
                 frontend = next(proc for name, proc in running if name == front)
                 try:
-                    wait_port(_client_host(settings.host), settings.port, settings.ready_timeout, frontend)
+                    wait_port(_client_host(settings.host), port, settings.ready_timeout, frontend)
                 except (RuntimeError, TimeoutError) as exc:
                     print(f"infera up: {front} did not start: {exc}; see {logs / (front + '.log')}", file=sys.stderr)
                     _tail(logs / f"{front}.log")

@@ -33,6 +33,8 @@ import msgspec
 
 #: The sequence number of the replay socket's end-of-replay marker.
 END_SEQ = -1
+#: Seconds a replay may take before what arrived is used and the rest counted lost.
+REPLAY_TIMEOUT = 3.0
 
 
 class KvWireError(ValueError):

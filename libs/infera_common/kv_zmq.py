@@ -37,14 +37,12 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from infera_common.kv_seq import RankSeq, Verdict, fill_plan
-from infera_common.kv_wire import END_SEQ, KvWireError, decode_seq, encode_seq, replay_reply
+from infera_common.kv_wire import END_SEQ, REPLAY_TIMEOUT, KvWireError, decode_seq, encode_seq, replay_reply
 from infera_common.logs import get_logger
 from infera_common.tasks import stop_tasks
 
 _log = get_logger("kv_zmq")
 
-#: Seconds a replay may take before what arrived is used and the rest counted lost.
-REPLAY_TIMEOUT = 3.0
 _UP_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED
 #: Not EVENT_MONITOR_STOPPED: asked for, libzmq waits to deliver it when the monitor stops (``_close``
 #: stops it first), to a reader that is gone: the close then hung, or, without the stop, kept three

@@ -135,7 +135,7 @@ def service_main(argv: list[str] | None, settings_cls: type, make_service: Calla
     async def run() -> None:
         log = configure_observability(settings, name)
         await run_service(make_service(settings), name=name, metrics_host=settings.metrics_host,
-                          metrics_port=settings.metrics_port, log=log)
+                          metrics_port=settings.metrics_bind_port(), log=log)
 
     with event_loop_runner() as runner:
         runner.run(run())

@@ -20,6 +20,9 @@ from infera_common.block_hash import unpack_tokens
 from infera_common.subjects import TOKEN_RE
 
 EngineKind = Literal["sglang", "vllm", "mock"]
+#: Seconds after its last heartbeat that a worker's discovery entry ages out, unless --discovery-ttl says.
+DISCOVERY_TTL = 6.0
+
 DiscoveryBackend = Literal["nats", "etcd"]
 RequestTransport = Literal["nats", "http"]
 KvEventTransport = Literal["nats", "zmq"]
@@ -104,7 +107,7 @@ class WorkerRecord(_Msg):
     max_pending: int = 0  # broker-enforced pending limit (0 = unknown)
     version: str = ""
     started_at: float = Field(default_factory=time.time)
-    ttl: float = 6.0  # seconds without a heartbeat after which watchers drop this worker
+    ttl: float = DISCOVERY_TTL  # seconds without a heartbeat after which watchers drop this worker
     heartbeat_at: float = Field(default_factory=time.time)  # wall clock of the last heartbeat
 
     @property

@@ -13,11 +13,13 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import Any, ClassVar, Literal, TypeVar, get_args, get_origin
 
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from infera_common.kv_wire import REPLAY_TIMEOUT
+from infera_common.schemas import DISCOVERY_TTL, DiscoveryBackend, KvEventTransport, RequestTransport
 from infera_common.typos import env_near_misses
 
 ENV_PREFIX = "INFERA_"
@@ -65,6 +67,40 @@ class DrainSettings(InferaSettings):
     )
 
 
+#: Where each process serves its separate /metrics endpoint when ``--metrics-port`` is not given
+#: (distinct, so that the services of one host do not collide); None: no separate endpoint, /metrics
+#: is on the process's API port (``python -m infera.server``).
+METRICS_PORTS: dict[str, int | None] = {"router": 9100, "worker-agent": 9200, "kv-indexer": 9300, "server": None}
+
+
+class MetricsSettings(InferaSettings):
+    """The separate /metrics (and /health) endpoint of a service; declared once for every process."""
+
+    metrics_service: ClassVar[str]  # the key of METRICS_PORTS: each settings class names its process
+
+    metrics_host: str = Field("127.0.0.1", description="Address the separate /metrics endpoint binds.")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535,
+        description="Port of the separate /metrics endpoint (0: any free port, logged); unset: the process's "
+        "own default, " + ", ".join(f"{k} {'none (/metrics on --port)' if v is None else v}"
+                                    for k, v in METRICS_PORTS.items()) + ".",
+    )
+
+    def metrics_bind_port(self) -> int | None:
+        """The port to serve /metrics on: the one given, else this process's default (None: no endpoint)."""
+        return self.metrics_port if self.metrics_port is not None else METRICS_PORTS[self.metrics_service]
+
+
+class KvReplaySettings(InferaSettings):
+    """Reading an engine's KV-event replay socket (the worker-agent, and the kv-indexer on the ZMQ plane)."""
+
+    kv_replay_timeout: float = Field(
+        REPLAY_TIMEOUT, gt=0, le=60,
+        description="Seconds to wait for an engine's KV-event replay socket: for each sequence gap, and (the "
+        "kv-indexer, workers on --kv-event-transport zmq) for the replay from seq 0 when a worker is first followed.",
+    )
+
+
 #: The URL schemes the NATS client dials (a URL without one is taken as nats://).
 NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 
@@ -92,24 +128,30 @@ def nats_planes(discovery_backend: str, request_transport: str, kv_event_transpo
     return tuple(f"{flag} nats" for flag, value in planes if value == "nats")
 
 
-class PlaneSettings(NatsSettings):
-    """The three planes; every service takes the same flags (DESIGN.md, 'Planes')."""
+class PlaneChoices(InferaSettings):
+    """The three plane flags alone (DESIGN.md, 'Planes'): every service takes them, and ``infera up``
+    passes its choice to every process it starts."""
 
-    discovery_backend: Literal["nats", "etcd"] = Field(
+    discovery_backend: DiscoveryBackend = Field(
         "nats", description="Where workers register: a NATS JetStream KV bucket, or etcd leases."
     )
-    request_transport: Literal["nats", "http"] = Field(
+    request_transport: RequestTransport = Field(
         "nats", description="How requests reach engines: a JetStream work queue per worker, or direct HTTP."
     )
-    kv_event_transport: Literal["nats", "zmq"] = Field(
+    kv_event_transport: KvEventTransport = Field(
         "nats", description="How engine KV events reach the index: relayed into JetStream, or read from ZMQ."
     )
+
+
+class PlaneSettings(PlaneChoices, NatsSettings):
+    """The planes and how a service reaches them: every service takes the same flags."""
+
     etcd_endpoint: str = Field(
         "127.0.0.1:2379",
         description="etcd host:port (several comma-separated: tried in turn), with --discovery-backend etcd.",
     )
     discovery_ttl: float = Field(
-        6.0, gt=0.5, le=60.0,
+        DISCOVERY_TTL, gt=0.5, le=60.0,
         description="Seconds after its last heartbeat that a worker's discovery entry ages out "
         "(with etcd: the lease TTL, whole seconds, 2..30).",
     )

@@ -44,3 +44,39 @@ def test_unreachable_etcd_fails_at_once_naming_the_endpoint(subprocess_env):
     out = server("--etcd-endpoint", f"127.0.0.1:{port}", *NO_BROKER, env=subprocess_env)
     assert out.returncode == 1
     assert f"127.0.0.1:{port}" in out.stderr and "--etcd-endpoint" in out.stderr
+
+
+def test_metrics_port_is_one_setting_with_each_process_s_own_default(monkeypatch):
+    from infera_kv_indexer.settings import KvIndexerSettings
+    from infera_router.settings import RouterSettings
+    from infera_worker_agent.settings import parse_agent_cli
+
+    def ports() -> list[int | None]:
+        agent, _ = parse_agent_cli(["--engine", "mock"])
+        return [parse_cli(cls, [], prog="p")[0].metrics_bind_port()
+                for cls in (RouterSettings, KvIndexerSettings, ServerSettings)] + [agent.metrics_bind_port()]
+
+    # apart by default, so that the services of one host do not collide; the server's /metrics is on --port
+    assert ports() == [9100, 9300, None, 9200]
+    monkeypatch.setenv("INFERA_METRICS_PORT", "0")  # one variable, one meaning, for every process
+    assert ports() == [0, 0, 0, 0]
+
+
+def test_the_server_serves_metrics_apart_on_a_free_port_when_asked(nats_server, subprocess_env):
+    import re
+    import urllib.request
+
+    proc = subprocess.Popen([sys.executable, "-m", "infera.server", "--port", "0", "--nats-url", nats_server,
+                             "--metrics-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env=subprocess_env)
+    try:
+        assert proc.stdout is not None
+        banner = proc.stdout.readline()
+        found = re.search(r"/metrics also on (http://\S+/metrics)", banner)
+        assert found, banner
+        with urllib.request.urlopen(found.group(1), timeout=10) as resp:
+            body = resp.read().decode()
+        assert "infera_frontend_requests" in body and "infera_router_" in body
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

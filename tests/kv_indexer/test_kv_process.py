@@ -57,7 +57,8 @@ def test_defaults_flags_and_refusals(capsys):
     from infera_kv_indexer.settings import KvIndexerSettings
 
     settings, _ = parse_cli(KvIndexerSettings, [], prog="infera-kv-indexer")
-    assert (settings.metrics_port, settings.kv_event_max_age, settings.kv_event_max_bytes) == (9300, 3600.0, 1 << 30)
+    assert (settings.metrics_bind_port(), settings.kv_event_max_age, settings.kv_event_max_bytes) == (
+        9300, 3600.0, 1 << 30)
     zmq, _ = parse_cli(KvIndexerSettings, ["--kv-event-transport", "zmq"], prog="infera-kv-indexer")
     assert zmq.kv_replay_timeout == 3.0
     # values that would make the shared stream keep next to nothing are refused, naming the flag

@@ -28,7 +28,7 @@ from router_helpers import record, route_request
 
 def test_defaults_and_env(monkeypatch):
     settings, _ = parse_cli(RouterSettings, [], prog="infera-router")
-    assert (settings.router_policy, settings.lease_max_age, settings.metrics_port) == ("kv-aware", 900.0, 9100)
+    assert (settings.router_policy, settings.lease_max_age, settings.metrics_bind_port()) == ("kv-aware", 900.0, 9100)
     monkeypatch.setenv("INFERA_ROUTER_POLICY", "least-loaded")
     settings, _ = parse_cli(RouterSettings, ["--lease-max-age", "30"], prog="infera-router")
     assert settings.router_policy == "least-loaded" and settings.lease_max_age == 30.0

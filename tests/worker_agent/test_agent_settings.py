@@ -27,7 +27,7 @@ def test_defaults():
     assert engine_args == []
     assert (s.max_pending, s.drain_timeout, s.health_timeout, s.engine_stop_timeout) == (512, 30.0, 1800.0, 10.0)
     assert (s.load_interval, s.discovery_ttl, s.role) == (1.0, 6.0, None)  # None: read from the engine flags
-    assert (s.metrics_host, s.metrics_port, s.advertise_host) == ("127.0.0.1", 9200, None)
+    assert (s.metrics_host, s.metrics_bind_port(), s.advertise_host) == ("127.0.0.1", 9200, None)
     assert re.fullmatch(r"vllm-[0-9a-f]{8}", s.worker_id) and TOKEN_RE.match(s.worker_id)
 
 

@@ -8,16 +8,21 @@ from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from infera_common.models import default_model_path
-from infera_common.settings import DrainSettings, LogSettings, PlaneSettings
+from infera_common.settings import DrainSettings, InferaSettings, LogSettings, PlaneSettings
 from infera_common.subjects import TOKEN_RE
 
 
-class FrontendSettings(DrainSettings, PlaneSettings, LogSettings):
-    # the env prefix also applies to aliases: INFERA_MODEL_PATH / INFERA_ROUTER_TOKENIZER_PATH
-    model_config = SettingsConfigDict(env_prefix_target="all")
+class ApiAddressSettings(InferaSettings):
+    """Where the OpenAI HTTP API listens: the frontend's, and what ``infera up`` gives the one it starts."""
 
     host: str = Field("127.0.0.1", description="Address the OpenAI HTTP API listens on.")
     port: int = Field(8000, ge=0, le=65535, description="Port of the OpenAI HTTP API (0: a free port).")
+
+
+class FrontendSettings(DrainSettings, PlaneSettings, LogSettings, ApiAddressSettings):
+    # the env prefix also applies to aliases: INFERA_MODEL_PATH / INFERA_ROUTER_TOKENIZER_PATH
+    model_config = SettingsConfigDict(env_prefix_target="all")
+
     model_path: str = Field(
         default_factory=lambda: str(default_model_path()),
         validation_alias=AliasChoices("model_path", "router_tokenizer_path"),

@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 
+from typing import ClassVar
+
 from pydantic import Field
 
 from infera_common.kv_index.index import UNATTACHED_GRACE
-from infera_common.kv_zmq import REPLAY_TIMEOUT
 from infera_common.nats_conn import KV_EVENT_MAX_AGE, KV_EVENT_MAX_BYTES
-from infera_common.settings import LogSettings, PlaneSettings
+from infera_common.settings import KvReplaySettings, LogSettings, MetricsSettings, PlaneSettings
 
 
 MIN_KV_EVENT_MAX_AGE = 60.0
 MIN_KV_EVENT_MAX_BYTES = 1 << 20
 
 
-class KvIndexerSettings(PlaneSettings, LogSettings):
+class KvIndexerSettings(PlaneSettings, LogSettings, MetricsSettings, KvReplaySettings):
+    metrics_service: ClassVar[str] = "kv-indexer"
 
-    metrics_host: str = Field("127.0.0.1", description="Address the /metrics HTTP endpoint binds.")
-    metrics_port: int = Field(9300, ge=0, le=65535, description="Port of /metrics (0 = any free port, logged).")
     # Floors: the stream is shared by every indexer and local-index router, and these are applied to it
     # at start; below them a restart replays next to nothing, and 10 bytes kept no event at all, with
     # kv-aware routing blind and nothing said (runbook audit)
@@ -36,9 +36,4 @@ class KvIndexerSettings(PlaneSettings, LogSettings):
         UNATTACHED_GRACE, gt=0,
         description="Seconds a worker that is not in discovery keeps its indexed blocks after its last event or "
         "its leave (waiting for its discovery record, or for it to come back after an outage with the same engine).",
-    )
-    kv_replay_timeout: float = Field(
-        REPLAY_TIMEOUT, gt=0, le=60,
-        description="Seconds to wait for an engine's KV-event replay socket (workers on --kv-event-transport zmq: "
-        "the replay from seq 0 when a worker is first followed, and each sequence gap).",
     )

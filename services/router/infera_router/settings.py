@@ -5,11 +5,11 @@ from __future__ import annotations
 import re
 import secrets
 import socket
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from infera_common.settings import DrainSettings, LogSettings, PlaneSettings
+from infera_common.settings import DrainSettings, InferaSettings, LogSettings, MetricsSettings, PlaneSettings
 from infera_common.subjects import TOKEN_RE
 
 from infera_router.breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD, DEFAULT_MAX_COOLDOWN_S
@@ -21,13 +21,18 @@ from infera_router.sessions import DEFAULT_AFFINITY_MODE, DEFAULT_TTL_S, MAX_TTL
 PolicyName = Literal[POLICY_NAMES]  # type: ignore[valid-type]  # the registry's names
 
 
-class RouterSettings(DrainSettings, PlaneSettings, LogSettings):
+class PolicySettings(InferaSettings):
+    """The routing policy alone: the router's, and what ``infera up`` passes to the router it starts."""
 
     router_policy: PolicyName = Field(  # type: ignore[valid-type]
         DEFAULT_POLICY,
         description="How the router picks a worker among a model's active workers: kv-aware (least "
         "uncached prefill + load, asks the kv-indexer), round-robin, least-loaded.",
     )
+
+
+class RouterSettings(DrainSettings, PlaneSettings, LogSettings, MetricsSettings, PolicySettings):
+    metrics_service: ClassVar[str] = "router"
     kv_overlap_weight: float = Field(
         DEFAULT_OVERLAP_WEIGHT, ge=0,
         description="kv-aware: work units one cached prefix block is worth against one block of load "
@@ -93,8 +98,6 @@ class RouterSettings(DrainSettings, PlaneSettings, LogSettings):
     publish_timeout: float = Field(
         2.0, gt=0, description="Seconds to wait for JetStream to acknowledge a work envelope."
     )
-    metrics_host: str = Field("127.0.0.1", description="Address the /metrics HTTP endpoint binds.")
-    metrics_port: int = Field(9100, ge=0, le=65535, description="Port of /metrics (0 = any free port, logged).")
     router_id: str | None = Field(
         None, pattern=TOKEN_RE.pattern,
         description="This router instance's id (a subject token: letters, digits, '_', '-'); "

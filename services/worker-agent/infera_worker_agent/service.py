@@ -128,11 +128,12 @@ class Agent:
     async def _run(self) -> int:
         try:
             self._metrics_runner, port = await start_metrics_server(
-                self.metrics.registry, self.s.metrics_host, self.s.metrics_port,
+                self.metrics.registry, self.s.metrics_host, self.s.metrics_bind_port(),
                 routes={STATE_PATH: self._serve_kv_state},
             )
         except OSError as exc:
-            log.error("metrics_port_unavailable", host=self.s.metrics_host, port=self.s.metrics_port, error=str(exc),
+            log.error("metrics_port_unavailable", host=self.s.metrics_host, port=self.s.metrics_bind_port(),
+                      error=str(exc),
                       hint="pass --metrics-port 0 for a free port, or another port")
             return 2
         self._metrics_port = port

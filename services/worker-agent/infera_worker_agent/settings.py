@@ -11,11 +11,13 @@ from __future__ import annotations
 import ipaddress
 import re
 import secrets
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from infera_common.settings import DrainSettings, LogSettings, PlaneSettings, build_parser, parse_cli
+from infera_common.settings import (
+    DrainSettings, KvReplaySettings, LogSettings, MetricsSettings, PlaneSettings, build_parser, parse_cli,
+)
 from infera_common.subjects import TOKEN_RE
 from infera_common.typos import near_misses
 
@@ -30,7 +32,8 @@ DESCRIPTION = (
 )
 
 
-class AgentSettings(DrainSettings, PlaneSettings, LogSettings):
+class AgentSettings(DrainSettings, PlaneSettings, LogSettings, MetricsSettings, KvReplaySettings):
+    metrics_service: ClassVar[str] = "worker-agent"
 
     engine: Literal["mock", "sglang", "vllm"] = Field(
         description="Engine to launch: the mock engine, SGLang (sglang.launch_server) or vLLM "
@@ -138,14 +141,6 @@ class AgentSettings(DrainSettings, PlaneSettings, LogSettings):
         False,
         description="Print the engine command line and the environment changes the agent would make (with notes "
         "on each recipe rule), then exit 0 without launching anything or connecting to anything.",
-    )
-    kv_replay_timeout: float = Field(
-        3.0, gt=0, le=60,
-        description="Seconds to wait for the engine's KV-event replay socket when filling a sequence gap.",
-    )
-    metrics_host: str = Field("127.0.0.1", description="Address of the agent's own /metrics endpoint.")
-    metrics_port: int = Field(
-        9200, ge=0, le=65535, description="Port of the agent's own /metrics endpoint (0 = a free port)."
     )
 
     @field_validator("advertise_host")
