@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from infera.tools.preflight.cli import main
 from tests.tools.fake_node import fake_node
 
@@ -42,6 +44,16 @@ def test_hosts_collected_apart_are_combined_and_the_odd_one_out_is_flagged(tmp_p
     assert "amdgpu driver 6.10.5 differs" not in report
 
 
+def test_the_node_and_image_names_come_from_the_flags_before_the_runbooks_environment(tmp_path):
+    root = fake_node(tmp_path / "root")
+    env = {"PREFLIGHT_HOST": "from-env", "PREFLIGHT_IMAGE": "env-image"}
+    assert main(["--gpu", "--collect-only", "--dump-path", str(tmp_path / "a")], env=env, root=root) == 0
+    assert json.loads((tmp_path / "a" / "from-env.json").read_text())["image"] == "env-image"
+    argv = ["--gpu", "--collect-only", "--dump-path", str(tmp_path / "b"), "--host-name", "gpu-7", "--image", "rocm:x"]
+    assert main(argv, env=env, root=root) == 0
+    assert json.loads((tmp_path / "b" / "gpu-7.json").read_text())["image"] == "rocm:x"
+
+
 def test_nothing_to_render_is_an_error(tmp_path):
     assert main(["--render-only", "--dump-path", str(tmp_path)], env={}) == 2
 
@@ -63,11 +75,8 @@ def test_flags_that_cannot_work_are_refused_before_any_probe_runs(tmp_path, caps
     afile.write_text("x")
     for argv, says in ((["--host", "--dump-path", str(afile)], f"{afile} is a file: give a directory"),
                        (["--render-only", "--collect-only"], "exclude each other: give one")):
-        try:
+        with pytest.raises(SystemExit) as exit_:
             main(argv, env={"PREFLIGHT_HOST": "n"})
-        except SystemExit as exc:
-            assert exc.code == 2
-        else:
-            raise AssertionError(f"{argv} was accepted")
+        assert exit_.value.code == 2
         err = capsys.readouterr().err
         assert says in err and "[preflight]" not in err  # no probe ran

@@ -9,7 +9,7 @@ from infera.tools.preflight.probe_host import HostInfo, host_findings, read_host
 from infera.tools.preflight.probe_network import fabric_findings, network_findings, read_network
 from infera.tools.preflight.probe_perf import fleet_probe, gpu_torch, outliers, run_gpu_probe
 from infera.tools.preflight.probe_storage import measure, pick_mount, run_storage, storage_findings
-from infera_worker_agent.host_gpus import gfx_name, read_gpus
+from infera_common.host.gpus import gfx_name, read_gpus
 from tests.tools.fake_node import fake_node
 
 ACTIVE, DOWN = "4: ACTIVE", "1: DOWN"

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from infera_worker_agent.engine_cmd import vllm_flag_view
-from infera_worker_agent.host_probe import HostFacts, RdmaPort
+from infera_common.host.rdma import RdmaPort
+from infera_worker_agent.host_probe import HostFacts
 from infera_worker_agent.pd_role import plan_pd
 from infera_worker_agent.recipe_types import RecipeContext
 

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from infera_worker_agent.host_probe import gid_ipv4, is_rocm, probe_host
+from infera_common.host.rdma import gid_ipv4
+from infera_worker_agent.host_probe import is_rocm, probe_host
 from infera_worker_agent.interpreter_probe import installed
 
 IPV4_GID = "0000:0000:0000:0000:0000:ffff:c0a8:010b"  # ::ffff:192.168.1.11

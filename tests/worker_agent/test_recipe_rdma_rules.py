@@ -4,7 +4,8 @@ engine's environment passing through untouched."""
 import pytest
 
 from infera_worker_agent.engine_cmd import plan_engine
-from infera_worker_agent.host_probe import HostFacts, RdmaPort
+from infera_common.host.rdma import RdmaPort
+from infera_worker_agent.host_probe import HostFacts
 from infera_worker_agent.recipe_rdma import pd_preflight_rule, rocm_rdma_env_rule, routable
 from infera_worker_agent.recipe_types import RecipeRefusal
 from infera_worker_agent.recipes import apply_recipes, engine_env

@@ -14,7 +14,7 @@ start-up runs, a minute or more into the launch. What each engine takes, read in
   Launches across nodes (``--nnodes`` above 1, the Ray or external-launcher executor) and
   ``--device-ids`` are left to vLLM: what one node holds of them is not read here.
 
-The GPUs the node can see are those of the amdgpu driver's KFD topology (``host_gpus``), as few as
+The GPUs the node can see are those of the amdgpu driver's KFD topology (``infera_common.host.gpus``), as few as
 the shortest of ``ROCR_VISIBLE_DEVICES``, ``HIP_VISIBLE_DEVICES`` and ``CUDA_VISIBLE_DEVICES``
 (ROCm honours each). Without a KFD topology (no ROCm host, or the mock engine) nothing is checked.
 """
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from infera_common.host.gpus import VISIBLE_ENV
 from infera_worker_agent.engine_cmd import flag_value, has_flag, vllm_flag_view
 
-VISIBLE_ENV = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 #: SGLang's names (``--tp`` is argparse's abbreviation of ``--tp-size``, which runbooks write)
 SGLANG = {"tp": ("--tp-size", "--tensor-parallel-size", "--tp"), "pp": ("--pp-size", "--pipeline-parallel-size")}
 VLLM = {"tp": ("--tensor-parallel-size", "-tp"), "pp": ("--pipeline-parallel-size", "-pp"),

@@ -26,8 +26,9 @@ from __future__ import annotations
 import ipaddress
 import json
 
+from infera_common.host.rdma import RdmaPort
 from infera_worker_agent.engine_cmd import flag_value
-from infera_worker_agent.host_probe import HostFacts, RdmaPort
+from infera_worker_agent.host_probe import HostFacts
 from infera_worker_agent.pd_role import kv_transfer_config
 from infera_worker_agent.recipe_cache import BACKEND_FLAG, transfer_backend
 from infera_worker_agent.recipe_types import NOTHING, RecipeContext, RecipeRefusal, RuleResult

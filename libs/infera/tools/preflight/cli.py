@@ -3,9 +3,10 @@
 ``D/<report-file-name>.html`` from every host's file. Under SLURM (``srun`` one task per node,
 one shared ``--dump-path``) each task probes its node and rank 0 waits for all of them.
 
-The host name is ``PREFLIGHT_HOST``, else ``SLURMD_NODENAME``, else ``HOSTNAME``, else the
-system's (inside a container the hostname is the container's id: pass the node's).
-``PREFLIGHT_IMAGE`` names the engine image in the report.
+The host name is ``--host-name``, else ``PREFLIGHT_HOST`` (the runbooks' container environment), else
+``SLURMD_NODENAME``, else ``HOSTNAME``, else the system's (inside a container the hostname is the
+container's id: pass the node's). ``--image`` (else ``PREFLIGHT_IMAGE``) names the engine image in the
+report.
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ from infera.tools.preflight.probe_perf import fleet_probe, run_gpu_probe
 from infera.tools.preflight.probe_storage import run_storage
 from infera.tools.preflight.report import consistency, load_hosts, render, write_host
 from infera.tools.preflight.settings import FLEET_PROBES, PreflightSettings
+from infera_common.host.gpus import read_gpus
 from infera_common.settings import parse_cli
-from infera_worker_agent.host_gpus import read_gpus
 
 PROG = "infera.tools.preflight"
 
 
-def host_name(env: Mapping[str, str]) -> str:
-    return env.get("PREFLIGHT_HOST") or env.get("SLURMD_NODENAME") or env.get("HOSTNAME") or socket.gethostname()
+def host_name(settings: PreflightSettings, env: Mapping[str, str]) -> str:
+    return (settings.host_name or env.get("PREFLIGHT_HOST") or env.get("SLURMD_NODENAME") or env.get("HOSTNAME")
+            or socket.gethostname())
 
 
 def rank_world(env: Mapping[str, str]) -> tuple[int, int]:
@@ -89,9 +91,9 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None, ro
     dump = Path(settings.dump_path)
     rank, world = rank_world(env)
     if not settings.render_only:
-        host = host_name(env)
+        host = host_name(settings, env)
         sections = collect(settings, env, host, world, root)
-        path = write_host(dump, host, env.get("PREFLIGHT_IMAGE") or "unknown", sections)
+        path = write_host(dump, host, settings.image or env.get("PREFLIGHT_IMAGE") or "unknown", sections)
         level = worst_of(sections)
         print(f"[preflight] [{host}] rank {rank}/{world}: {level}; wrote {path}", file=sys.stderr)
         if settings.collect_only or rank != 0:

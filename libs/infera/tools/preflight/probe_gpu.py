@@ -1,4 +1,4 @@
-"""The gpu, firmware and topology probes: what the worker-agent's ``host_gpus.read_gpus`` reads
+"""The gpu, firmware and topology probes: what ``infera_common.host.gpus.read_gpus`` reads
 from the amdgpu driver's sysfs (the KFD topology, the cards' firmware versions, the GPUs' NUMA
 nodes), judged here."""
 
@@ -8,8 +8,8 @@ from collections import Counter
 from collections.abc import Mapping
 
 from infera.tools.preflight.finding import Finding
-from infera_worker_agent.engine_gpus import VISIBLE_ENV
-from infera_worker_agent.host_gpus import GpuHost
+from infera_common.host.gpus import VISIBLE_ENV
+from infera_common.host.gpus import GpuHost
 
 GIB = 1 << 30
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infera.tools.preflight.finding import Finding
-from infera_worker_agent.sysfs import read_text, sorted_dirs
+from infera_common.host.sysfs import read_text, sorted_dirs
 
 GIB = 1 << 30
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infera.tools.preflight.finding import Finding
-from infera_worker_agent.host_probe import RdmaPort, gid_ipv4, read_rdma_ports
-from infera_worker_agent.sysfs import read_text, sorted_dirs
+from infera_common.host.rdma import RdmaPort, gid_ipv4, read_rdma_ports
+from infera_common.host.sysfs import read_text, sorted_dirs
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from infera.tools.preflight.finding import Finding, skipped
-from infera_worker_agent.sysfs import read_text
+from infera_common.host.sysfs import read_text
 
 GIB = 1 << 30
 CHUNK = 64 << 20

@@ -52,6 +52,11 @@ class PreflightSettings(_ProbeFlags):
                               "report.")
     wait_timeout: float = Field(300.0, gt=0, description="Seconds the reporting host (SLURM rank 0) waits for every "
                                 "node's JSON before it renders the report with what it has.")
+    host_name: str | None = Field(None, description="This node's name in the report; default: the runbooks' "
+                                  "PREFLIGHT_HOST, else SLURMD_NODENAME, else HOSTNAME, else the system's (inside a "
+                                  "container the hostname is the container's id: pass the node's).")
+    image: str | None = Field(None, description="The engine image the report names; default: the runbooks' "
+                              "PREFLIGHT_IMAGE, else 'unknown'.")
 
     # checked before the probes run (the storage probe alone may take a minute)
     _dump_path_form = field_validator("dump_path")(directory_to_write)

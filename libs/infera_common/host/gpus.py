@@ -10,7 +10,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from infera_worker_agent.sysfs import read_text, sorted_dirs
+from infera_common.host.sysfs import read_text, sorted_dirs
+
+#: The environment variables that narrow the GPUs a process sees (ROCm runtime, HIP, CUDA names).
+VISIBLE_ENV = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 
 KFD_NODES = "sys/class/kfd/kfd/topology/nodes"
 LINK_XGMI = 11  # io_links type (HSA_IOLINK_TYPE_XGMI); 2 is PCIe
