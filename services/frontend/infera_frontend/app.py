@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Callable
 
 from aiohttp import web
@@ -24,15 +23,15 @@ from infera_common.metrics import metrics_response
 from infera_common.openai_errors import error_body
 from infera_common.schemas import Endpoint
 from infera_common.tracing import HEADER as TRACE_HEADER
-from infera_common.tracing import SpanKind, finish, start_span, traceparent
 
 from infera_frontend import sse
 from infera_frontend.listing import model_entry, models_list, workers_list
 from infera_frontend.metrics import FrontendMetrics
-from infera_frontend.pipeline import Pipeline, new_request_id
+from infera_frontend.pipeline import Pipeline
 from infera_frontend.exchange import Exchange
+from infera_frontend.served import Served, serving
 from infera_frontend.session import SESSION_HEADER, http_session_ids
-from infera_frontend.validation import ApiError, Parsed
+from infera_frontend.validation import ApiError
 
 log = get_logger("frontend.http")
 
@@ -120,75 +119,51 @@ class HttpApi:
             raise self.pipeline.too_large(self.pipeline.max_body_bytes + 1) from None
 
     async def _complete(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-        t0 = time.perf_counter()
-        m = self.metrics
-        ep = endpoint.value
-        status = 500
-        parsed: Parsed | None = None
-        ex: Exchange | None = None
-        request_id: str | None = None
-        carried: str | None = None
-        m.started("http")
-        span = start_span(f"POST {ep}", request.headers.get(TRACE_HEADER), SpanKind.SERVER)
-        try:
-            request_id, carried = self.pipeline.request_ids(request.headers.get("X-Request-Id"))
-            span.set_attribute("infera.request_id", request_id)
-            span.set_attribute("infera.carried_request_id", carried)
-            body = await self._read_body(request)
-            parsed = self.pipeline.parse(endpoint, body)
-            span.set_attribute("infera.model", parsed.model)
-            ex = await self.pipeline.open(parsed, body, carried, traceparent=traceparent(span),
-                                          session_ids=http_session_ids(request.headers.getall(SESSION_HEADER, [])))
-            status, payload = ex.status, ex.body
-            m.first_byte("http", ep, time.perf_counter() - t0)
-            if payload is not None:
-                return web.Response(body=payload, status=status, content_type=_JSON,
-                                    headers={"X-Request-Id": request_id})
-            resp = web.StreamResponse(status=status, headers={**sse.HEADERS, "X-Request-Id": request_id})
-            closing: list[asyncio.TimerHandle] = []
-            transport = request.transport
-            if transport is not None:  # a client that stops reading for good loses its connection
-                ex.on_too_slow = lambda: closing.append(
-                    asyncio.get_running_loop().call_later(self.slow_client_grace, transport.abort))
+        with serving(self.pipeline, "http", endpoint, request.headers.get(TRACE_HEADER)) as s:
             try:
-                await resp.prepare(request)
-                failed = await self._stream(resp, ex)
-                if failed is not None:  # the client saw 200, then an error event: count and log the error
-                    status = failed.status
-                    ex.failed_midway(failed)
-            except ConnectionResetError:  # the client went away (as the stream began, or mid-stream)
-                status = 499
-                m.client_disconnects.labels(ep).inc()
-                ex.cancel("client_disconnect")
-            finally:
-                for timer in closing:  # (a keep-alive connection serves the client's next request)
-                    timer.cancel()
-            return resp
-        except ApiError as err:
-            status = err.status
-            return error_response(err, request_id or new_request_id())
-        except asyncio.CancelledError:  # the client went away, or the drain timeout ran out (aiohttp cancels)
-            if self.stopping:
-                status = 503
-                if ex is not None:
-                    ex.cancel("shutdown")
+                s.take_ids(request.headers.get("X-Request-Id"))
+                body = await self._read_body(request)
+                s.parse(body)
+                ex = await s.open(body, session_ids=http_session_ids(request.headers.getall(SESSION_HEADER, [])))
+                if ex.body is not None:
+                    return web.Response(body=ex.body, status=ex.status, content_type=_JSON,
+                                        headers={"X-Request-Id": s.request_id})
+                return await self._respond_stream(request, s, ex)
+            except ApiError as err:
+                s.status = err.status
+                return error_response(err, s.request_id)
+            except asyncio.CancelledError:  # the client went away, or the drain timeout ran out (aiohttp cancels)
+                if self.stopping:
+                    s.status = 503
+                    s.cancel("shutdown")
+                else:
+                    s.client_left()
                 raise
-            status = 499  # client closed the request (nginx's convention)
-            m.client_disconnects.labels(ep).inc()
-            if ex is not None:
-                ex.cancel("client_disconnect")
-            raise
-        except Exception as exc:  # one bad request never takes the service down
-            log.exception("request_failed", request_id=carried or request_id, error=str(exc))
-            if ex is not None:
-                ex.cancel("error")
-            status = 500
-            return error_response(ApiError(500, "internal error"), request_id)
+            except Exception as exc:  # one bad request never takes the service down
+                log.exception("request_failed", request_id=s.carried, error=str(exc))
+                s.cancel("error")
+                s.status = 500
+                return error_response(ApiError(500, "internal error"), s.request_id)
+
+    async def _respond_stream(self, request: web.Request, s: Served, ex: Exchange) -> web.StreamResponse:
+        resp = web.StreamResponse(status=ex.status, headers={**sse.HEADERS, "X-Request-Id": s.request_id})
+        closing: list[asyncio.TimerHandle] = []
+        transport = request.transport
+        if transport is not None:  # a client that stops reading for good loses its connection
+            ex.on_too_slow = lambda: closing.append(
+                asyncio.get_running_loop().call_later(self.slow_client_grace, transport.abort))
+        try:
+            await resp.prepare(request)
+            failed = await self._stream(resp, ex)
+            if failed is not None:  # the client saw 200, then an error event: count and log the error
+                s.status = failed.status
+                ex.failed_midway(failed)
+        except ConnectionResetError:  # the client went away (as the stream began, or mid-stream)
+            s.client_left()
         finally:
-            if ex is not None:
-                ex.close()
-            m.finished("http", ep, status, self.pipeline.model_label(parsed), time.perf_counter() - t0)
-            finish(span, status)
+            for timer in closing:  # (a keep-alive connection serves the client's next request)
+                timer.cancel()
+        return resp
 
     @staticmethod
     async def _stream(resp: web.StreamResponse, ex: Exchange) -> ApiError | None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +42,6 @@ from infera_common.nats_conn import flush_all, unsubscribe_quietly
 from infera_common.openai_errors import error_body
 from infera_common.schemas import Endpoint
 from infera_common.tracing import HEADER as TRACE_HEADER
-from infera_common.tracing import SpanKind, finish, start_span, traceparent
 from infera_common.subject_match import subject_error
 from infera_common.subjects import (
     API_PREFIX,
@@ -56,10 +54,10 @@ from infera_common.subjects import (
 
 from infera_frontend.listing import models_list, workers_list
 from infera_frontend.metrics import FrontendMetrics
-from infera_frontend.pipeline import Pipeline, new_request_id
-from infera_frontend.exchange import Exchange
+from infera_frontend.pipeline import Pipeline
+from infera_frontend.served import serving
 from infera_frontend.session import nats_session_ids
-from infera_frontend.validation import ApiError, Parsed
+from infera_frontend.validation import ApiError
 
 log = get_logger("frontend.nats_api")
 
@@ -223,83 +221,60 @@ class NatsApi:
         if not self._answerable(msg):
             return
         reply = Reply(self._nc, msg.reply)
-        t0 = time.perf_counter()
-        m = self.metrics
-        ep = endpoint.value
-        status = 500
-        parsed: Parsed | None = None
-        ex: Exchange | None = None
         headers = msg.headers or {}
-        request_id = carried = new_request_id()
-        m.started("nats")
-        span = start_span(f"NATS {ep}", header(headers, TRACE_HEADER), SpanKind.SERVER)
-        try:
-            request_id, carried = self.pipeline.request_ids(header(headers, HEADER_REQUEST_ID))
-            span.set_attribute("infera.request_id", request_id)
-            span.set_attribute("infera.carried_request_id", carried)
-            every = alive_every(headers)
-            parsed = self.pipeline.parse(endpoint, msg.data)
-            span.set_attribute("infera.model", parsed.model)
-            if every is not None:
-                serving = asyncio.current_task()
-                assert serving is not None
-                reply.keep_alive(every, lambda: serving.cancel("the client left"))
-            ex = await self.pipeline.open(
-                parsed, msg.data, carried, session_ids=nats_session_ids(headers), traceparent=traceparent(span),
-                cancel_reason=lambda: "client_disconnect" if reply.gone else "shutdown")
-            status, payload = ex.status, ex.body
-            m.first_byte("nats", ep, time.perf_counter() - t0)
-            if payload is not None:
-                hdrs = {HEADER_STATUS: str(status), HEADER_REQUEST_ID: request_id}
-                if status >= 400:
-                    hdrs[HEADER_KIND] = KIND_ERROR
-                await reply.last(payload, hdrs)
-                return
+        with serving(self.pipeline, "nats", endpoint, header(headers, TRACE_HEADER)) as s:
             try:
-                while payloads := await ex.read():
-                    for p in payloads:
-                        await reply.send(p, _DATA)
-            except ApiError as err:
-                status = err.status
-                ex.failed_midway(err)
-                await self._error(reply, err, request_id)
-                return
-            await reply.last(b"", {HEADER_KIND: KIND_END, HEADER_REQUEST_ID: request_id})
-        except ApiError as err:
-            status = err.status
-            await self._error(reply, err, request_id)
-        except asyncio.CancelledError:
-            if reply.gone:  # no one listens on the reply subject any more: stop the engine's work
-                status = 499
-                m.client_disconnects.labels(ep).inc()
-                if ex is not None:
-                    ex.cancel("client_disconnect")
-                task = asyncio.current_task()
-                if task is not None and task.uncancel() == 0:
+                s.take_ids(header(headers, HEADER_REQUEST_ID))
+                every = alive_every(headers)
+                s.parse(msg.data)
+                if every is not None:
+                    serving_task = asyncio.current_task()
+                    assert serving_task is not None
+                    reply.keep_alive(every, lambda: serving_task.cancel("the client left"))
+                ex = await s.open(msg.data, session_ids=nats_session_ids(headers),
+                                  cancel_reason=lambda: "client_disconnect" if reply.gone else "shutdown")
+                if ex.body is not None:
+                    hdrs = {HEADER_STATUS: str(ex.status), HEADER_REQUEST_ID: s.request_id}
+                    if ex.status >= 400:
+                        hdrs[HEADER_KIND] = KIND_ERROR
+                    await reply.last(ex.body, hdrs)
                     return
-                raise  # cancelled for another reason as well
-            # the frontend is shutting down, past its --drain-timeout
-            status = 503
-            if ex is not None:
-                ex.cancel("shutdown")
-            # a NATS client has no connection that closes: say so, or it waits for its own timeout
-            try:
-                await self._error(reply, ApiError(503, "the frontend is shutting down; retry the request",
-                                                  type="service_unavailable_error"), request_id)
-            except Exception:  # connection already gone
-                pass
-            raise
-        except Exception as exc:  # one bad request never takes the API down
-            log.exception("nats_api_request_failed", request_id=carried, error=str(exc))
-            if ex is not None:
-                ex.cancel("error")
-            try:
-                await self._error(reply, ApiError(500, "internal error"), request_id)
-            except Exception:
-                pass
-        finally:
-            reply.close()
-            if ex is not None:
-                ex.close()
-            m.finished("nats", ep, status, self.pipeline.model_label(parsed), time.perf_counter() - t0)
-            finish(span, status)
+                try:
+                    while payloads := await ex.read():
+                        for p in payloads:
+                            await reply.send(p, _DATA)
+                except ApiError as err:
+                    s.status = err.status
+                    ex.failed_midway(err)
+                    await self._error(reply, err, s.request_id)
+                    return
+                await reply.last(b"", {HEADER_KIND: KIND_END, HEADER_REQUEST_ID: s.request_id})
+            except ApiError as err:
+                s.status = err.status
+                await self._error(reply, err, s.request_id)
+            except asyncio.CancelledError:
+                if reply.gone:  # no one listens on the reply subject any more: stop the engine's work
+                    s.client_left()
+                    task = asyncio.current_task()
+                    if task is not None and task.uncancel() == 0:
+                        return
+                    raise  # cancelled for another reason as well
+                # the frontend is shutting down, past its --drain-timeout
+                s.status = 503
+                s.cancel("shutdown")
+                # a NATS client has no connection that closes: say so, or it waits for its own timeout
+                try:
+                    await self._error(reply, ApiError(503, "the frontend is shutting down; retry the request",
+                                                      type="service_unavailable_error"), s.request_id)
+                except Exception:  # connection already gone
+                    pass
+                raise
+            except Exception as exc:  # one bad request never takes the API down
+                log.exception("nats_api_request_failed", request_id=s.carried, error=str(exc))
+                s.cancel("error")
+                try:
+                    await self._error(reply, ApiError(500, "internal error"), s.request_id)
+                except Exception:
+                    pass
+            finally:
+                reply.close()
