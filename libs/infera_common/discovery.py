@@ -15,7 +15,7 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
-from infera_common.fleet import Change, FleetView
+from infera_common.fleet import Change, FleetView, notify
 from infera_common.logs import get_logger
 from infera_common.schemas import WorkerRecord, WorkerStatus, decode, encode
 from infera_common.subjects import DISCOVERY_BUCKET
@@ -197,11 +197,7 @@ class Watcher:
         await self._unwatch()
 
     def _emit(self, change: Change | None) -> None:
-        if change is not None and self._on_change is not None:
-            try:
-                self._on_change(change)
-            except Exception:
-                log.exception("discovery_callback_failed", worker_id=change.record.worker_id)
+        notify(self._on_change, change, log)
 
     async def _follow(self, kv_watcher) -> None:
         async for entry in kv_watcher:

@@ -42,7 +42,7 @@ from pydantic import ValidationError
 
 from infera_common.subjects import ETCD_WORKERS_PREFIX as WORKERS_PREFIX
 from infera_common.etcd_gateway import EtcdClient, EtcdError, EtcdUnavailable, KeyValue
-from infera_common.fleet import Change, FleetView
+from infera_common.fleet import Change, FleetView, notify
 from infera_common.logs import get_logger
 from infera_common.schemas import WorkerRecord, WorkerStatus
 from infera_common.tasks import stop_tasks
@@ -234,11 +234,7 @@ class EtcdWatcher:
             await self._client.close()
 
     def _emit(self, change: Change | None) -> None:
-        if change is not None and self._on_change is not None:
-            try:
-                self._on_change(change)
-            except Exception:
-                log.exception("discovery_callback_failed", worker_id=change.record.worker_id)
+        notify(self._on_change, change, log)
 
     async def _run(self, revision: int | None) -> None:
         while True:

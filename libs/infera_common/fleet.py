@@ -6,8 +6,9 @@ time of its last heartbeat. A record not refreshed within its ``ttl`` is expired
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from infera_common.schemas import WorkerRecord, WorkerStatus
 
@@ -18,6 +19,16 @@ ChangeKind = Literal["join", "update", "leave"]
 class Change:
     kind: ChangeKind
     record: WorkerRecord
+
+
+def notify(on_change: Callable[[Change], None] | None, change: Change | None, log: Any) -> None:
+    """Tell a watcher's callback of ``change`` (None: nothing changed); a callback that raises is
+    logged on ``log``, and the watch goes on (one bad record never stops discovery)."""
+    if change is not None and on_change is not None:
+        try:
+            on_change(change)
+        except Exception:
+            log.exception("discovery_callback_failed", worker_id=change.record.worker_id)
 
 
 class FleetView:

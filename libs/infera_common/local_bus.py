@@ -46,6 +46,7 @@ from prometheus_client.registry import Collector
 from infera_common.local_bus_sub import Callback, LocalSubscription
 from infera_common.logs import get_logger
 from infera_common.subject_match import SubjectIndex, subject_error
+from infera_common.subjects import INBOX_PREFIX
 
 log = get_logger("bus")
 
@@ -186,7 +187,7 @@ class LocalClient:
         self._status = _CONNECTED
         self._subs: dict[int, LocalSubscription] = {}
         self._sids = itertools.count(1)
-        self._inbox_base = f"_INBOX.{secrets.token_hex(8)}"
+        self._inbox_base = f"{INBOX_PREFIX}.{secrets.token_hex(8)}"
         self._inbox_ids = itertools.count(1)
         self._resp_sub: LocalSubscription | None = None
         self._resp_prefix = ""

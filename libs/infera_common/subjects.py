@@ -103,6 +103,16 @@ def router_prefilled_subject(router_id: str) -> str:
     return f"{PREFIX}.router.prefilled.{_token(router_id)}"
 
 
+# --- replies -------------------------------------------------------------------
+#: NATS's reply-subject prefix (the clients' own, nats-py's ``_INBOX``).
+INBOX_PREFIX = "_INBOX"
+
+
+def frontend_inbox_prefix(frontend_id: str) -> str:
+    """Every reply subject of one frontend starts so (``<prefix><n>``; one wildcard subscription)."""
+    return f"{INBOX_PREFIX}.{_token(frontend_id)}."
+
+
 # --- frontend API for NATS clients -------------------------------------------
 FRONTEND_QUEUE = "infera-frontend"
 #: Every API subject starts so (a request whose reply subject does is refused: it would call the API).

@@ -16,6 +16,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from infera_common.nats_conn import unsubscribe_quietly
+from infera_common.subjects import frontend_inbox_prefix
 
 
 def _wake(waiter: asyncio.Future) -> None:
@@ -89,7 +90,7 @@ class Inbox:
     def __init__(self, nc: NATS, frontend_id: str, max_unread: int = 0) -> None:
         self._nc = nc
         self.max_unread = max_unread  # each mailbox's limit
-        self.prefix = f"_INBOX.{frontend_id}."
+        self.prefix = frontend_inbox_prefix(frontend_id)
         self._boxes: dict[str, Mailbox] = {}
         self._ids = itertools.count(1)
         self._sub = None
