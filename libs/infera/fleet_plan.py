@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from infera_common.models import BUNDLED_MODEL_NAME
 from infera_common.settings import nats_planes
+from infera_worker_agent.pd_role import BOOTSTRAP_PORT_ENV
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ def plan_fleet(
              + [("prefill", "prefill", prefill_args)] * prefill_workers
              + [("decode", "decode", decode_args)] * decode_workers)
     # bootstrap port 0: the mock binds a free one and reports it; its agent registers that
-    pd_env = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": "0"} if pd_protocol == "vllm-mooncake" else {}
+    pd_env = {BOOTSTRAP_PORT_ENV: "0"} if pd_protocol == "vllm-mooncake" else {}
     counts: dict[str, int] = {}
     for n, (name, wid, pd_args) in enumerate(kinds):
         i = counts[name] = counts.get(name, 0) + 1

@@ -79,32 +79,33 @@ def test_the_reply_says_how_many_blocks_each_asked_worker_holds_matched_or_not(f
 
 def test_the_relay_envelope_reads_as_the_schema_does():
     exact = KvRelay(worker_id="w1", dp_rank=2, seq=7, payload=b"p", block_size=16, ts=3.0)
-    relay = decode_relay(encode(exact))
+    relay = decode_relay(encode(exact), now=1.0)
     assert (relay.worker_id, relay.kind, relay.dp_rank, relay.seq, relay.payload, relay.block_size, relay.ts) == \
         ("w1", "batch", 2, 7, b"p", 16, 3.0)
-    lenient = decode_relay(msgpack.packb({"worker_id": "w1", "seq": "7", "dp_rank": 2.0, "ts": 3}))
+    lenient = decode_relay(msgpack.packb({"worker_id": "w1", "seq": "7", "dp_rank": 2.0, "ts": 3}), now=1.0)
     assert (lenient.seq, lenient.dp_rank, lenient.ts, lenient.payload) == (7, 2, 3.0, b"")
     for bad in ({"seq": 1}, {"worker_id": "w1", "kind": "other"}, {"worker_id": "w1", "seq": "x"}, [1],
                 {"worker_id": "w1", "kind": "blocks", "stored": {4: [1, 2]}},
                 {"worker_id": "w1", "kind": "blocks", "removed": [b"x"]},
                 {"worker_id": "w1", "kind": "blocks", "seq": 3, "first_seq": 4}):
         with pytest.raises(ValueError):
-            decode_relay(msgpack.packb(bad))
+            decode_relay(msgpack.packb(bad), now=1.0)
 
 
 def test_a_blocks_relay_reads_as_the_schema_does():
     exact = KvRelay(worker_id="w1", kind="blocks", dp_rank=1, seq=3, first_seq=2, reset=True,
                     stored={16: b"\x01" * 8}, removed={8: b""}, ts=2.0)
-    relay = decode_relay(encode(exact))  # the packed hashes come unpacked
+    relay = decode_relay(encode(exact), now=1.0)  # the packed hashes come unpacked
     assert (relay.kind, relay.dp_rank, relay.seq, relay.first_seq, relay.reset) == ("blocks", 1, 3, 2, True)
     assert {k: list(v) for k, v in relay.stored.items()} == {16: [0x0101010101010101]}
     assert {k: list(v) for k, v in relay.removed.items()} == {8: []}
     lenient = decode_relay(msgpack.packb({"worker_id": "w1", "kind": "blocks", "reset": 1, "stored": {"16": b""},
-                                          "seq": 2, "first_seq": "1"}))
+                                          "seq": 2, "first_seq": "1"}), now=5.0)
+    assert lenient.ts == 5.0  # no ts: relayed when it arrived
     assert (lenient.reset, {k: list(v) for k, v in lenient.stored.items()}, lenient.removed, lenient.first_seq) == \
         (True, {16: []}, {}, 1)
     with pytest.raises(ValueError, match="8-byte"):
-        decode_relay(encode(KvRelay(worker_id="w1", kind="blocks", stored={16: b"\x01" * 7})))
+        decode_relay(encode(KvRelay(worker_id="w1", kind="blocks", stored={16: b"\x01" * 7})), now=1.0)
 
 
 def test_the_walk_equals_a_brute_force_walk_with_holes_filters_and_two_block_sizes():

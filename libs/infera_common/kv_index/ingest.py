@@ -16,7 +16,6 @@ validation, which accepts and rejects exactly what it always did.
 
 from __future__ import annotations
 
-import time
 from array import array
 from collections.abc import Generator
 from dataclasses import dataclass
@@ -61,7 +60,7 @@ class Ingested:
 
 def ingest(index: KvIndex, subject: str, data: bytes, now: float) -> Ingested:
     try:
-        relay = decode_relay(data)
+        relay = decode_relay(data, now)
         if _subject(relay.worker_id) != subject:
             raise ValueError(f"relay of worker {relay.worker_id!r} arrived on {subject!r}")
     except ValueError as exc:
@@ -104,9 +103,9 @@ def _apply(index: KvIndex, relay: Relay, now: float) -> Ingested:
     return Ingested(relay, index.apply_batch(relay.worker_id, relay.dp_rank, relay.seq, batch, now))
 
 
-def decode_relay(data: bytes) -> Relay:
-    """A ``KvRelay`` from its bytes, packed hashes unpacked; raises ``ValueError`` when malformed (as
-    ``schemas.decode``, or packed hashes torn)."""
+def decode_relay(data: bytes, now: float) -> Relay:
+    """A ``KvRelay`` from its bytes, packed hashes unpacked (one without ``ts`` relayed at ``now``, wall
+    clock); raises ``ValueError`` when malformed (as ``schemas.decode``, or packed hashes torn)."""
     raw = unpack(data, "relay")
     if type(raw) is dict:
         get = raw.get
@@ -114,7 +113,7 @@ def decode_relay(data: bytes) -> Relay:
         payload, size, ts = get("payload", b""), get("block_size"), get("ts")
         reset, stored, removed, first = get("reset", False), get("stored"), get("removed"), get("first_seq")
         if ts is None and "ts" not in raw:
-            ts = time.time()
+            ts = raw["ts"] = now  # (the lenient path below reads it too)
         if (type(worker_id) is str and kind in _KINDS and type(kind) is str
                 and (rank is None or type(rank) is int) and type(seq) is int and type(payload) is bytes
                 and (size is None or type(size) is int) and (type(ts) is float or type(ts) is int)

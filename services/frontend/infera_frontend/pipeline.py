@@ -36,7 +36,7 @@ def new_request_id() -> str:
 class Pipeline:
     def __init__(
         self, tokenizer: ChatTokenizer, models: ModelTable, relay: Relay, metrics: FrontendMetrics,
-        max_body_bytes: int, max_retries: int = 0, max_sequences: int | None = None, tokenize_threads: int = 2,
+        max_body_bytes: int, max_retries: int, max_sequences: int | None, tokenize_threads: int,
     ) -> None:
         self.tokenizer = tokenizer
         self.models = models

@@ -82,36 +82,41 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory holding tokenizer.json (default: the model path)")
     p.add_argument("--served-model-name", nargs="+", dest="served_model_name",
                    help="name(s) the API answers to; the first is reported (default: the model path as given)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--host", default=EngineConfig.host, help="address to bind (default %(default)s)")
     p.add_argument("--port", type=_port, default=None,
-                   help="port to listen on (default 30000 for the sglang flavour, 8000 for vllm; 0 = any free port)")
-    p.add_argument("--engine-flavor", "--engine-flavour", choices=FLAVORS, default="sglang",
-                   help="which engine to imitate: error shapes, metric names, default port (default sglang)")
-    p.add_argument("--speedup", "--speedup-ratio", type=_positive_float, default=1.0,
-                   help="divide every simulated step time by this (default 1.0)")
-    p.add_argument("--max-running-requests", "--max-num-seqs", type=_positive_int, default=256,
-                   dest="max_running_requests", help="most sequences running at once (default 256)")
-    p.add_argument("--max-num-batched-tokens", "--chunked-prefill-size", type=_positive_int, default=8192,
-                   dest="max_num_batched_tokens", help="prefill tokens per scheduler step (default 8192)")
+                   help=f"port to listen on (default {DEFAULT_PORTS['sglang']} for the sglang flavour, "
+                   f"{DEFAULT_PORTS['vllm']} for vllm; 0 = any free port)")
+    p.add_argument("--engine-flavor", "--engine-flavour", choices=FLAVORS, default=EngineConfig.engine_flavor,
+                   help="which engine to imitate: error shapes, metric names, default port (default %(default)s)")
+    p.add_argument("--speedup", "--speedup-ratio", type=_positive_float, default=EngineConfig.speedup,
+                   help="divide every simulated step time by this (default %(default)s)")
+    p.add_argument("--max-running-requests", "--max-num-seqs", type=_positive_int,
+                   default=EngineConfig.max_running_requests, dest="max_running_requests",
+                   help="most sequences running at once (default %(default)s)")
+    p.add_argument("--max-num-batched-tokens", "--chunked-prefill-size", type=_positive_int,
+                   default=EngineConfig.max_num_batched_tokens, dest="max_num_batched_tokens",
+                   help="prefill tokens per scheduler step (default %(default)s)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="SGLang's flag: each step starts when the engine's event loop gets to it, so a busy or "
                    "slow-waking host lengthens every step. Default (SGLang's overlap schedule): a step starts when "
                    "the one before was due to end, the host being late by up to one step costing nothing")
     p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=_positive_int, default=None,
-                   dest="num_kv_blocks", help="KV cache blocks (default 16384, or --max-total-tokens / page size)")
+                   dest="num_kv_blocks",
+                   help=f"KV cache blocks (default {EngineConfig.num_kv_blocks}, or --max-total-tokens / page size)")
     p.add_argument("--max-total-tokens", type=_positive_int, default=None,
                    help="KV cache capacity in tokens (SGLang); sets --num-kv-blocks = this / page size")
-    p.add_argument("--page-size", "--block-size", type=_positive_int, default=64, dest="page_size",
-                   help="tokens per KV block (default 64)")
+    p.add_argument("--page-size", "--block-size", type=_positive_int, default=EngineConfig.page_size,
+                   dest="page_size", help="tokens per KV block (default %(default)s)")
     p.add_argument("--context-length", "--max-model-len", type=_positive_int, default=None, dest="context_length",
                    help="context length (default: config.json max_position_embeddings)")
-    p.add_argument("--startup-delay", type=_non_negative_float, default=0.0,
-                   help="seconds /health answers 503 after start, simulating a cold start (default 0)")
+    p.add_argument("--startup-delay", type=_non_negative_float, default=EngineConfig.startup_delay,
+                   help="seconds /health answers 503 after start, simulating a cold start (default %(default)s)")
     p.add_argument("--enable-metrics", action="store_true",
                    help="accepted for SGLang compatibility; /metrics is always served")
-    p.add_argument("--mock-output-len", type=_positive_int, default=128,
+    p.add_argument("--mock-output-len", type=_positive_int, default=EngineConfig.mock_output_len,
                    help="tokens generated when a request sets no max_tokens; the output then ends with "
-                   "finish_reason 'stop' as if EOS was sampled (default 128, SGLang's max_new_tokens default)")
+                   "finish_reason 'stop' as if EOS was sampled (default %(default)s, SGLang's max_new_tokens "
+                   "default)")
     p.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="publish KV cache events on ZMQ, as the real engine of the chosen flavour does: "
                    "'{\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
@@ -194,7 +199,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, str]:
         parser.error(str(e))
     num_blocks = ns.num_kv_blocks
     if num_blocks is None:
-        num_blocks = max(1, ns.max_total_tokens // ns.page_size) if ns.max_total_tokens else 16384
+        num_blocks = max(1, ns.max_total_tokens // ns.page_size) if ns.max_total_tokens else EngineConfig.num_kv_blocks
     config = EngineConfig(
         model_path=model,
         tokenizer_path=str(ns.tokenizer_path or model),

@@ -109,7 +109,7 @@ class HttpDispatcher:
     frames_from = "router"
 
     def __init__(self, nc: Any, router_id: str, record_of: Callable[[str], WorkerRecord | None],
-                 metrics: RouterMetrics, drain_timeout: float = 30.0) -> None:
+                 metrics: RouterMetrics, drain_timeout: float) -> None:
         self._nc = nc
         self._router_id = router_id
         self._drain_timeout = drain_timeout  # what the router's own engine calls get to finish when it stops
