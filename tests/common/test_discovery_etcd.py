@@ -319,20 +319,18 @@ async def test_discovery_for_switches_backend_with_the_flag(etcd_server):
 
 async def test_nothing_listening_fails_at_once_naming_the_flag():
     endpoint = f"127.0.0.1:{free_port()}"
-    t0 = time.monotonic()
-    with pytest.raises(EtcdUnavailable, match="--etcd-endpoint"):
+    # refused connections: no retry loop, no wait (a hang would end in pytest-timeout's failure)
+    with pytest.raises(EtcdUnavailable, match=f"etcd at http://{endpoint} is unreachable .*--etcd-endpoint"):
         await EtcdWatcher(endpoint).start()
-    with pytest.raises(EtcdUnavailable, match="--etcd-endpoint"):
+    with pytest.raises(EtcdUnavailable, match=f"etcd at http://{endpoint} is unreachable .*--etcd-endpoint"):
         await EtcdRegistrar(endpoint, _record("a")).start()
-    assert time.monotonic() - t0 < 5
 
 
-async def test_an_endpoint_that_never_answers_fails_in_seconds_naming_the_flag():
+async def test_an_endpoint_that_never_answers_fails_after_the_client_timeout_naming_the_flag():
     with socket.socket() as silent:  # accepts connections (the kernel does) but never replies
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
         endpoint = "127.0.0.1:%d" % silent.getsockname()[1]
-        t0 = time.monotonic()
-        with pytest.raises(EtcdUnavailable, match="--etcd-endpoint"):
+        # the etcd client's own bound (3 s by default), not a hang
+        with pytest.raises(EtcdUnavailable, match="no answer within 3s.*--etcd-endpoint"):
             await EtcdRegistrar(endpoint, _record("a")).start()
-        assert time.monotonic() - t0 < 10

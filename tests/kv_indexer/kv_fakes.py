@@ -87,16 +87,19 @@ class FakeEngine:
             return msgpack.packb({"ts": ts, "events": events, "data_parallel_rank": self.dp_rank})
         return msgpack.packb([ts, events, self.dp_rank] if self.dp_rank is not None else [ts, events])
 
-    def relay(self, *events, seq: int | None = None) -> bytes:
-        """One KvRelay message carrying a batch of ``events`` with the engine's next seq."""
+    def relay(self, *events, seq: int | None = None, ts: float | None = None) -> bytes:
+        """One KvRelay message carrying a batch of ``events`` with the engine's next seq (``ts``: when
+        it was relayed; default now)."""
         self.seq = self.seq + 1 if seq is None else seq
         payload = self.batch(list(events))
         if self.relay_kind == "batch":
-            return encode(KvRelay(worker_id=self.worker_id, seq=self.seq, payload=payload, block_size=self.block_size))
+            relay = KvRelay(worker_id=self.worker_id, seq=self.seq, payload=payload, block_size=self.block_size)
+            return encode(relay if ts is None else relay.model_copy(update={"ts": ts}))
         batch = decode_batch(payload)
         rank = batch.dp_rank if batch.dp_rank is not None else 0
         delta = self._translators.setdefault(rank, BlockTranslator()).apply(batch.events)
-        return encode_sparse(delta_relay(self.worker_id, rank, self.seq, delta, self.block_size))
+        relay = delta_relay(self.worker_id, rank, self.seq, delta, self.block_size)
+        return encode_sparse(relay if ts is None else relay.model_copy(update={"ts": ts}))
 
     @property
     def subject(self) -> str:

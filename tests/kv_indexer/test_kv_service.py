@@ -4,7 +4,6 @@ overlap answers out over NATS request/reply."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -199,8 +198,9 @@ def test_ingest_metrics_reach_prometheus_on_the_tick_and_a_worker_that_left_keep
         service._on_change(Change("join", record(wid)))
     e1, e2 = FakeEngine("w1"), FakeEngine("w2")
     e1.relay_kind = "blocks"  # as the worker-agent relays; e2's go raw
-    service._on_stream_message(e1.subject, e1.relay(e1.stored(tokens(12))))
-    service._on_stream_message(e2.subject, e2.relay(e2.stored(tokens(8))))
+    relayed = {"w1": 1_764_000_000.5, "w2": 1_764_000_002.25}  # when each agent relayed its batch
+    service._on_stream_message(e1.subject, e1.relay(e1.stored(tokens(12)), ts=relayed["w1"]))
+    service._on_stream_message(e2.subject, e2.relay(e2.stored(tokens(8)), ts=relayed["w2"]))
     stored = {"op": "stored"}
     assert registry.get_sample_value("infera_kv_indexer_blocks_applied_total", stored) is None  # not yet
     service._flush_metrics()
@@ -211,7 +211,7 @@ def test_ingest_metrics_reach_prometheus_on_the_tick_and_a_worker_that_left_keep
     # when each worker's latest events were relayed: a worker whose time stops moving has a broken event path
     last = "infera_kv_indexer_worker_last_event_timestamp_seconds"
     for wid in ("w1", "w2"):
-        assert time.time() - 5 < registry.get_sample_value(last, {"worker": wid}) <= time.time()
+        assert registry.get_sample_value(last, {"worker": wid}) == relayed[wid]
     service._on_stream_message(e1.subject, e1.relay(e1.removed(tokens(12), 1)))
     service._on_change(Change("leave", record("w2")))
     service._flush_metrics()

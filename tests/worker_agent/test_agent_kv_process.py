@@ -3,6 +3,7 @@
 import asyncio
 
 import aiohttp
+import nats.js.errors
 import pytest
 from nats.js.api import DeliverPolicy
 
@@ -52,7 +53,7 @@ async def stream_exists(js) -> bool:
     try:
         await js.stream_info(KV_EVENT_STREAM)
         return True
-    except Exception:
+    except nats.js.errors.NotFoundError:  # any other error fails the test
         return False
 
 
