@@ -16,6 +16,7 @@ import pytest
 
 from infera_common.models import BUNDLED_MODEL_NAME
 from tests.e2e.fleet import Fleet, engine_pid, env_with, router_metrics_url, scrape
+from tests.waiting import eventually
 
 CHAT = {"model": BUNDLED_MODEL_NAME, "messages": [{"role": "user", "content": "Tell me about prefill."}],
         "max_tokens": 16}
@@ -51,11 +52,6 @@ def router_leases(fleet) -> float:
     return scrape(router_metrics_url(fleet)).get("infera_router_active_leases", 0.0)
 
 
-async def eventually(check, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.1)
 
 
 def test_workers_list_the_two_roles_with_their_protocol(pd_fleet):

@@ -29,6 +29,7 @@ from infera_common.schemas import (
     encode,
 )
 from infera_frontend.service import Frontend
+from tests.waiting import eventually
 
 MODEL = "SmolLM2-135M-Instruct"
 WORKER = "w1"
@@ -136,12 +137,7 @@ def worker_record(worker_id: str = WORKER, model: str = MODEL, status=WorkerStat
                         advertise_host="127.0.0.1", status=status, ttl=6.0, context_length=context_length)
 
 
-async def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        await asyncio.sleep(0.01)
+wait_until = eventually
 
 
 def url(fe: Frontend, path: str) -> str:

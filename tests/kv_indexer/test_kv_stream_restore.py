@@ -9,6 +9,7 @@ import asyncio
 from infera_common.kv_index.stream import StreamFollower
 from infera_common.nats_conn import connect
 from infera_common.subjects import KV_EVENT_STREAM, kv_event_subject
+from tests.waiting import eventually
 
 
 class Flag:
@@ -16,12 +17,7 @@ class Flag:
         self.value = value
 
 
-async def _until(cond, timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    assert cond()
+_until = eventually
 
 
 async def _replayed(nats_server: str) -> tuple:

@@ -19,22 +19,9 @@ from infera.procs import free_port, stop_process, wait_port
 from infera_common.kv_wire import END_SEQ, decode_seq, encode_seq
 from infera_common.schemas import OverlapQuery, OverlapReply, WorkerRecord, WorkerStatus, decode, encode
 from infera_common.subjects import KV_QUERY
+from tests.waiting import eventually
 
 MODEL = "smol"
-
-
-async def eventually(check, timeout: float = 20.0, every: float = 0.05):
-    """Poll ``check()`` (sync or async) until it returns something truthy; fail with its last value."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        value = check()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s; last value {value!r}")
-        await asyncio.sleep(every)
 
 
 def zmq_record(worker_id: str, endpoint: str, replay: str = "", *, block_size: int = 16, started_at: float = 1.0,
@@ -87,7 +74,7 @@ class MockEngineProc:
             except aiohttp.ClientError:
                 return False
 
-        await eventually(healthy)
+        await eventually(healthy, timeout=20.0)
 
     async def complete(self, prompt: list[int]) -> None:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-import time
-from collections.abc import Awaitable, Callable
 
 import aiohttp
 import pytest
 
 from infera_mock_engine.main import parse_args
 from infera_mock_engine.server import RunningServer, start_server
+from tests.waiting import eventually
 
 
 class EngineClient:
@@ -66,14 +64,7 @@ def metric_value(text: str, name: str) -> float:
     return float(m.group(1))
 
 
-async def wait_until(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if await check():
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        await asyncio.sleep(0.02)
+wait_until = eventually
 
 
 @pytest.fixture

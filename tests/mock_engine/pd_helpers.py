@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -18,6 +17,7 @@ from pathlib import Path
 import aiohttp
 
 from infera.procs import free_port, stop_process
+from tests.waiting import eventually
 
 MODEL = str(Path(__file__).resolve().parents[2] / "libs" / "infera_common" / "models" / "SmolLM2-135M-Instruct")
 CHAT = [{"role": "user", "content": "1+1=?"}]  # 35 prompt tokens with the bundled chat template
@@ -94,13 +94,7 @@ async def disagg(session: aiohttp.ClientSession, url: str) -> dict:
     return (await server_info(session, url))["disaggregation"]
 
 
-async def wait_for(check, timeout: float = 10.0, every: float = 0.02) -> None:
-    """Poll `await check()` until truthy (an integration bound, not a timing assertion)."""
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        await asyncio.sleep(every)
+wait_for = eventually
 
 
 async def post_json(session: aiohttp.ClientSession, url: str, body: dict,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import msgpack
 import nats.errors
@@ -22,14 +21,9 @@ from infera_router.service import RouterService
 from infera_router.settings import RouterSettings
 
 from router_helpers import record, route_request
+from tests.waiting import eventually
 
 
-async def eventually(check, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 class Bench:

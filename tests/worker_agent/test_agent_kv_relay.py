@@ -13,6 +13,7 @@ from infera_worker_agent.kv_follow import KvFollower
 from infera_worker_agent.kv_relay import KvRelayer
 from infera_worker_agent.metrics import AgentMetrics
 from tests.kv_indexer.zmq_helpers import FakePublisher as ZmqFakePublisher
+from tests.waiting import eventually
 
 
 def tokens(seq: int) -> list[int]:
@@ -40,14 +41,7 @@ class FakePublisher(ZmqFakePublisher):
         await self.send(seq, batch(seq), skip=skip)
 
 
-async def wait_for(predicate, timeout: float = 10.0) -> bool:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while loop.time() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.02)
-    return predicate()
+wait_for = eventually
 
 
 async def start_relay(pub: FakePublisher, publish=None):

@@ -20,17 +20,11 @@ from infera_common.subjects import cancel_subject, load_subject, request_stream,
 from infera_worker_agent.load import parse_engine_metrics
 
 from .agent_proc import AgentProc, alive, group_members
+from tests.waiting import eventually
 
 ROUTER = "router-test"
 
 
-async def eventually(predicate, timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(interval)
-    return predicate()
 
 
 class Client:
