@@ -57,6 +57,7 @@ class FrameSink:
         self.closed = False  # an end, error or final head frame was sent
         self.data_sent = False  # a data frame was sent: the client may have bytes of the answer
         self.last_sent = time.monotonic()  # when a frame (alive ones included) last went out
+        self.unreached = False  # it ended with an error saying the engine was never reached
         self._kept: deque[bytes] | None = deque(maxlen=keep) if keep else None
 
     def kept_from(self, seq: int) -> list[bytes] | None:
@@ -76,9 +77,9 @@ class FrameSink:
 
     async def send(
         self, kind: FrameKind, *, status: int = 200, body: bytes = b"", message: str = "", final: bool = False,
-        failed_worker: str = "",
+        failed_worker: str = "", unreached: bool = False,
     ) -> None:
-        data = encode_frame(kind, self.seq, status, body, message, final, failed_worker)
+        data = encode_frame(kind, self.seq, status, body, message, final, failed_worker, unreached)
         self.seq += 1
         if self._kept is not None:
             self._kept.append(data)
@@ -92,8 +93,10 @@ class FrameSink:
             first, self._on_first_data = self._on_first_data, None
             await first()
 
-    async def error(self, status: int, message: str, failed_worker: str = "") -> None:
-        await self.send("error", status=status, message=message, failed_worker=failed_worker)
+    async def error(self, status: int, message: str, failed_worker: str = "", unreached: bool = False) -> None:
+        """End the answer with an error; ``unreached``: the engine never got the request (nothing ran)."""
+        self.unreached = unreached
+        await self.send("error", status=status, message=message, failed_worker=failed_worker, unreached=unreached)
 
     @property
     def answer_begun(self) -> bool:
@@ -136,10 +139,14 @@ class Relay:
                 return "expired"
             await sink.error(502, f"engine timed out: {exc or type(exc).__name__}")
             return "error"
+        except aiohttp.ClientConnectorError as exc:  # no connection: the request never left this process
+            await sink.error(502, f"the engine could not be reached (the engine may have stopped): "
+                                  f"{type(exc).__name__}", unreached=True)
+            return "error"
         except (aiohttp.ClientError, OSError) as exc:
             # aiohttp's own text names transfer details ("TransferEncodingError: 400, ...") that read
             # as the client's fault: say what happened, and keep its class for the logs' sake
-            what = "the engine's connection broke mid-answer" if sink.seq else "the engine could not be reached"
+            what = "the engine's connection broke mid-answer" if sink.seq else "the engine's connection broke"
             await sink.error(502, f"{what} (the engine may have stopped): {type(exc).__name__}")
             return "error"
 

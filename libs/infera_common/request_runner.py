@@ -322,7 +322,7 @@ class RequestRunner:
         # One turn of the loop lets the client's flusher send the last frame on its own: batched
         # with the ack, the broker would forward it only after doing the ack's stream work.
         await asyncio.sleep(0)
-        await self._finish(entry.worker_id, entry.envelope, entry.on_done, outcome)
+        await self._finish(entry.worker_id, entry.envelope, entry.on_done, outcome, unreachable=entry.sink.unreached)
 
     async def _relay_once(self, entry: InFlight) -> Outcome:
         """Relay the request to the engine; never raises (except for the runner's own teardown).
@@ -390,12 +390,14 @@ class RequestRunner:
         await quietly(self._publish(router_prefilled_subject(env.router_id), encode(note)),
                        "prefilled", env.request_id)
 
-    async def _finish(self, worker_id: str, env: WorkEnvelope, on_done: Done | None, outcome: Outcome) -> None:
-        """Exactly once per envelope: ``on_done`` (the agent's ack), count it, release its lease."""
+    async def _finish(self, worker_id: str, env: WorkEnvelope, on_done: Done | None, outcome: Outcome,
+                      unreachable: bool = False) -> None:
+        """Exactly once per envelope: ``on_done`` (the agent's ack), count it, release its lease
+        (``unreachable``: the engine refused the connection, which its router's breaker acts on at once)."""
         if on_done is not None:
             await quietly(on_done(), "ack", env.request_id)
         self._hooks.finished(outcome)
-        release = Release(lease_id=env.lease_id, worker_id=worker_id, outcome=outcome)
+        release = Release(lease_id=env.lease_id, worker_id=worker_id, outcome=outcome, unreachable=unreachable)
         await quietly(self._publish(router_release_subject(env.router_id), encode(release)),
                        "release", env.request_id)
 

@@ -141,6 +141,10 @@ class LoadReport(_Msg):
     model: str = ""
     discovery_backend: DiscoveryBackend | None = None
     etcd_endpoint: str = ""  # with discovery_backend etcd: the --etcd-endpoint the worker registered at
+    #: the most seconds until this worker's next report (its --load-interval plus the engine scrape's
+    #: timeout; ``None``: not said, an older agent): a router asks a worker whose report is overdue
+    #: whether its agent is still on the bus (router ``off_bus.py``)
+    report_within: float | None = None
 
 
 #: The header a client sends its session id in, to opt in to session affinity (HTTP, or a NATS
@@ -269,6 +273,9 @@ class Frame(_Msg):
     #: on an error: the worker whose failure ended the request when it is not the sender (the
     #: prefill worker of a disaggregated pair, whose decode leg was stopped): a retry avoids it
     failed_worker: str = ""
+    #: on an error: the engine was never reached (its connection refused): nothing of the request
+    #: ran, so trying another worker cannot run it twice
+    unreached: bool = False
 
 
 class Release(_Msg):
@@ -277,6 +284,9 @@ class Release(_Msg):
     lease_id: str
     worker_id: str
     outcome: Literal["ok", "error", "cancelled", "expired"]
+    #: with outcome "error": the engine refused the connection (not listening: stopped, crashed,
+    #: restarting), which the router's breaker takes at once rather than after several faults
+    unreachable: bool = False
 
 
 class Prefilled(_Msg):
@@ -447,11 +457,13 @@ def _holds_model(annotation: object) -> bool:
     return any(_holds_model(arg) for arg in get_args(annotation))
 
 
-class FrameWire(msgspec.Struct, gc=False):
+class FrameWire(msgspec.Struct, gc=False, omit_defaults=True):
     """``Frame`` as the hot path reads and writes it: one per streamed token, through the worker-agent
-    and the frontend. The same fields in the same order, so the same bytes as ``encode(Frame(...))``;
-    msgspec encodes one in ~0.2 µs and decodes and type-checks one in ~0.3 µs, against ~1.4 µs and
-    ~6 µs through msgpack and pydantic (a third of the frontend's own work per streamed token)."""
+    and the frontend. The same fields in the same order as ``Frame``, fields at their defaults left
+    out (a data frame carries ``kind``, ``seq`` and ``body`` alone; any reader, this one or
+    ``decode(Frame, ...)``, fills in the rest); msgspec encodes one in ~0.2 µs and decodes and
+    type-checks one in ~0.3 µs, against ~1.4 µs and ~6 µs through msgpack and pydantic (a third of the
+    frontend's own work per streamed token)."""
 
     kind: FrameKind
     seq: int = 0
@@ -460,6 +472,7 @@ class FrameWire(msgspec.Struct, gc=False):
     message: str = ""
     final: bool = False
     failed_worker: str = ""
+    unreached: bool = False
 
 
 _encode_frame = msgspec.msgpack.Encoder().encode
@@ -467,9 +480,9 @@ _decode_frame = msgspec.msgpack.Decoder(FrameWire).decode
 
 
 def encode_frame(kind: FrameKind, seq: int, status: int = 200, body: bytes = b"", message: str = "",
-                 final: bool = False, failed_worker: str = "") -> bytes:
-    """``encode(Frame(...))`` without building the model: the same bytes."""
-    return _encode_frame(FrameWire(kind, seq, status, body, message, final, failed_worker))
+                 final: bool = False, failed_worker: str = "", unreached: bool = False) -> bytes:
+    """A ``Frame`` without building the model: what ``decode(Frame, ...)`` reads back as the same frame."""
+    return _encode_frame(FrameWire(kind, seq, status, body, message, final, failed_worker, unreached))
 
 
 def decode_frame(data: bytes) -> FrameWire:
@@ -481,7 +494,7 @@ def decode_frame(data: bytes) -> FrameWire:
         pass
     frame = decode(Frame, data)
     return FrameWire(frame.kind, frame.seq, frame.status, frame.body, frame.message, frame.final,
-                     frame.failed_worker)
+                     frame.failed_worker, frame.unreached)
 
 
 def decode(cls: type[M], data: bytes) -> M:

@@ -35,5 +35,5 @@ def route_request(model: str = "m", request_id: str = "r", prompt_tokens: int = 
                         tokens=None if token_ids is None else pack_tokens(token_ids), **kw)
 
 
-def load(wid: str, in_flight: int = 0, waiting: int = 0, kv: float = 0.0) -> LoadReport:
-    return LoadReport(worker_id=wid, in_flight=in_flight, engine_waiting=waiting, kv_usage=kv)
+def load(wid: str, in_flight: int = 0, waiting: int = 0, kv: float = 0.0, **fields) -> LoadReport:
+    return LoadReport(worker_id=wid, in_flight=in_flight, engine_waiting=waiting, kv_usage=kv, **fields)

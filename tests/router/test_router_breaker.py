@@ -26,6 +26,16 @@ def test_threshold_consecutive_faults_open_the_worker():
     assert b.snapshot(0.0)["w1"].trips == 1
 
 
+def test_an_engine_that_refused_the_connection_opens_its_breaker_at_once():
+    b = CircuitBreaker()
+    faults(b, "w1", 1)  # one ordinary fault already counted, or none: the same
+    assert b.record(b.begin("w2", 0.0), Outcome.UNREACHABLE, 0.0) is Transition.TRIPPED
+    assert b.state("w2", 0.0) is BreakerState.OPEN and b.state("w1", 0.0) is BreakerState.CLOSED
+    # its half-open probe refused again: open again, for twice as long
+    assert b.record(b.begin("w2", 5.0), Outcome.UNREACHABLE, 5.0) is Transition.REOPENED
+    assert b.state("w2", 14.9) is BreakerState.OPEN and b.state("w2", 15.0) is BreakerState.HALF_OPEN
+
+
 def test_success_resets_the_consecutive_count():
     b = CircuitBreaker()
     faults(b, "w1", 2)

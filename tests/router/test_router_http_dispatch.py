@@ -131,12 +131,20 @@ async def test_unreachable_engine_is_a_502_error_frame_and_a_failed_release(rig)
     from infera.procs import free_port
 
     await rig.worker("dead", url=f"http://127.0.0.1:{free_port()}")
+    await rig.worker("w1")
     reply, sub = await rig.send("q7", {"mode": "json"}, stream=False)
-    assert reply.status == 200
+    assert reply.status == 200 and reply.worker_id == "dead"  # round-robin, in the order they joined
     frames = await rig.frames(sub)
-    assert frames[-1].kind == "error" and frames[-1].status == 502
+    # nothing of the request ran: the frontend may try it elsewhere without spending a retry
+    assert frames[-1].kind == "error" and frames[-1].status == 502 and frames[-1].unreached
     await eventually(lambda: rig.metric("infera_router_lease_releases_total", outcome="error") == 1)
     assert rig.router.core.leases.count("dead") == 0
+    # a refused connection opens its breaker at once (not after three faults): the next requests go to w1
+    await eventually(lambda: rig.metric("infera_router_breaker_trips_total", worker="dead") == 1)
+    for rid in ("q8", "q9", "q10"):
+        reply, sub = await rig.send(rid, {"mode": "json"}, stream=False)
+        assert reply.worker_id == "w1"
+        assert (await rig.frames(sub))[-1].status == 200
 
 
 async def test_a_worker_turning_unhealthy_hands_back_its_unanswered_calls(rig):

@@ -316,6 +316,66 @@ async def test_least_loaded_follows_leases_and_load_reports(bench):
     assert [(await bench.route()).worker_id for _ in range(3)] == ["a", "a", "a"]
 
 
+async def test_a_worker_whose_agent_left_the_bus_is_routed_around_until_it_reports_again(bench):
+    """A SIGKILLed agent's entry stays in discovery for its TTL, and the broker still accepts work for
+    its queue: once its load report is overdue and NATS has no responder for it, no request goes there."""
+    from infera_common.schemas import FramesQuery, FramesSent
+    from infera_common.subjects import frames_query_subject
+
+    await bench.worker("a")
+    await bench.worker("b")
+
+    async def alive(msg):  # a's agent answers; b's holds no subscription any more (killed)
+        decode(FramesQuery, msg.data)
+        await msg.respond(encode(FramesSent(sent={})))
+
+    await bench.nc.subscribe(frames_query_subject("a"), cb=alive)
+
+    async def report(*wids):
+        for wid in wids:
+            await bench.nc.publish(load_subject(wid), encode(LoadReport(worker_id=wid, in_flight=0, report_within=0.2)))
+        await bench.nc.flush()
+
+    await report("a", "b")
+    await eventually(lambda: all(bench.router.core.fleet.get(w).reported_at for w in "ab"))
+    assert sorted([(await bench.route()).worker_id for _ in range(4)]) == ["a", "a", "b", "b"]
+    for _ in range(8):  # a keeps reporting, b has stopped
+        await report("a")
+        await asyncio.sleep(0.1)
+    await eventually(lambda: bench.metric("infera_router_workers_off_bus_total") == 1)
+    assert [(await bench.route()).worker_id for _ in range(4)] == ["a"] * 4  # round-robin would alternate
+    await report("b")  # back: its agent reports again
+    await eventually(lambda: not bench.router.core.fleet.get("b").off_bus)
+    assert sorted([(await bench.route()).worker_id for _ in range(4)]) == ["a", "a", "b", "b"]
+
+
+async def test_the_queue_of_a_worker_that_left_without_deleting_it_is_deleted_after_its_grace(bench):
+    """A killed agent leaves its work-queue stream behind; the router deletes it one TTL after the
+    worker left, unless an agent still reads it."""
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    for wid in ("dead", "alive"):
+        await bench.worker(wid, ttl=1.0)
+    deliver = bench.nc.new_inbox()  # "alive"'s agent: its consumer has a subscriber bound
+    await bench.nc.subscribe(deliver)
+    await bench.js.add_consumer(request_stream("alive"), config=ConsumerConfig(
+        durable_name=work_consumer("alive"), deliver_subject=deliver, ack_policy=AckPolicy.EXPLICIT))
+    await bench.js.add_consumer(request_stream("dead"), config=ConsumerConfig(  # nobody reads this one
+        durable_name=work_consumer("dead"), deliver_subject="nobody.listens", ack_policy=AckPolicy.EXPLICIT))
+    for wid in ("dead", "alive"):  # both leave discovery
+        await bench.registrars.pop(wid).stop()
+    await eventually(lambda: bench.metric("infera_router_queues_deleted_total") == 1, timeout=10)
+    await asyncio.sleep(0.5)  # both were looked at together: "alive"'s is kept
+    assert bench.metric("infera_router_queues_deleted_total") == 1
+    streams = {name async for name in _stream_names(bench.js)}
+    assert request_stream("dead") not in streams and request_stream("alive") in streams
+
+
+async def _stream_names(js):
+    for info in await js.streams_info():
+        yield info.config.name
+
+
 async def test_concurrent_requests_all_answered_and_accounted(bench):
     await bench.worker("a", max_pending=25)
     await bench.worker("b", max_pending=25)

@@ -52,7 +52,7 @@ def frame_error(frame: FrameWire) -> ApiError:
     """The client's error for a worker-agent ``error`` frame (retryable for 502/503/504)."""
     status = frame.status if 400 <= frame.status < 600 else 502
     message = frame.message or f"upstream error (status {frame.status})"
-    reason = worker_error_reason(status)
+    reason = worker_error_reason(status, frame.unreached)
     if reason is not None:
         return RetryableError(status, message, reason=reason, failed_worker=frame.failed_worker)
     return ApiError(status, message)

@@ -5,7 +5,11 @@ no NATS reply), and only for failures another worker may not have:
 
 - an ``error`` frame from the worker-agent with status 502 (engine unreachable, connection lost or
   timed out, engine exited), 503 (worker draining, stopping, or its engine gone) or 504 (deadline
-  passed before or while the engine answered): reason ``worker_<status>``;
+  passed before or while the engine answered): reason ``worker_<status>``; one whose engine refused
+  the connection (``Frame.unreached``: nothing of the request ran anywhere) is reason
+  ``worker_unreachable`` and does not spend ``--request-max-retries``: up to ``UNREACHED_RETRIES``
+  such attempts are tried again besides (a mass loss of workers: each retry may meet another engine
+  that is gone but still listed until its discovery entry ages out);
 - an engine answer (a ``head``) with status 429 (engine overloaded), 502, 503 or 504: reason
   ``engine_<status>``;
 - no frame within ``--upstream-timeout`` before the first token: reason ``upstream_timeout`` (the
@@ -35,6 +39,10 @@ RETRYABLE_WORKER_STATUSES = frozenset({502, 503, 504})
 RETRYABLE_ENGINE_STATUSES = frozenset({429, 502, 503, 504})
 
 UPSTREAM_TIMEOUT = "upstream_timeout"
+UNREACHABLE = "worker_unreachable"  # the engine refused the connection: the request never ran
+#: Attempts of one request whose engine was never reached that are tried again on other workers,
+#: besides --request-max-retries (they cost no engine work; the router's breaker takes the worker out).
+UNREACHED_RETRIES = 3
 NO_ROUTER = "no_router"
 FRAMES_LOST = "frames_lost"
 SENDER_GONE = "sender_gone"  # the process sending the request's frames left the bus (sender_watch.py)
@@ -52,9 +60,11 @@ class RetryableError(ApiError):
         self.failed_worker = failed_worker
 
 
-def worker_error_reason(status: int) -> str | None:
+def worker_error_reason(status: int, unreached: bool = False) -> str | None:
     """The retry reason of a worker-agent ``error`` frame, or None when it is final."""
-    return f"worker_{status}" if status in RETRYABLE_WORKER_STATUSES else None
+    if status not in RETRYABLE_WORKER_STATUSES:
+        return None
+    return UNREACHABLE if unreached else f"worker_{status}"
 
 
 def engine_status_reason(status: int) -> str | None:
@@ -69,11 +79,12 @@ def retry_reason(err: ApiError) -> str | None:
 class Attempts:
     """The attempts of one request: the workers tried, and whether one more attempt may follow."""
 
-    __slots__ = ("max_retries", "retries", "tried")
+    __slots__ = ("max_retries", "retries", "tried", "unreached")
 
     def __init__(self, max_retries: int) -> None:
         self.max_retries = max_retries
         self.retries = 0
+        self.unreached = 0  # retries of attempts whose engine was never reached (their own budget)
         self.tried: list[str] = []
 
     def tried_on(self, worker_id: str) -> None:
@@ -90,6 +101,9 @@ class Attempts:
 
     def retry(self, reason: str | None) -> bool:
         """True (and one retry spent) when a failure with ``reason`` gets another attempt."""
+        if reason == UNREACHABLE and self.unreached < UNREACHED_RETRIES:
+            self.unreached += 1
+            return True
         if reason is None or self.retries >= self.max_retries:
             return False
         self.retries += 1

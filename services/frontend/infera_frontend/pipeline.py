@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable
 
 from infera_common.logs import get_logger
+from infera_common.nats_conn import RepeatedErrors
 from infera_common.schemas import Endpoint
 from infera_common.tokenizer import ChatTokenizer
 
@@ -27,6 +28,8 @@ from infera_frontend.relay import Relay
 from infera_frontend.validation import ApiError, Parsed, parse_body, request_ids
 
 log = get_logger("frontend.pipeline")
+#: Seconds between two ``request_failed_upstream`` lines of one status (an outage fails every request).
+FAILURES_LOG_EVERY = 10.0
 
 
 def new_request_id() -> str:
@@ -46,6 +49,7 @@ class Pipeline:
         self.max_retries = max_retries
         self.max_sequences = max_sequences
         self._threads = asyncio.Semaphore(tokenize_threads)  # long prompts tokenized at once (memory)
+        self._failures = RepeatedErrors(FAILURES_LOG_EVERY)  # request_failed_upstream lines, per status
 
     @staticmethod
     def request_ids(header: str | None) -> tuple[str, str]:
@@ -113,6 +117,7 @@ class Pipeline:
             except ApiError as err:
                 if failed is not None:
                     log.info("retry_not_placed", request_id=request_id, status=err.status, error=err.message)
+                    self._gave_up(request_id, attempts, failed)
                     return _stand(failed)
                 if attempts.retry(retry_reason(err)):
                     self._retrying(request_id, None, err.status, retry_reason(err))
@@ -130,6 +135,7 @@ class Pipeline:
                     self._retrying(request_id, ex.worker_id, err.status, reason)
                     failed = err
                     continue
+                self._gave_up(request_id, attempts, err)
                 raise
             except asyncio.CancelledError:  # the client left (or the frontend stops) while the attempt runs
                 ex.cancel(cancel_reason() if callable(cancel_reason) else cancel_reason)
@@ -145,7 +151,21 @@ class Pipeline:
                 self._retrying(request_id, ex.worker_id, status, reason)
                 failed = ex
                 continue
+            if answer is not None:
+                self._gave_up(request_id, attempts, ex)
             return ex
+
+    def _gave_up(self, request_id: str, attempts: Attempts, failed: ApiError | Exchange) -> None:
+        """The client gets a worker-side failure (no attempt left): a warning, the first of each status
+        at once and then one every ``FAILURES_LOG_EVERY`` seconds with the count held back."""
+        status = failed.status
+        if status < 500:
+            return
+        held = self._failures.let_through(str(status), time.monotonic())
+        if held is not None:
+            error = failed.message if isinstance(failed, ApiError) else "the engine answered with an error"
+            log.warning("request_failed_upstream", request_id=request_id, status=status, error=error,
+                        workers=list(attempts.tried), **({"repeated": held} if held else {}))
 
     def _retrying(self, request_id: str, worker_id: str | None, status: int, reason: str | None) -> None:
         self.metrics.retries.labels(reason).inc()

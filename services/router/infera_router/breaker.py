@@ -3,7 +3,9 @@
 Breaker states per worker key (any hashable: a worker id, or ``(worker_id, dp_rank)``):
 
 ``closed``
-    normal. ``failure_threshold`` consecutive faults open it; a success resets the count.
+    normal. ``failure_threshold`` consecutive faults open it; a success resets the count. An
+    ``unreachable`` outcome (the engine refused the connection: nothing listens there) opens it at
+    once.
 ``open``
     excluded from routing for the current cooldown (``cooldown_s`` at the first trip).
 ``half_open``
@@ -50,6 +52,7 @@ class Outcome(StrEnum):
 
     SUCCESS = "success"  # the worker served it: resets the fault count, closes a half-open breaker
     FAULT = "fault"  # the worker failed: counts towards opening the breaker
+    UNREACHABLE = "unreachable"  # a fault that needs no second: its engine refused the connection
     NEUTRAL = "neutral"  # says nothing about the worker (4xx, 429, client cancel)
 
 
@@ -161,16 +164,17 @@ class CircuitBreaker(Generic[K]):
         outcome = Outcome(outcome)
         key = ticket.key
         w = self._workers.get(key)
+        fault = outcome is Outcome.FAULT or outcome is Outcome.UNREACHABLE
         if w is None:
-            if outcome is not Outcome.FAULT:
+            if not fault:
                 return None
             w = self._workers[key] = _Worker(cooldown=self.cooldown_s)
         if not w.open:
             if outcome is Outcome.SUCCESS:
                 w.faults = 0
-            elif outcome is Outcome.FAULT:
+            elif fault:
                 w.faults += 1
-                if w.faults >= self.failure_threshold:
+                if w.faults >= self.failure_threshold or outcome is Outcome.UNREACHABLE:
                     self._open(w, self.cooldown_s, now)
                     return Transition.TRIPPED
             return None
@@ -180,7 +184,7 @@ class CircuitBreaker(Generic[K]):
         if outcome is Outcome.SUCCESS:
             w.open, w.faults, w.cooldown = False, 0, self.cooldown_s
             return Transition.CLOSED
-        if outcome is Outcome.FAULT:
+        if fault:
             self._open(w, min(w.cooldown * 2, self.max_cooldown_s), now)
             return Transition.REOPENED
         return None

@@ -26,7 +26,16 @@ from infera_router.state import FleetState, WorkerState
 
 #: How a Release outcome counts for the worker's circuit breaker: only worker/engine failures are
 #: faults (the agent reports 4xx and 429 answers as ``ok``); cancelled, expired or refused is neutral.
+#: An ``error`` whose engine refused the connection (``Release.unreachable``) trips it at once.
 BREAKER_OUTCOMES = {"ok": BreakerOutcome.SUCCESS, "error": BreakerOutcome.FAULT}
+#: A load report this many times later than its worker said: ask its agent whether it is on the bus.
+OVERDUE_FACTOR = 1.5
+
+
+def breaker_outcome(outcome: str | None, unreachable: bool = False) -> BreakerOutcome:
+    if unreachable and outcome == "error":
+        return BreakerOutcome.UNREACHABLE
+    return BREAKER_OUTCOMES.get(outcome, BreakerOutcome.NEUTRAL)  # type: ignore[arg-type]
 
 
 @dataclass(slots=True)
@@ -75,6 +84,7 @@ class RouterCore:
         self.inflight = InflightBlocks()
         self.lease_max_age = lease_max_age
         self._departed: dict[str, Departed] = {}
+        self.back_on_bus: list[str] = []  # workers that reported again after leaving the bus (drained by the adapter)
 
     # --- routing -------------------------------------------------------------------------
     def candidates(self, request: RouteRequest) -> Plan:
@@ -102,6 +112,9 @@ class RouterCore:
                                  f"--request-transport {self.request_transport}: give the workers and the "
                                  "router (or infera.server) the same --request-transport")
             active = reachable
+        on_bus = [w for w in active if not w.off_bus]
+        if on_bus:  # workers whose agent left the bus sit out, unless they are all there is
+            active = on_bus
         if request.exclude:
             excluded = set(request.exclude)
             remaining = [w for w in active if w.base_id not in excluded]
@@ -250,15 +263,17 @@ class RouterCore:
             counted.decode_tokens += lease.decode_tokens
         return lease
 
-    def release(self, lease_id: str, outcome: str | None = None, now: float | None = None) -> Lease | None:
+    def release(self, lease_id: str, outcome: str | None = None, now: float | None = None,
+                unreachable: bool = False) -> Lease | None:
         """Drop one lease (released by the agent with ``outcome``, or its publish was refused); None if
         unknown. An ``error`` outcome also invalidates the session binding the lease carried; an ``ok``
-        one keeps its prompt's blocks counted as cached on the worker a moment more (``inflight_blocks``)."""
+        one keeps its prompt's blocks counted as cached on the worker a moment more (``inflight_blocks``).
+        ``unreachable``: the worker's engine refused the connection (its breaker opens at once)."""
         if now is not None:
             self.clock = max(self.clock, now)
         lease = self.leases.release(lease_id)
         if lease is not None:
-            self._unaccount(lease, outcome)
+            self._unaccount(lease, outcome, unreachable)
         return lease
 
     def discard(self, plan: Plan) -> None:
@@ -274,10 +289,10 @@ class RouterCore:
             self._unaccount(lease)
         return dropped
 
-    def _unaccount(self, lease: Lease, outcome: str | None = None) -> None:
+    def _unaccount(self, lease: Lease, outcome: str | None = None, unreachable: bool = False) -> None:
         self.sessions.end(lease, outcome, self.clock)
         if lease.ticket is not None:
-            change = self.breaker.record(lease.ticket, BREAKER_OUTCOMES.get(outcome, BreakerOutcome.NEUTRAL), self.clock)
+            change = self.breaker.record(lease.ticket, breaker_outcome(outcome, unreachable), self.clock)
             lease.ticket = None
             if change is not None:
                 self.transitions.append((lease.worker_id, change))
@@ -344,6 +359,29 @@ class RouterCore:
         self._forget(worker_id, departed.targets)
         return dropped
 
+    def overdue(self, now: float) -> list[tuple[str, float]]:
+        """The workers on the NATS request plane whose load report is ``OVERDUE_FACTOR`` times later
+        than they said, not asked about within that time: (worker id, when it last reported)."""
+        self.clock = max(self.clock, now)
+        late = []
+        for w in self.fleet.workers():
+            within, at = w.report_within, w.reported_at
+            if (within is None or at is None or w.off_bus or w.record.request_transport != "nats"
+                    or now - at <= OVERDUE_FACTOR * within or now - w.probed_at <= within):
+                continue
+            w.probed_at = now
+            late.append((w.base_id, at))
+        return late
+
+    def mark_off_bus(self, worker_id: str, reported_at: float) -> bool:
+        """NATS had no responder for the worker's agent: leave it out of routing (unless every
+        candidate is) until it reports again. False when it reported meanwhile, or left."""
+        w = self.fleet.get(worker_id)
+        if w is None or w.reported_at != reported_at or w.off_bus:
+            return False
+        w.off_bus = True
+        return True
+
     def departed(self, worker_id: str) -> bool:
         return worker_id in self._departed
 
@@ -352,10 +390,16 @@ class RouterCore:
             self.inflight.drop_worker(target)
         self.breaker.forget(worker_id)
 
-    def apply_load(self, report: LoadReport) -> bool:
-        """Keep a worker's load report; from an agent that splits its count by router, the requests of
-        the other routers are exact (this router's own are its leases, always up to date)."""
-        if not self.fleet.set_load(report):
+    def apply_load(self, report: LoadReport, now: float | None = None) -> bool:
+        """Keep a worker's load report (received at monotonic ``now``); from an agent that splits its
+        count by router, the requests of the other routers are exact (this router's own are its
+        leases, always up to date). A report brings a worker that left the bus back into routing."""
+        if now is not None:
+            self.clock = max(self.clock, now)
+        worker = self.fleet.get(report.worker_id)
+        if worker is not None and worker.off_bus:
+            self.back_on_bus.append(report.worker_id)
+        if not self.fleet.set_load(report, self.clock):
             return False
         worker = self.fleet.get(report.worker_id)
         if worker is None:

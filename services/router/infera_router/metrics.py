@@ -73,6 +73,15 @@ class RouterMetrics:
             "Legs the router stopped because the other leg failed, the client left or a worker vanished.",
             registry=r,
         )
+        self.workers_off_bus = Counter(
+            "infera_router_workers_off_bus", "Times a worker whose load report was overdue was found to have left "
+            "the bus (NATS: no responder for its agent) and was taken out of routing until it reports again.",
+            registry=r,
+        )
+        self.queues_deleted = Counter(
+            "infera_router_queues_deleted", "Work-queue streams of workers that left discovery without deleting "
+            "them (killed agents), deleted one discovery TTL later when nothing read them.", registry=r,
+        )
         self.bad_messages = Counter(
             "infera_router_bad_messages", "Messages that could not be decoded, by kind (route, release, prefilled, load).",
             ["kind"], registry=r,

@@ -42,6 +42,8 @@ from infera_router.kv_client import KvClient
 from infera_router.kv_local import LocalKvIndex
 from infera_router.leases import Lease
 from infera_router.metrics import RouterMetrics
+from infera_router.off_bus import OffBusWatch
+from infera_router.queue_reaper import QueueReaper
 from infera_router.pd_flow import PdFlow
 from infera_router.planes import plane_mismatches
 from infera_router.pd_pairs import PdPairs
@@ -96,6 +98,8 @@ class RouterService(RoutePath):
         self._route_sub: Subscription | None = None
         self._dispatcher: Dispatcher | None = None
         self._sweeper: asyncio.Task | None = None
+        self._off_bus: OffBusWatch | None = None
+        self._reaper: QueueReaper | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -133,6 +137,11 @@ class RouterService(RoutePath):
         self._route_sub = await self.nc.subscribe(ROUTER_ROUTE, queue=ROUTER_QUEUE, cb=self._on_route)
         await flush_all(self.nc)  # the broker knows the subscriptions before we say we serve
         self._sweeper = asyncio.create_task(self._sweep(), name="lease-sweeper")
+        self._off_bus = OffBusWatch(self.nc, self.core, self.metrics)
+        self._off_bus.start()
+        if self.settings.request_transport == "nats":
+            self._reaper = QueueReaper(self.nc, lambda wid: self.core.fleet.get(wid) is not None,
+                                       self.metrics.queues_deleted.inc)
         log.info(
             "router_serving", router_id=self.router_id, policy=self.settings.router_policy,
             kv_index=("local" if self._local_kv is not None else "remote") if self._needs_kv() else None,
@@ -158,6 +167,12 @@ class RouterService(RoutePath):
         if self._local_kv is not None:
             await self._local_kv.stop()
         sweeper, self._sweeper = self._sweeper, None
+        if self._off_bus is not None:
+            await self._off_bus.stop()
+            self._off_bus = None
+        if self._reaper is not None:
+            await self._reaper.stop()
+            self._reaper = None
         await stop_tasks(sweeper)
         if self._watcher is not None:
             await self._watcher.stop()
@@ -197,6 +212,8 @@ class RouterService(RoutePath):
             self.metrics.forget_worker(record.worker_id)
             if self._dispatcher is not None:
                 self._spawn(self._dispatcher.worker_left(record.worker_id, []))
+            if self._reaper is not None and record.request_transport == "nats":
+                self._reaper.left(record.worker_id, record.ttl)
             kept = self.core.leases.count(record.worker_id)
             log.info("worker_left", worker_id=record.worker_id, model=record.model, leases_kept=kept,
                      **({"kept_for_s": self.core.leave_grace(record)} if kept else {}))
@@ -236,7 +253,7 @@ class RouterService(RoutePath):
     async def _on_load(self, msg: Msg) -> None:
         if (report := self._decoded(LoadReport, msg, "load")) is None:
             return
-        accepted = self.core.apply_load(report)
+        accepted = self.core.apply_load(report, time.monotonic())
         (self.metrics.load_accepted if accepted else self.metrics.load_unknown).inc()
         if not accepted and self._watcher is not None and self._watcher.ready.is_set() \
                 and report.worker_id not in self._listed_or_told:
@@ -255,7 +272,7 @@ class RouterService(RoutePath):
             if self._pd is not None:
                 await self._pd.execute(self.pairs.released(release.lease_id, release.outcome))
             return
-        lease = self.core.release(release.lease_id, release.outcome, time.monotonic())
+        lease = self.core.release(release.lease_id, release.outcome, time.monotonic(), release.unreachable)
         if lease is None:
             self.metrics.unknown_releases.inc()
             log.debug("release_unknown_lease", lease_id=release.lease_id, worker_id=release.worker_id)

@@ -38,6 +38,10 @@ class WorkerState:
     prefill_tokens: int = 0  # uncached prompt tokens of the leases whose prefill is not known to be done
     decode_tokens: int = 0  # prompt tokens, times their samples, of the leases past their first token
     others: int | None = None  # requests on it other routers leased (from its load report), when known
+    reported_at: float | None = None  # monotonic time of its latest load report (None: none yet)
+    report_within: float | None = None  # the most seconds until its next report, as it said
+    probed_at: float = 0.0  # when its agent was last asked whether it is on the bus (off_bus.py)
+    off_bus: bool = False  # its agent left the bus: out of routing until it reports again
     rank: int | None = None  # the DP rank this target pins (None: the whole worker)
     ranks: list[WorkerState] = field(default_factory=list)  # per-rank targets of a DP worker
 
@@ -135,12 +139,14 @@ class FleetState:
             del self._models[state.model]
 
     # --- load --------------------------------------------------------------------------
-    def set_load(self, report: LoadReport) -> bool:
-        """Keep the latest report of a known worker; False (ignored) for an unknown one."""
+    def set_load(self, report: LoadReport, now: float = 0.0) -> bool:
+        """Keep the latest report of a known worker (received at monotonic ``now``); False (ignored) for
+        an unknown one."""
         state = self._workers.get(report.worker_id)
         if state is None:
             return False
         state.load = report
+        state.reported_at, state.report_within, state.off_bus = now, report.report_within, False
         return True
 
     # --- queries -----------------------------------------------------------------------

@@ -152,8 +152,12 @@ class LoadReporter:
         task, self._task = self._task, None
         await stop_tasks(task)
 
+    @property
+    def _scrape_timeout(self) -> float:
+        return max(min(self._interval, 5.0), 0.5)
+
     async def scrape(self) -> EngineLoad | None:
-        return await scrape_engine(self._session, self._url, max(min(self._interval, 5.0), 0.5))
+        return await scrape_engine(self._session, self._url, self._scrape_timeout)
 
     async def report_once(self) -> LoadReport:
         before = self._sequences()
@@ -182,6 +186,7 @@ class LoadReporter:
             engine_waiting=self.last.waiting,
             engine_unseen=self._unseen,
             kv_usage=self.last.kv_usage,
+            report_within=self._interval + self._scrape_timeout,
         )
         await self._publish(report)
         return report
