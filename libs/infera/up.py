@@ -74,7 +74,11 @@ class UpSettings(TracingSettings, ApiAddressSettings, PolicySettings, PlaneChoic
     etcd_port: int = Field(0, ge=0, le=65535, description="etcd client port with --discovery-backend etcd "
                            "(0: a free port).")
     state_dir: str | None = Field(None, description="Directory for JetStream state and logs (default: a temp dir).")
-    ready_timeout: float = Field(60.0, gt=0, description="Seconds to wait for the fleet to become ready.")
+    ready_timeout: float = Field(
+        60.0, gt=0,
+        description="Seconds the fleet may go without progress (one more worker listed, or turned active) "
+        "before infera up gives up starting it.",
+    )
 
     @field_validator("state_dir")
     @classmethod
@@ -294,8 +298,11 @@ def _client_host(host: str) -> str:
 
 
 def _wait_ready(url: str, workers: int, timeout: float, running, stopping, logs: Path) -> list[dict] | None:
-    """The active worker records once ``workers`` of them are listed; None when the fleet failed or stops."""
+    """The active worker records once ``workers`` of them are listed; None when the fleet failed, stops,
+    or made no progress (one more worker listed, or turned active) for ``timeout`` seconds: a large
+    fleet starting on few cores takes more than that in all, each worker ~1 s of CPU to start."""
     deadline = time.monotonic() + timeout
+    progress, listed, active = (-1, -1), [], []
     while time.monotonic() < deadline and not stopping():
         for name, proc in running:
             if proc.poll() is not None:
@@ -305,15 +312,19 @@ def _wait_ready(url: str, workers: int, timeout: float, running, stopping, logs:
                 return None
         try:
             with urllib.request.urlopen(f"{url}/v1/workers", timeout=1) as resp:
-                data = json.load(resp)
-            active = [w for w in data.get("data", []) if w.get("status") == "active"]
+                listed = json.load(resp).get("data", [])
+            active = [w for w in listed if w.get("status") == "active"]
             if len(active) >= workers:
                 return active
+            if (len(listed), len(active)) != progress:
+                progress, deadline = (len(listed), len(active)), time.monotonic() + timeout
         except OSError:
             pass
         time.sleep(0.25)
     if not stopping():
-        print(f"infera up: the fleet was not ready within {timeout:.0f}s", file=sys.stderr)
+        print(f"infera up: the fleet was not ready: {len(active)} of {workers} workers active ({len(listed)} "
+              f"listed), none more for {timeout:g}s; see the workers' logs in {logs}, or raise --ready-timeout",
+              file=sys.stderr)
     return None
 
 
