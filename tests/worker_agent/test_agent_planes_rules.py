@@ -59,10 +59,17 @@ def test_zmq_plane_refuses_a_publisher_the_indexer_cannot_dial(endpoint):
     assert plane_problems(settings(*NO_BROKER), "10.0.0.5", [KvSource(0, "tcp://0.0.0.0:5557")]) == []
 
 
-def test_a_loopback_advertise_host_is_only_warned_about():
+def test_a_loopback_advertise_host_is_only_warned_about_when_the_fleet_spans_hosts():
     assert plane_warnings(settings(*NO_BROKER), "127.0.0.1")
     assert plane_warnings(settings(*NO_BROKER), "10.0.0.5") == []
     assert plane_warnings(settings(), "127.0.0.1") == []
+    # discovery on this host too (infera up's fleet): nothing else could dial the engine anyway
+    local = ["--discovery-backend", "etcd", "--etcd-endpoint", "127.0.0.1:2379,localhost:2380",
+             "--request-transport", "http", "--kv-event-transport", "zmq"]
+    assert plane_warnings(settings(*local), "127.0.0.1") == []
+    assert plane_warnings(settings("--request-transport", "http", "--nats-url", "nats://127.0.0.1:4222"),
+                          "127.0.0.1") == []
+    assert plane_warnings(settings("--request-transport", "http", "--nats-url", "nats://10.0.0.2:4222"), "127.0.0.1")
 
 
 def test_a_refused_mix_exits_2_before_anything_starts_and_print_command_only_notes_it(capsys):

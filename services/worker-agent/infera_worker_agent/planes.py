@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol
+from urllib.parse import urlsplit
 
 from infera_common.kv_endpoints import split_tcp, subscriber_binds
 from infera_worker_agent.engine_cmd import WILDCARD_HOSTS
@@ -22,6 +23,8 @@ class Planes(Protocol):
     discovery_backend: str
     request_transport: str
     kv_event_transport: str
+    etcd_endpoint: str
+    nats_url: str
 
 
 def _dialled_planes(planes: Planes) -> list[str]:
@@ -62,9 +65,18 @@ def plane_problems(planes: Planes, advertise_host: str, kv_sources: Sequence[KvS
     return problems
 
 
+def _discovery_on_this_host(planes: Planes) -> bool:
+    """Whether the discovery the worker registers at is on loopback: then the whole fleet is on this host."""
+    spec = planes.etcd_endpoint if planes.discovery_backend == "etcd" else planes.nats_url
+    hosts = [urlsplit(item.strip() if "://" in item else f"x://{item.strip()}").hostname or ""
+             for item in spec.split(",") if item.strip()]
+    return bool(hosts) and all(_loopback(h) for h in hosts)
+
+
 def plane_warnings(planes: Planes, advertise_host: str) -> list[str]:
-    """What works on this host only."""
-    if _dialled_planes(planes) and _loopback(advertise_host):
+    """What works on this host only (said only when the discovery is elsewhere: a fleet of one host,
+    as ``infera up`` starts, works as it is)."""
+    if _dialled_planes(planes) and _loopback(advertise_host) and not _discovery_on_this_host(planes):
         return [
             f"advertise host {advertise_host} is a loopback address: routers and kv-indexers on other hosts cannot "
             "reach this engine; pass --advertise-host <this host's IP or name> for a fleet across hosts"

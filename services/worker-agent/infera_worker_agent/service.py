@@ -415,6 +415,8 @@ class Agent:
         await self._deregister()
         await self._close_worker()
         await self._delete_stream()
+        if self._watch is not None:  # no load scrape of an engine being stopped (a warning per worker)
+            await self._watch.stop()
         await self._stop_engine()
         log.info("stopped", worker_id=self.worker_id)
         return 0
