@@ -141,10 +141,10 @@ class LoadReport(_Msg):
     model: str = ""
     discovery_backend: DiscoveryBackend | None = None
     etcd_endpoint: str = ""  # with discovery_backend etcd: the --etcd-endpoint the worker registered at
-    #: the most seconds until this worker's next report (its --load-interval plus the engine scrape's
-    #: timeout; ``None``: not said, an older agent): a router asks a worker whose report is overdue
-    #: whether its agent is still on the bus (router ``off_bus.py``)
-    report_within: float | None = None
+    #: seconds between this worker's reports (its --load-interval; a slow engine scrape adds up to as
+    #: much again; ``None``: not said, an older agent): a router asks a worker whose report is
+    #: overdue whether its agent is still on the bus (router ``off_bus.py``)
+    report_every: float | None = None
 
 
 #: The header a client sends its session id in, to opt in to session affinity (HTTP, or a NATS

@@ -235,15 +235,15 @@ def test_workers_off_the_bus_sit_out_unless_every_candidate_is_off_it():
     c = core()
     for wid in ("a", "b"):
         c.apply_change(join(wid))
-        c.apply_load(load(wid, report_within=1.0), now=10.0)
+        c.apply_load(load(wid, report_every=1.0), now=10.0)
     assert c.overdue(11.4) == []  # not yet 1.5 x its period late
     assert sorted(w for w, _ in c.overdue(11.6)) == ["a", "b"]
     assert c.overdue(11.7) == []  # asked already: not again within its period
     assert c.mark_off_bus("b", 10.0)
     assert [ids(c.plan(route_request())) for _ in range(3)] == [["a"]] * 3
     assert not c.mark_off_bus("a", 9.0)  # it reported after the question went out: still on the bus
-    c.apply_load(load("a", report_within=1.0), now=12.0)
+    c.apply_load(load("a", report_every=1.0), now=12.0)
     assert c.mark_off_bus("a", 12.0)  # both gone: route anyway (discovery still lists them)
     assert sorted(ids(c.plan(route_request()))) == ["a", "b"]
-    c.apply_load(load("b", report_within=1.0), now=13.0)  # b reports again: back in
+    c.apply_load(load("b", report_every=1.0), now=13.0)  # b reports again: back in
     assert c.back_on_bus == ["b"] and [ids(c.plan(route_request())) for _ in range(2)] == [["b"]] * 2

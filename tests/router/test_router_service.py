@@ -333,7 +333,7 @@ async def test_a_worker_whose_agent_left_the_bus_is_routed_around_until_it_repor
 
     async def report(*wids):
         for wid in wids:
-            await bench.nc.publish(load_subject(wid), encode(LoadReport(worker_id=wid, in_flight=0, report_within=0.2)))
+            await bench.nc.publish(load_subject(wid), encode(LoadReport(worker_id=wid, in_flight=0, report_every=0.2)))
         await bench.nc.flush()
 
     await report("a", "b")

@@ -365,9 +365,9 @@ class RouterCore:
         self.clock = max(self.clock, now)
         late = []
         for w in self.fleet.workers():
-            within, at = w.report_within, w.reported_at
-            if (within is None or at is None or w.off_bus or w.record.request_transport != "nats"
-                    or now - at <= OVERDUE_FACTOR * within or now - w.probed_at <= within):
+            every, at = w.report_every, w.reported_at
+            if (every is None or at is None or w.off_bus or w.record.request_transport != "nats"
+                    or now - at <= OVERDUE_FACTOR * every or now - w.probed_at <= every):
                 continue
             w.probed_at = now
             late.append((w.base_id, at))

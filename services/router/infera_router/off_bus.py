@@ -6,11 +6,12 @@ discovery entry ages out only after ``--discovery-ttl`` (6 s by default). Until 
 kept placing requests in its JetStream queue, which the broker accepts for a consumer nobody reads:
 each such request waited for the frontend's sender check (3 s and more) before it was retried (the
 scale audit: churn p99 5.4-5.8 s from 16 workers up). Every agent reports its load every
-``--load-interval`` and says within how long its next report comes (``LoadReport.report_within``).
-A report ``core.OVERDUE_FACTOR`` times that late gets its agent an empty ``FramesQuery``: "no
-responders" from NATS means no process holds the agent's subscriptions, and the worker sits out of
-routing (unless every candidate does) until it reports again or leaves discovery. An answer, or a
-timeout (a busy agent), keeps it in. Workers on ``--request-transport http`` are not asked (the
+``--load-interval`` and says so (``LoadReport.report_every``). A report ``core.OVERDUE_FACTOR``
+times that late gets its agent an empty ``FramesQuery`` (a late report from a live agent, its
+engine scrape slow, only costs that question and its answer): "no responders" from NATS means no
+process holds the agent's subscriptions, and the worker sits out of routing (unless every
+candidate does) until it reports again or leaves discovery. An answer, or a timeout (a busy
+agent), keeps it in. Workers on ``--request-transport http`` are not asked (the
 router calls their engines itself, and learns of a dead one from the call).
 """
 

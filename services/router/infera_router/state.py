@@ -39,7 +39,7 @@ class WorkerState:
     decode_tokens: int = 0  # prompt tokens, times their samples, of the leases past their first token
     others: int | None = None  # requests on it other routers leased (from its load report), when known
     reported_at: float | None = None  # monotonic time of its latest load report (None: none yet)
-    report_within: float | None = None  # the most seconds until its next report, as it said
+    report_every: float | None = None  # seconds between its reports, as it said
     probed_at: float = 0.0  # when its agent was last asked whether it is on the bus (off_bus.py)
     off_bus: bool = False  # its agent left the bus: out of routing until it reports again
     rank: int | None = None  # the DP rank this target pins (None: the whole worker)
@@ -146,7 +146,7 @@ class FleetState:
         if state is None:
             return False
         state.load = report
-        state.reported_at, state.report_within, state.off_bus = now, report.report_within, False
+        state.reported_at, state.report_every, state.off_bus = now, report.report_every, False
         return True
 
     # --- queries -----------------------------------------------------------------------

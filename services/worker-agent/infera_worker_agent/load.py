@@ -186,7 +186,7 @@ class LoadReporter:
             engine_waiting=self.last.waiting,
             engine_unseen=self._unseen,
             kv_usage=self.last.kv_usage,
-            report_within=self._interval + self._scrape_timeout,
+            report_every=self._interval,
         )
         await self._publish(report)
         return report
