@@ -152,12 +152,8 @@ class LoadReporter:
         task, self._task = self._task, None
         await stop_tasks(task)
 
-    @property
-    def _scrape_timeout(self) -> float:
-        return max(min(self._interval, 5.0), 0.5)
-
     async def scrape(self) -> EngineLoad | None:
-        return await scrape_engine(self._session, self._url, self._scrape_timeout)
+        return await scrape_engine(self._session, self._url, max(min(self._interval, 5.0), 0.5))
 
     async def report_once(self) -> LoadReport:
         before = self._sequences()
