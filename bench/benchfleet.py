@@ -85,7 +85,7 @@ def start_fleet(tmp: Path, *, workers: int, policy: str | None, engine_args: lis
     url = f"http://127.0.0.1:{http_port}"
     try:
         wait_port("127.0.0.1", http_port, 30)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 60 + 1.5 * total  # each worker takes ~1 s of CPU to start
         while time.monotonic() < deadline:
             try:
                 active = [w for w in _get_json(f"{url}/v1/workers")["data"] if w["status"] == "active"]
