@@ -22,7 +22,8 @@ from typing import Literal
 import aiohttp
 
 from infera_common.logs import get_logger
-from infera_common.schemas import EngineKind, FrameKind, WorkEnvelope, encode_frame
+from infera_common.frames import encode_frame
+from infera_common.schemas import EngineKind, FrameKind, WorkEnvelope
 from infera_common.sse import SseDecoder, is_done
 from infera_common.tracing import HEADER as TRACE_HEADER
 from infera_common.tracing import SpanKind, engine_headers, finish, start_span, traceparent

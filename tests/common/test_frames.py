@@ -4,7 +4,8 @@ import msgpack
 import msgspec
 import pytest
 
-from infera_common.schemas import Frame, decode, decode_frame, encode, encode_frame
+from infera_common.frames import decode_frame, encode_frame
+from infera_common.schemas import Frame, decode, encode
 
 
 def as_model(wire) -> Frame:

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from infera_common.request_runner import Engine, RequestRunner
-from infera_common.schemas import Cancel, Endpoint, WorkEnvelope, decode_frame, encode
+from infera_common.frames import decode_frame
+from infera_common.schemas import Cancel, Endpoint, WorkEnvelope, encode
 
 
 class Counts:

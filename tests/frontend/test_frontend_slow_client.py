@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import aiohttp
 
-from infera_common.schemas import Endpoint, Frame, encode_frame
+from infera_common.frames import encode_frame
+from infera_common.schemas import Endpoint, Frame
 from infera_frontend.exchange import READ_BATCH, Exchange
 from infera_frontend.inbox import Mailbox
 from tests.frontend.frontend_fakes import MODEL, chat_body, chunk_json, url, wait_until

@@ -9,9 +9,10 @@ import nats.errors
 import pytest
 
 from infera_common.discovery import Registrar
+from infera_common.frames import decode_frame
 from infera_common.nats_conn import connect, ensure_request_stream, flush_all
 from infera_common.schemas import (
-    LoadReport, Release, RouteReply, WorkEnvelope, WorkerStatus, decode, decode_frame, encode,
+    LoadReport, Release, RouteReply, WorkEnvelope, WorkerStatus, decode, encode,
 )
 from infera_common.subjects import (
     ROUTER_ROUTE, load_subject, request_stream, router_release_subject, work_consumer, work_subject,

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 
 from infera_common.logs import get_logger
 from infera_common.openai_errors import normalize_error
-from infera_common.schemas import Endpoint, FrameWire, decode_frame
+from infera_common.frames import FrameWire, decode_frame
+from infera_common.schemas import Endpoint
 
 from infera_frontend.failover import (
     CLIENT_TOO_SLOW, FRAMES_LOST, UPSTREAM_TIMEOUT, RetryableError, worker_error_reason,

@@ -31,7 +31,8 @@ from infera_common.frames_answer import FramesAnswers
 from infera_common.logs import get_logger
 from infera_common.nats_conn import unsubscribe_quietly
 from infera_common.request_runner import ENGINE_UNHEALTHY, Engine, RequestRunner, SeriesHooks, StopReason
-from infera_common.schemas import WorkEnvelope, WorkerRecord, encode, encode_frame
+from infera_common.frames import encode_frame
+from infera_common.schemas import WorkEnvelope, WorkerRecord, encode
 from infera_common.subjects import (
     CANCEL_SUBJECTS, router_frames_query_subject, router_frames_replay_subject, work_subject, worker_of_cancel_subject,
 )

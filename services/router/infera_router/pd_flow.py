@@ -22,7 +22,8 @@ from nats.aio.subscription import Subscription
 from infera_common.logs import get_logger
 from infera_common.nats_conn import unsubscribe_quietly
 from infera_common.openai_errors import error_message
-from infera_common.schemas import Cancel, RouteRequest, WorkEnvelope, decode_frame, encode, encode_frame
+from infera_common.frames import decode_frame, encode_frame
+from infera_common.schemas import Cancel, RouteRequest, WorkEnvelope, encode
 from infera_common.subjects import cancel_subject, router_pd_subject, router_pd_subjects
 from infera_common.tracing import engine_headers
 
