@@ -397,13 +397,11 @@ class RouterCore:
         if now is not None:
             self.clock = max(self.clock, now)
         worker = self.fleet.get(report.worker_id)
-        if worker is not None and worker.off_bus:
-            self.back_on_bus.append(report.worker_id)
-        if not self.fleet.set_load(report, self.clock):
-            return False
-        worker = self.fleet.get(report.worker_id)
         if worker is None:
-            return True
+            return False
+        if worker.off_bus:
+            self.back_on_bus.append(report.worker_id)
+        self.fleet.set_load(report, self.clock)
         if report.by_router or not report.in_flight:
             worker.others = report.in_flight - report.by_router.get(self.leases.prefix, 0)
         else:  # an agent that does not split its count: the policy estimates from the leases
