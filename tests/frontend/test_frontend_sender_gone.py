@@ -1,7 +1,8 @@
 """A placed request whose sender left the bus (its worker-agent, or the router that runs it on
 --request-transport http, died): the broker says "no responders" to the sender's FramesQuery
-subject, and after a few seconds of that the frontend ends the request (retried on another worker
-while its client has nothing) instead of waiting for --discovery-ttl or --upstream-timeout."""
+subject, and the frontend ends the request (retried on another worker while its client has
+nothing) instead of waiting for --discovery-ttl or --upstream-timeout: at once when it has received
+nothing, after a few seconds of "no responders" when its answer was under way."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import aiohttp
 def quick_watch(monkeypatch):
     """The same rules, on a shorter clock."""
     monkeypatch.setattr(relay_module, "SILENT_AFTER", 0.3)
+    monkeypatch.setattr(relay_module, "UNHEARD_AFTER", 0.2)
     monkeypatch.setattr(relay_module, "SENDER_CHECK_EVERY", 0.1)
     monkeypatch.setattr(relay_module, "SENDER_GONE_AFTER", 0.5)
     monkeypatch.setattr(relay_module, "SENDER_QUESTION_TIMEOUT", 0.5)
@@ -51,6 +53,22 @@ async def test_a_request_whose_sender_left_the_bus_is_retried_on_another_worker(
     assert await metric(fe, "infera_frontend_senders_gone_total") == 1
     assert await metric(fe, "infera_frontend_retries_total", reason="sender_gone") == 1
     assert await metric(fe, "infera_frontend_frames_lost_total") == 0
+
+
+async def test_a_request_that_received_nothing_is_retried_at_the_first_no_responders(
+        start_frontend, multi, monkeypatch):
+    """A killed agent's queued request: nothing of it ran, so it does not wait out the grace that a
+    stream under way gets for a sender that may be reconnecting."""
+    monkeypatch.setattr(relay_module, "SENDER_GONE_AFTER", 600.0)
+    fe = await start_frontend(upstream_timeout=120)
+    multi.scripts[W1] = lambda f, req: asyncio.sleep(0)
+    answer = asyncio.create_task(post(fe, chat_body()))
+    await wait_until(lambda: multi.placed == [W1])
+    await multi.query_subs[W1].unsubscribe()
+    await flush_all(multi.nc)
+    status, raw = await asyncio.wait_for(answer, 10)  # not the 600 s grace
+    assert status == 200 and raw == completion_json() and multi.placed == [W1, W2]
+    assert await metric(fe, "infera_frontend_retries_total", reason="sender_gone") == 1
 
 
 async def test_a_slow_sender_that_still_answers_keeps_its_request(start_frontend, multi):

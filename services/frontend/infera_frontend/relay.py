@@ -16,9 +16,10 @@ request short of them after a grace for frames still on their way asks for them 
 (``Exchange.lose``: retried on another worker while its client has nothing of it) instead of
 waiting ``--upstream-timeout`` for frames that will not come.
 
-``check_silent`` runs every second: the sender of each request that has received nothing for a
-while is asked the same question; a sender the broker says has no subscription any more, for a
-few seconds in a row, died with its requests (``sender_watch.py``), and they end at once.
+``check_silent`` runs twice a second: the sender of each request that has received nothing for a
+while is asked the same question; a sender the broker says has no subscription any more died with
+its requests (``sender_watch.py``): those that have received nothing end at once, the others once
+it has stayed away for a few seconds (it may be reconnecting, and their streams would go on).
 """
 
 from __future__ import annotations
@@ -64,12 +65,14 @@ RESYNC_ATTEMPTS = 20
 KEEPALIVES_PER_TIMEOUT = 3
 #: Frames a worker says it sent may still be on their way here: how long they get before they count as lost.
 IN_TRANSIT_GRACE = 0.5
-#: A placed request that received no frame for this long has its sender asked whether it is still
-#: on the bus (``sender_watch.py``); the check runs every ``SENDER_CHECK_EVERY`` seconds, a question
-#: waits ``SENDER_QUESTION_TIMEOUT`` for its answer, and a sender that answered "no responders" for
-#: ``SENDER_GONE_AFTER`` seconds is gone.
+#: A placed request that received no frame for ``SILENT_AFTER`` seconds (``UNHEARD_AFTER`` when it
+#: has received none at all) has its sender asked whether it is still on the bus
+#: (``sender_watch.py``); the check runs every ``SENDER_CHECK_EVERY`` seconds and a question waits
+#: ``SENDER_QUESTION_TIMEOUT`` for its answer. At the first "no responders" the requests that have
+#: received nothing end; the others once their sender has answered so for ``SENDER_GONE_AFTER`` seconds.
 SILENT_AFTER = 2.0
-SENDER_CHECK_EVERY = 1.0
+UNHEARD_AFTER = 0.5
+SENDER_CHECK_EVERY = 0.5
 SENDER_QUESTION_TIMEOUT = 1.0
 SENDER_GONE_AFTER = 3.0
 
@@ -112,7 +115,7 @@ class Relay:
         self._background: set[asyncio.Task] = set()
         self._open: set[Exchange] = set()  # placed requests whose exchange is not closed yet
         self.token_checker = TokenChecker()
-        self.watch = SenderWatch(SILENT_AFTER, SENDER_GONE_AFTER)
+        self.watch = SenderWatch(SILENT_AFTER, SENDER_GONE_AFTER, UNHEARD_AFTER)
         self._asking: set[tuple[str | None, str]] = set()  # senders being asked right now
         self._watch_task: asyncio.Task | None = None
 
@@ -245,7 +248,8 @@ class Relay:
 
     async def resync(self) -> None:
         """After a reconnect: check every open request's frames with its worker (see the module doc)."""
-        self.watch.reset()  # absences seen while this frontend was away from the broker mean nothing
+        # absences seen while this frontend was away from the broker mean nothing
+        self.watch.reset(asyncio.get_running_loop().time())
         for (router_id, worker_id), exchanges in by_sender(e for e in self._open if not e.ended).items():
             self.spawn(self._resync_worker(router_id, worker_id, exchanges))
 
@@ -290,7 +294,7 @@ class Relay:
     def check_silent(self, now: float) -> None:
         """Ask the sender of every request silent for ``SILENT_AFTER`` s whether it is still on the bus."""
         if not self._nc.is_connected:
-            self.watch.reset()
+            self.watch.reset(now)
             return
         open_now = [e for e in self._open if not e.ended and e.sender_known]
         self.watch.forget_except(open_now)
@@ -316,23 +320,23 @@ class Relay:
             self._asking.discard(sender)
         if on_bus:
             self.watch.present(sender)
-        elif self.watch.absent(sender, asyncio.get_running_loop().time()):
-            self._sender_gone(router_id, worker_id, exchanges)
+            return
+        now = asyncio.get_running_loop().time()
+        absent_s = self.watch.absent(sender, now)
+        gone = [e for e in exchanges if not e.ended and self.watch.gone(sender, e.heard, now)]
+        if gone:
+            self._sender_gone(router_id, worker_id, gone, absent_s)
 
-    def _sender_gone(self, router_id: str | None, worker_id: str, exchanges: list[Exchange]) -> None:
+    def _sender_gone(self, router_id: str | None, worker_id: str, exchanges: list[Exchange], absent_s: float) -> None:
         """Nothing will send these requests' frames any more: end them now (retried on another
         worker while their clients have nothing), not after --discovery-ttl or --upstream-timeout."""
         who = f"router {router_id}, which ran it on the engine," if router_id else "its worker-agent"
-        ended = 0
         for exchange in exchanges:
-            if not exchange.ended:
-                exchange.lose(f"worker {worker_id}: {who} left the message bus before answering",
-                              reason=SENDER_GONE)
-                self._release_lost(exchange)
-                ended += 1
+            exchange.lose(f"worker {worker_id}: {who} left the message bus before answering", reason=SENDER_GONE)
+            self._release_lost(exchange)
         self.metrics.senders_gone.inc()
-        log.warning("sender_gone", worker_id=worker_id, router_id=router_id, requests=ended,
-                    absent_s=SENDER_GONE_AFTER)
+        log.warning("sender_gone", worker_id=worker_id, router_id=router_id, requests=len(exchanges),
+                    absent_s=round(absent_s, 2))
 
     def _release_lost(self, exchange: Exchange) -> None:
         """The worker never received the request, so no ``Release`` will come from it: give the
