@@ -19,6 +19,16 @@ requests (a long prompt's blocks arrive just ahead of its first token).
 A translator made with an ``index_size`` indexes pages smaller than it (that divide it) in blocks
 of ``index_size`` tokens (``kv_coarse``): the worker's index block size, at which the router hashes.
 
+Where an engine holds a block is its *residency*: the event's (``medium``, ``group_idx``), the GPU
+and group 0 when absent. An engine with a second tier (vLLM's CPU offloading, SGLang's HiCache)
+stores a block there while the GPU holds it, and drops it from the GPU before the tier: the block
+stays held until its last residency drops it (its prefix is still a hit, loaded back instead of
+computed), and a removal from a residency that never stored it changes nothing. A tier's
+placeholder store (``block_size`` 0: no tokens) adds the residency to an engine block already
+known and is otherwise dropped. A hybrid model's KV cache groups are residencies too, so a block
+leaves the index when its last group evicts it. Pages folded into larger index blocks (``kv_coarse``)
+are followed on the GPU alone: other residencies' events for them are skipped.
+
 Two places translate: the worker-agent, which relays each engine batch as its delta
 (``KvRelay(kind="blocks")``), so the kv-indexer never decodes a token on the NATS plane; and the
 kv-indexer itself for batches it reads raw (``--kv-event-transport zmq``, or ``kind="batch"``
@@ -68,14 +78,25 @@ class BlockDelta:
         return sum(map(len, self.stored.values())), sum(map(len, self.removed.values()))
 
 
+#: The residency of an event without ``medium`` or ``group_idx``: the GPU, KV cache group 0.
+PRIMARY = ("GPU", 0)
+
+
+def residency(event: BlockStored | BlockRemoved) -> tuple[str, int]:
+    """Where ``event`` stores or drops its blocks: (medium, KV cache group)."""
+    return (event.medium or "GPU", event.group_idx or 0)
+
+
 class _Blocks:
     """The target's blocks at one block size."""
 
-    __slots__ = ("engine", "refs")
+    __slots__ = ("engine", "refs", "tiers")
 
     def __init__(self) -> None:
         self.engine: dict[int, int] = {}  # engine hash -> index hash
         self.refs: dict[int, int] = {}  # index hash -> engine hashes mapping to it
+        # engine hash -> its residencies, for the blocks held anywhere but on the PRIMARY alone
+        self.tiers: dict[int, set[tuple[str, int]]] = {}
 
 
 class BlockTranslator:
@@ -105,7 +126,7 @@ class BlockTranslator:
 
     def _folds(self, page_size: int) -> bool:
         size = self.index_size
-        return size is not None and size > page_size and size % page_size == 0
+        return size is not None and 0 < page_size < size and size % page_size == 0
 
     def apply(self, events: Iterable[KvEvent], into: BlockDelta | None = None) -> BlockDelta:
         """Apply events in order, into ``into`` (the delta of the batches before them) or a new delta;
@@ -181,10 +202,13 @@ class BlockTranslator:
 
     def _store(self, ev: BlockStored, delta: BlockDelta) -> bool:
         size = ev.block_size
+        where = residency(ev)
+        if not size:
+            return self._store_placeholder(ev, where)
         if self.index_size is not None and size < self.index_size:
             coarse = self._coarse_for(size)
             if coarse is not None:
-                return self._store_coarse(coarse, ev, delta)
+                return where != PRIMARY or self._store_coarse(coarse, ev, delta)
         blocks = self._sizes.get(size)
         if ev.parent_block_hash is None:
             parent: int | None = ROOT
@@ -196,18 +220,24 @@ class BlockTranslator:
         hashes = block_hashes(ev.token_ids, size, parent)  # raises on bad token ids: nothing changed yet
         if blocks is None:
             blocks = self._sizes[size] = _Blocks()
-        engine, refs = blocks.engine, blocks.refs
+        engine, refs, tiers = blocks.engine, blocks.refs, blocks.tiers
+        elsewhere = where != PRIMARY
         stored = delta.stored.get(size)
         if stored is None:
             stored = delta.stored[size] = set()
         removed = delta.removed.get(size)  # (``_moved`` inlined: this loop is the ingest hot path)
         for engine_hash, index_hash in zip(ev.block_hashes, hashes):
             old = engine.get(engine_hash)
-            if old == index_hash:
-                continue  # stored again (another medium, a replay)
+            if old == index_hash:  # stored again (a replay), or in one more residency
+                if elsewhere or tiers:
+                    _add_residency(tiers, engine_hash, where)
+                continue
             if old is not None:  # the engine reused a hash for other content (rare)
+                tiers.pop(engine_hash, None)
                 self._unref(size, refs, old, delta)
                 removed = delta.removed.get(size)
+            if elsewhere:
+                tiers[engine_hash] = {where}
             engine[engine_hash] = index_hash
             count = refs.get(index_hash, 0)
             refs[index_hash] = count + 1
@@ -215,6 +245,15 @@ class BlockTranslator:
                 if removed:
                     removed.discard(index_hash)
                 stored.add(index_hash)
+        return True
+
+    def _store_placeholder(self, ev: BlockStored, where: tuple[str, int]) -> bool:
+        """A residency that holds engine blocks it does not describe: known blocks get it."""
+        for engine_hash in ev.block_hashes:
+            for blocks in self._sizes.values():
+                if engine_hash in blocks.engine:
+                    _add_residency(blocks.tiers, engine_hash, where)
+                    break
         return True
 
     @staticmethod
@@ -227,7 +266,10 @@ class BlockTranslator:
         return True
 
     def _remove(self, ev: BlockRemoved, delta: BlockDelta) -> bool:
+        where = residency(ev)
         if not self._sizes and len(self._coarse) == 1:  # only folded pages (SGLang at page 1): no search
+            if where != PRIMARY:
+                return True  # (folded pages are followed on the GPU alone)
             coarse = next(iter(self._coarse.values()))
             stored, removed = delta.sets(coarse.index_size)
             for engine_hash in ev.block_hashes:
@@ -236,16 +278,32 @@ class BlockTranslator:
             return True
         for engine_hash in ev.block_hashes:
             for size, blocks in self._sizes.items():
-                index_hash = blocks.engine.pop(engine_hash, None)
-                if index_hash is not None:
-                    self._unref(size, blocks.refs, index_hash, delta)
+                engine = blocks.engine
+                if engine_hash not in engine:
+                    continue
+                held = blocks.tiers.get(engine_hash)
+                if held is None:
+                    if where != PRIMARY:  # held on the GPU alone: not stored where it is dropped from
+                        delta.unknown_removed += 1
+                        break
+                elif where not in held:
+                    delta.unknown_removed += 1
                     break
+                elif len(held) > 1:
+                    held.discard(where)  # still held elsewhere
+                    break
+                else:
+                    del blocks.tiers[engine_hash]
+                self._unref(size, blocks.refs, engine.pop(engine_hash), delta)
+                break
             else:
-                if not self._remove_coarse(engine_hash, delta):
+                if not self._remove_coarse(engine_hash, where, delta):
                     delta.unknown_removed += 1
         return True
 
-    def _remove_coarse(self, engine_hash: int, delta: BlockDelta) -> bool:
+    def _remove_coarse(self, engine_hash: int, where: tuple[str, int], delta: BlockDelta) -> bool:
+        if where != PRIMARY:
+            return any(engine_hash in coarse.pages for coarse in self._coarse.values())
         for coarse in self._coarse.values():
             if engine_hash in coarse.pages:
                 return coarse.remove(engine_hash, *delta.sets(coarse.index_size))
@@ -261,14 +319,26 @@ class BlockTranslator:
         _moved(delta.stored, delta.removed, size, index_hash)
 
 
+def _add_residency(tiers: dict[int, set[tuple[str, int]]], engine_hash: int, where: tuple[str, int]) -> None:
+    """A block already held (on the PRIMARY alone unless ``tiers`` says otherwise) is held in ``where`` too."""
+    held = tiers.get(engine_hash)
+    if held is None:
+        if where != PRIMARY:
+            tiers[engine_hash] = {PRIMARY, where}
+    else:
+        held.add(where)
+
+
 def dump_translator(translator: BlockTranslator) -> dict:
     """Everything ``load_translator`` needs to continue where ``translator`` is (plain msgpack-able
-    values): per block size its map engine hash -> index hash (integer columns, ``int_columns``),
-    and its folded pages. A translator that follows the same engine events from there gives the
-    same changes as this one would."""
+    values): per block size its map engine hash -> index hash (integer columns, ``int_columns``)
+    and the residencies of the blocks not on the GPU alone, and its folded pages. A translator that
+    follows the same engine events from there gives the same changes as this one would."""
     return {
         "index_size": translator.index_size,
         "sizes": {size: pack_map(blocks.engine) for size, blocks in translator._sizes.items()},
+        "tiers": {size: [[h, [list(r) for r in held]] for h, held in blocks.tiers.items()]
+                  for size, blocks in translator._sizes.items() if blocks.tiers},
         "coarse": [dump_pages(c) for c in translator._coarse.values()],
     }
 
@@ -282,6 +352,9 @@ def load_translator(state: dict) -> BlockTranslator:
         blocks = translator._sizes[int(size)] = _Blocks()
         blocks.engine = unpack_map(engine)
         blocks.refs = dict(Counter(blocks.engine.values()))  # index hash -> engine hashes naming it
+    for size, tiers in state.get("tiers", {}).items():  # (absent from an older agent's state)
+        blocks = translator._sizes[int(size)]
+        blocks.tiers = {int(h): {(str(m), int(g)) for m, g in held} for h, held in tiers}
     for pages in state["coarse"]:
         coarse = load_pages(pages)
         translator._coarse[coarse.page_size] = coarse
@@ -297,7 +370,9 @@ def _chained(events: Iterable[KvEvent], folds: Callable[[int], bool]) -> Iterato
     for event in events:
         cls = type(event)
         if run:
-            if cls is type(run[-1]) and (cls is BlockRemoved or _continues(event, run[-1])):  # type: ignore[arg-type]
+            last = run[-1]
+            if cls is type(last) and (_continues(event, last) if cls is BlockStored else  # type: ignore[arg-type]
+                                      event.medium == last.medium and event.group_idx == last.group_idx):
                 run.append(event)
                 continue
             yield _joined(run), run
@@ -321,7 +396,8 @@ def _chained(events: Iterable[KvEvent], folds: Callable[[int], bool]) -> Iterato
 
 def _continues(event: BlockStored, last: BlockStored) -> bool:
     """Whether ``event`` stores the pages right after ``last``'s, at the same page size."""
-    return event.parent_block_hash == last.block_hashes[-1] and event.block_size == last.block_size
+    return (event.parent_block_hash == last.block_hashes[-1] and event.block_size == last.block_size
+            and event.medium == last.medium and event.group_idx == last.group_idx)
 
 
 def _joined(run: list) -> KvEvent:
@@ -329,9 +405,10 @@ def _joined(run: list) -> KvEvent:
         return run[0]
     first = run[0]
     if type(first) is BlockRemoved:
-        return BlockRemoved([h for e in run for h in e.block_hashes], first.medium)
+        return BlockRemoved([h for e in run for h in e.block_hashes], first.medium, first.group_idx)
     return BlockStored([h for e in run for h in e.block_hashes], first.parent_block_hash,
-                       [t for e in run for t in e.token_ids], first.block_size, first.lora_id, first.medium)
+                       [t for e in run for t in e.token_ids], first.block_size, first.lora_id, first.medium,
+                       group_idx=first.group_idx)
 
 
 def delta_relay(worker_id: str, dp_rank: int, seq: int, delta: BlockDelta, block_size: int | None,

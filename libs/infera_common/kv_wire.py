@@ -6,8 +6,14 @@ A ZMQ PUB message is multipart ``[topic, seq, payload]``: ``seq`` an 8-byte big-
 - batch as an array ``[ts, events, dp_rank?]`` (SGLang and vLLM: msgspec ``array_like``), or as a
   map ``{"ts", "events", "data_parallel_rank"}`` (no engine was seen sending it; read all the same);
 - each event as a map tagged ``"type"`` or as a positional array whose first element is the tag:
-  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]``,
-  ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``.
+  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name,
+  extra_keys, group_idx, ...]``, ``["BlockRemoved", block_hashes, medium, group_idx]``, ``["AllBlocksCleared"]``.
+
+``medium`` (vLLM: ``"GPU"``, ``"CPU"``, ``"STORAGE"``; absent on older engines: the GPU) and ``group_idx``
+(the KV cache group of a hybrid model; absent: 0) say where the engine stored or dropped the blocks: a
+block is held while any (medium, group) holds it (``kv_translate``). vLLM's offloading connector,
+unless told to describe its blocks, stores a tier's block as a placeholder: ``block_size`` 0, no
+token ids, the block's engine hash alone; it is read as such (``BlockStored.placeholder``).
 
 Engine block hashes are opaque (vLLM unsigned 64-bit, SGLang signed): they are kept only as keys
 for ``BlockRemoved``; the index hashes ``token_ids`` itself (``block_hash.py``).
@@ -26,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgpack
 import msgspec
@@ -41,19 +47,28 @@ class KvWireError(ValueError):
     """Bytes that are not a well-formed KV event (batch)."""
 
 
-# Positional, tagged by class name (``["BlockStored", ...]``); extra trailing fields (``lora_name``) ignored.
+# Positional, tagged by class name (``["BlockStored", ...]``); fields after ``group_idx`` ignored.
 class BlockStored(msgspec.Struct, array_like=True, tag=True, gc=False):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
-    block_size: Annotated[int, msgspec.Meta(gt=0)]
+    block_size: Annotated[int, msgspec.Meta(ge=0)]  # 0: a placeholder (no token ids)
     lora_id: int | None = None
     medium: str | None = None
+    lora_name: Any = None  # (not read)
+    extra_keys: Any = None  # (not read)
+    group_idx: int | None = None
+
+    @property
+    def placeholder(self) -> bool:
+        """A tier's note that it holds these engine blocks, without their tokens."""
+        return self.block_size == 0
 
 
 class BlockRemoved(msgspec.Struct, array_like=True, tag=True, gc=False):
     block_hashes: list[int]
     medium: str | None = None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(msgspec.Struct, array_like=True, tag=True, gc=False):
@@ -185,16 +200,17 @@ def decode_event(event: object) -> KvEvent:
         get = event.get
         if tag == "BlockStored":
             return _stored(get("block_hashes"), get("parent_block_hash"), get("token_ids"), get("block_size"),
-                           get("lora_id"), get("medium"))
+                           get("lora_id"), get("medium"), get("lora_name"), get("extra_keys"), get("group_idx"))
         if tag == "BlockRemoved":
-            return _removed(get("block_hashes"), get("medium"))
+            return _removed(get("block_hashes"), get("medium"), get("group_idx"))
     elif type(event) is list and event and type(event[0]) is str:
         tag = event[0]
-        if tag == "BlockStored":  # [tag, block_hashes, parent, token_ids, block_size, lora_id, medium, ...]
-            fields = event[1:7] if len(event) >= 7 else (event[1:] + [None] * 6)[:6]
-            return _stored(*fields)
-        if tag == "BlockRemoved":  # [tag, block_hashes, medium]
-            return _removed(event[1] if len(event) > 1 else None, event[2] if len(event) > 2 else None)
+        if tag == "BlockStored":  # [tag, block_hashes, parent, token_ids, block_size, lora_id, medium,
+            #                        lora_name, extra_keys, group_idx, ...]
+            return _stored(*(event[1:10] + [None] * 9)[:9])
+        if tag == "BlockRemoved":  # [tag, block_hashes, medium, group_idx]
+            fields = (event[1:4] + [None] * 3)[:3]
+            return _removed(*fields)
     else:
         raise KvWireError(f"event is neither a tagged map nor a tagged array: {type(event).__name__}")
     if tag == "AllBlocksCleared":
@@ -202,22 +218,25 @@ def decode_event(event: object) -> KvEvent:
     raise KvWireError(f"unknown event type {tag!r}")
 
 
-def _stored(hashes: object, parent: object, tokens: object, size: object, lora: object, medium: object) -> BlockStored:
+def _stored(hashes: object, parent: object, tokens: object, size: object, lora: object, medium: object,
+            lora_name: object, extra_keys: object, group: object) -> BlockStored:
     hashes = _int_list(hashes, "block_hashes")
     if type(tokens) is not list:
         raise KvWireError("token_ids is not a list of integers")
-    if type(size) is not int or size <= 0:
-        raise KvWireError(f"BlockStored block_size {size!r} is not a positive integer")
+    if type(size) is not int or size < 0:
+        raise KvWireError(f"BlockStored block_size {size!r} is not a positive integer (or 0 for a placeholder)")
     if len(tokens) != len(hashes) * size:
         raise KvWireError(f"BlockStored carries {len(tokens)} token ids for {len(hashes)} blocks of {size}")
     if parent is not None and type(parent) is not int:
         raise KvWireError("BlockStored parent_block_hash is not an integer")
     return BlockStored(hashes, parent, tokens, size, lora if type(lora) is int else None,
-                       medium if type(medium) is str else None)
+                       medium if type(medium) is str else None, lora_name, extra_keys,
+                       group if type(group) is int else None)
 
 
-def _removed(hashes: object, medium: object) -> BlockRemoved:
-    return BlockRemoved(_int_list(hashes, "block_hashes"), medium if type(medium) is str else None)
+def _removed(hashes: object, medium: object, group: object) -> BlockRemoved:
+    return BlockRemoved(_int_list(hashes, "block_hashes"), medium if type(medium) is str else None,
+                        group if type(group) is int else None)
 
 
 def _int_list(value: object, name: str) -> list[int]:

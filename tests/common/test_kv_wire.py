@@ -63,6 +63,26 @@ def test_both_encodings_decode_to_the_same_events(payload):
     assert isinstance(cleared, AllBlocksCleared)
 
 
+def test_where_the_engine_holds_the_blocks_is_read_in_every_encoding_and_a_tiers_placeholder_is_no_error():
+    """vLLM's CPU offloading (and SGLang's HiCache) name a medium, hybrid models a KV cache group; the
+    offloading connector's placeholder stores carry no tokens (block_size 0)."""
+    placeholder = {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None, "token_ids": [],
+                   "block_size": 0, "lora_id": None, "medium": "CPU", "lora_name": None, "group_idx": 1}
+    tiered = {**placeholder, "token_ids": TOKENS[:4], "block_size": 4, "extra_keys": [None],
+              "kv_cache_spec_kind": "full_attention", "kv_cache_spec_sliding_window": None, "locality": None}
+    maps = decode_batch(msgpack.packb([0.5, [placeholder, tiered, {"type": "BlockRemoved", "block_hashes": [7],
+                                                                     "medium": "CPU", "group_idx": 1}]]))
+    arrays = decode_batch(msgpack.packb([0.5, [["BlockStored", [7], None, [], 0, None, "CPU", None, None, 1],
+                                               ["BlockStored", [7], None, TOKENS[:4], 4, None, "CPU", None, [None], 1,
+                                                "full_attention"],
+                                               ["BlockRemoved", [7], "CPU", 1]]]))
+    for batch in (maps, arrays):
+        hold, stored, removed = batch.events
+        assert batch.malformed == [] and hold.placeholder and not stored.placeholder
+        assert [(e.medium, e.group_idx) for e in batch.events] == [("CPU", 1)] * 3
+        assert stored.token_ids == TOKENS[:4] and removed.block_hashes == [7]
+
+
 def test_malformed_event_is_reported_and_the_rest_kept():
     payload = msgpack.packb([0.0, [
         ["BlockStored", [1, 2], None, [1, 2, 3], 4, None, None],  # 3 tokens for 2 blocks of 4

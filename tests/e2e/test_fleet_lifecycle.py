@@ -64,7 +64,8 @@ def test_killed_engine_leaves_the_fleet_within_ttl_and_requests_keep_succeeding(
 @pytest.mark.parametrize("ttl", [2.0, 60.0], ids=["short-ttl", "long-ttl"])
 def test_a_request_on_a_worker_whose_agent_is_killed_is_answered_by_the_other(tmp_path, ttl):
     """Nothing will ever answer a request whose worker-agent died. The frontend finds out from the
-    broker (the agent's subjects have no responders any more: the sender watch, ~5 s) or from its
+    broker (the agent's subjects have no responders any more: the sender watch, ~1 s for a request
+    that has received nothing, as this non-streaming one) or from its
     router once the record ages out of discovery (``ttl``), whichever comes first, and tries the
     other worker, long before its 60 s --upstream-timeout. With a TTL of 60 s only the first can
     have answered within the client's 20 s."""

@@ -175,8 +175,9 @@ async def test_the_first_stored_block_settles_the_block_size_the_worker_register
     try:
         stored = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
                   "token_ids": list(range(128)), "block_size": 128, "lora_id": None, "medium": "CPU"}
+        placeholder = {**stored, "token_ids": [], "block_size": 0}  # a CPU tier's (offloading): no size of its own
         for seq in range(3):  # a vLLM-on-CPU engine registered at vLLM's GPU default of 16
-            pub.history[seq] = msgpack.packb([float(seq), [stored], 0])
+            pub.history[seq] = msgpack.packb([float(seq), [placeholder, stored], 0])
         await pub.pub.send_multipart([b"", encode_seq(2), pub.history[2]])  # the relay replays 0 and 1 too
         assert await wait_for(lambda: corrected == [128])
         assert relayer.block_size == 128

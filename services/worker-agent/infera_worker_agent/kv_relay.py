@@ -223,7 +223,7 @@ class KvRelayer:
             m.kv_unknown_removed.inc(unknown)
 
     async def _check_block_size(self, events: list[KvEvent]) -> None:
-        size = next((e.block_size for e in events if isinstance(e, BlockStored)), None)
+        size = next((e.block_size for e in events if isinstance(e, BlockStored) and not e.placeholder), None)
         if size is None:
             return
         self._block_size_seen = True
