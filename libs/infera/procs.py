@@ -48,6 +48,18 @@ def nats_server_binary() -> str:
 #: Largest NATS message: long agentic prompts (100k+ tokens, as JSON plus token ids for routing)
 #: exceed nats-server's 1 MiB default. 8 MiB is the largest size NATS recommends.
 NATS_MAX_PAYLOAD = 8 * 1024 * 1024
+#: How often nats-server pings each client, and how many pings may go unanswered before it drops the
+#: client (and its subscriptions). nats-server's defaults (2 min, 2) left a frozen router (SIGSTOP, a
+#: hung host) subscribed to the routers' queue group for minutes, handed its share of the route
+#: requests, each failed after --route-timeout (the HA audit of session 28: 270 s and counting). A
+#: client's pings are answered by its read loop, which a busy Python service reaches within seconds.
+NATS_PING_INTERVAL = "10s"
+NATS_PING_MAX = 2
+
+
+def nats_config() -> str:
+    """The nats-server settings Infera needs (``docker/nats.conf`` holds the same)."""
+    return f'max_payload: {NATS_MAX_PAYLOAD}\nping_interval: "{NATS_PING_INTERVAL}"\nping_max: {NATS_PING_MAX}\n'
 
 
 def start_nats(port: int, store_dir: str | os.PathLike, host: str = "127.0.0.1", log_file=None) -> subprocess.Popen:
@@ -55,7 +67,7 @@ def start_nats(port: int, store_dir: str | os.PathLike, host: str = "127.0.0.1",
     store = Path(store_dir)
     store.mkdir(parents=True, exist_ok=True)
     config = store / "infera-nats.conf"
-    config.write_text(f"max_payload: {NATS_MAX_PAYLOAD}\n")
+    config.write_text(nats_config())
     argv = [nats_server_binary(), "-c", str(config), "-js", "-a", host, "-p", str(port), "-sd", str(store)]
     return _start_server(argv, log_file, lambda proc: wait_port(host, port, 10.0, proc))
 

@@ -167,6 +167,10 @@ class RouteRequest(_Msg):
     #: ~0.5 ms of validation on each side of the bus. Read them as ``token_ids``.
     tokens: bytes | None = None
     deadline: float  # unix time after which nobody waits for the answer
+    #: unix time after which the requester no longer waits for the route reply (its --route-timeout;
+    #: it tries another router then): a router that gets to the request later (it was stalled, or
+    #: its backlog grew) drops it instead of placing work whose answer nobody reads (``None``: not said)
+    route_deadline: float | None = None
     exclude: list[str] = Field(default_factory=list)  # worker ids not to pick (retries)
     #: every value of the client's X-Dynamo-Session-ID header, in order, unmodified (empty: no header);
     #: the router validates them (duplicates, empty, too long -> 400) when its affinity mode is on

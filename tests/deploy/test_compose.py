@@ -99,14 +99,16 @@ def test_every_console_script_resolves():
         assert callable(getattr(importlib.import_module(module), func)), script
 
 
-def test_compose_nats_allows_the_payload_infera_up_allows():
-    from infera.procs import NATS_MAX_PAYLOAD
+def test_compose_nats_runs_with_the_settings_infera_up_gives_its_nats_server():
+    """The payload limit and the ping that drops a frozen client: the same in both deployments."""
+    from infera.procs import nats_config
 
     nats = COMPOSE["services"]["nats"]
     conf_host_path = nats["volumes"][0].split(":")[0]
     assert nats["command"][nats["command"].index("-c") + 1] == nats["volumes"][0].split(":")[1]
     text = (ROOT / conf_host_path).read_text()
-    assert f"max_payload: {NATS_MAX_PAYLOAD}" in text
+    settings = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert settings == nats_config().splitlines()
 
 
 def _seconds(duration: str) -> float:

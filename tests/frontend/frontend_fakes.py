@@ -164,6 +164,7 @@ class MultiFleet:
     query_subs: dict[str, object] = field(default_factory=dict)  # sender -> its FramesQuery subscription
     tasks: set = field(default_factory=set)
     before_reply: Script | None = None  # what the router does before it replies (say, wait on a prefill)
+    stalled: int = 0  # route requests still to be taken in and never answered (a frozen router's share)
 
     async def frame(self, req: RouteRequest, frame: Frame, *, lost: bool = False) -> None:
         """Send a frame (``lost``: count and keep it as sent, but it never reaches the frontend)."""
@@ -198,6 +199,9 @@ class MultiFleet:
     async def on_route(self, msg) -> None:
         req = decode(RouteRequest, msg.data)
         self.routed.append(req)
+        if self.stalled:
+            self.stalled -= 1
+            return
         left = [w for w in self.workers if w not in req.exclude]
         if not left:
             await msg.respond(encode(RouteReply(status=503, message="every worker of the model is excluded")))

@@ -477,3 +477,4 @@ async def test_nats_api_requests_fail_over_too(start_frontend, multi, nats_serve
         assert info.value.status == 503
     finally:
         await client.close()
+

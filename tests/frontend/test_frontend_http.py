@@ -211,7 +211,8 @@ async def test_silent_router_is_503_after_route_timeout(make_frontend, fleet):
     await wait_until(lambda: fe.models.is_known(MODEL))
     fleet.route_silent = True
     status, _, raw = await post(fe, "/v1/chat/completions", chat_body())
-    assert status == 503 and openai_error(raw)["message"] == "router unavailable"
+    assert status == 503 and openai_error(raw)["message"] == "router unavailable: no answer within 0.3s"
+    assert fe.metrics.registry.get_sample_value("infera_frontend_retries_total", {"reason": "route_timeout"}) == 1
     fleet.route_silent = False
     assert (await post(fe, "/v1/chat/completions", chat_body()))[0] == 200
 

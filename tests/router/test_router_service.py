@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgpack
 import nats.errors
@@ -106,6 +107,19 @@ async def test_round_robin_alternates_between_workers_streams(bench):
     assert bench.metric("infera_router_live_workers", model="m", status="active") == 2
     await bench.route(request_id="q4", prompt_tokens=7, sequences=6)  # n samples x prompts, as the frontend says
     assert [e.sequences for e in await bench.pull("a")] == [6]
+
+
+async def test_a_route_request_its_requester_stopped_waiting_for_is_not_placed(bench):
+    """A router stalled past the frontend's --route-timeout (frozen, or far behind) must not place
+    the requests it finds waiting when it wakes: their frontends have tried another router, and
+    the engines would answer nobody."""
+    await bench.worker("a")
+    stale = await bench.route(request_id="stale", route_deadline=time.time() - 2)
+    assert stale.status == 504 and "stopped waiting" in stale.message
+    assert await bench.pull("a") == [] and bench.leases("a") == 0
+    assert bench.metric("infera_router_route_expired_total") == 1
+    fresh = await bench.route(request_id="fresh", route_deadline=time.time() + 5)
+    assert fresh.status == 200 and [e.request_id for e in await bench.pull("a")] == ["fresh"]
 
 
 async def test_unknown_model_404_and_no_active_worker_503(bench):

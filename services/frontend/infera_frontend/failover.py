@@ -18,6 +18,11 @@ no NATS reply), and only for failures another worker may not have:
 - NATS "no responders" for the route request (no router subscribed) until ``--route-timeout``
   (the relay sends it again every 0.25 s meanwhile): reason ``no_router``; nobody received the
   request, so it cannot run twice;
+- no route reply within ``--route-timeout`` (a router stalled or frozen while still subscribed: the
+  broker hands it its share of the route requests): reason ``route_timeout``, through the routers'
+  queue group again. It cannot run twice either: the request carries its ``route_deadline``, and a
+  router that gets to it later drops it unplaced (an older router without that check could still
+  place it: the engine then answers nobody);
 - response frames lost between the worker and the frontend (e.g. across a broker restart) that the
   worker could not send again, or a request its worker never received: reason ``frames_lost``
   (the worker has been sent a ``Cancel``);
@@ -26,8 +31,7 @@ no NATS reply), and only for failures another worker may not have:
 
 Never retried: any other 4xx (the client's request is at fault; 499 is the requester's own cancel,
 409 a duplicate request id), 500 (agent or engine bug), unreadable frames, a router refusal (the
-router already chose among every worker of the model), a route request that timed out (the router
-may have placed it: a retry could run it twice), and anything after the first data frame.
+router already chose among every worker of the model), and anything after the first data frame.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ UNREACHABLE = "worker_unreachable"  # the engine refused the connection: the req
 #: besides --request-max-retries (they cost no engine work; the router's breaker takes the worker out).
 UNREACHED_RETRIES = 3
 NO_ROUTER = "no_router"
+ROUTE_TIMEOUT = "route_timeout"  # no route reply within --route-timeout (the router drops it after)
 FRAMES_LOST = "frames_lost"
 SENDER_GONE = "sender_gone"  # the process sending the request's frames left the bus (sender_watch.py)
 CLIENT_TOO_SLOW = "client_too_slow"  # its frames piled up unread (--max-unread-frames): cancelled, never retried

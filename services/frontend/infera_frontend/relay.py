@@ -35,6 +35,7 @@ from pydantic import BaseModel
 
 from infera_common.block_hash import pack_tokens
 from infera_common.logs import get_logger
+from infera_common.nats_conn import RepeatedErrors
 from infera_common.schemas import (
     Cancel, DiscoveryBackend, Endpoint, FramesQuery, FramesReplay, FramesReplayed, FramesSent, M, Release,
     RouteRequest, decode, encode,
@@ -46,7 +47,7 @@ from infera_common.subjects import (
 from infera_common.tasks import stop_tasks
 
 from infera_frontend.exchange import Exchange
-from infera_frontend.failover import NO_ROUTER, SENDER_GONE, UPSTREAM_TIMEOUT, RetryableError
+from infera_frontend.failover import NO_ROUTER, ROUTE_TIMEOUT, SENDER_GONE, UPSTREAM_TIMEOUT, RetryableError
 from infera_frontend.inbox import Inbox, Mailbox
 from infera_frontend.metrics import FrontendMetrics
 from infera_frontend.placement import NoRouter, Placement, router_error, router_unavailable
@@ -75,6 +76,9 @@ UNHEARD_AFTER = 0.5
 SENDER_CHECK_EVERY = 0.5
 SENDER_QUESTION_TIMEOUT = 1.0
 SENDER_GONE_AFTER = 3.0
+#: Seconds between two ``router_unavailable`` lines of one cause (a stalled router fails every request
+#: it was handed).
+ROUTER_ERRORS_LOG_EVERY = 10.0
 
 
 def frames_subjects(router_id: str | None, worker_id: str) -> tuple[str, str]:
@@ -118,6 +122,7 @@ class Relay:
         self.watch = SenderWatch(SILENT_AFTER, SENDER_GONE_AFTER, UNHEARD_AFTER)
         self._asking: set[tuple[str | None, str]] = set()  # senders being asked right now
         self._watch_task: asyncio.Task | None = None
+        self._router_errors = RepeatedErrors(ROUTER_ERRORS_LOG_EVERY)
 
     def spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -190,7 +195,8 @@ class Relay:
             request_id=request_id, model=model, endpoint=endpoint, body=body, stream=stream,
             reply_subject=subject, prompt_tokens=prompt_tokens,
             tokens=None if token_ids is None else pack_tokens(token_ids),
-            deadline=time.time() + self.deadline_in(), exclude=list(exclude or ()),
+            deadline=time.time() + self.deadline_in(), route_deadline=time.time() + self.route_timeout,
+            exclude=list(exclude or ()),
             session_ids=list(session_ids or ()), discovery_backend=self.discovery_backend, traceparent=traceparent,
             sequences=sequences, samples=samples, keepalive=self.keepalive, upstream_timeout=self.upstream_timeout,
         ))
@@ -209,14 +215,17 @@ class Relay:
             raise
         except NoRouter:  # nobody received the request: trying again cannot run it twice
             self.inbox.release(subject)
-            self.metrics.route_errors.labels("503").inc()
-            log.warning("router_unavailable", request_id=request_id, error="no responders")
+            self._router_unavailable(request_id, "no responders")
             raise RetryableError(503, "router unavailable", type="service_unavailable_error",
                                  reason=NO_ROUTER) from None
-        except (TimeoutError, OSError) as exc:
+        except TimeoutError:  # a router holds it and does not answer: it drops it past route_deadline
             self.inbox.release(subject)
-            self.metrics.route_errors.labels("503").inc()
-            log.warning("router_unavailable", request_id=request_id, error=repr(exc))
+            self._router_unavailable(request_id, f"no route reply within --route-timeout {self.route_timeout:g}s")
+            raise RetryableError(503, f"router unavailable: no answer within {self.route_timeout:g}s",
+                                 type="service_unavailable_error", reason=ROUTE_TIMEOUT) from None
+        except OSError as exc:
+            self.inbox.release(subject)
+            self._router_unavailable(request_id, repr(exc))
             raise router_unavailable() from None
         except ValueError as exc:
             self.inbox.release(subject)
@@ -225,8 +234,7 @@ class Relay:
             raise ApiError(500, "the router sent an unreadable reply") from None
         except Exception as exc:  # NATS connection closed or draining
             self.inbox.release(subject)
-            self.metrics.route_errors.labels("503").inc()
-            log.warning("router_unavailable", request_id=request_id, error=repr(exc))
+            self._router_unavailable(request_id, repr(exc))
             raise router_unavailable() from None
         if reply.status != 200 or not reply.worker_id:
             self.inbox.release(subject)
@@ -241,6 +249,14 @@ class Relay:
                             frames_router, sender_known=reply.frames_from is not None)
         self._open.add(exchange)
         return exchange
+
+    def _router_unavailable(self, request_id: str, error: str) -> None:
+        """Counted always; logged the first time for each cause, then once every ``ROUTER_ERRORS_LOG_EVERY`` s."""
+        self.metrics.route_errors.labels("503").inc()
+        held = self._router_errors.let_through(error, time.monotonic())
+        if held is not None:
+            log.warning("router_unavailable", request_id=request_id, error=error,
+                        **({"repeated": held} if held else {}))
 
     def forget(self, exchange: Exchange) -> None:
         """``exchange`` is closed."""

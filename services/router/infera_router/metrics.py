@@ -47,6 +47,12 @@ class RouterMetrics:
         self.releases = Counter(
             "infera_router_lease_releases", "Leases released by the worker-agent, by outcome.", ["outcome"], registry=r,
         )
+        self.route_expired = Counter(
+            "infera_router_route_expired",
+            "Route requests dropped unplaced: their requester had stopped waiting (RouteRequest.route_deadline) "
+            "before this router got to them (the router stalled or fell behind, or the clocks disagree).",
+            registry=r,
+        )
         self.unknown_releases = Counter(
             "infera_router_unknown_releases",
             "Releases for leases this router does not hold (already dropped or never issued); ignored.",

@@ -62,6 +62,8 @@ class RoutePath:
                 reply = RouteReply(status=400, message=f"malformed RouteRequest: {exc}"[:1000], router_id=self.router_id)
                 await self._send(msg.reply, reply, t0)
                 return
+            if self._expired(request, msg.reply, t0):
+                return
             span = start_span("route", request.traceparent,
                               attributes={"infera.request_id": request.request_id, "infera.model": request.model})
             request.traceparent = traceparent(span)  # the engine call's parent
@@ -113,6 +115,9 @@ class RoutePath:
     async def _route(self, request: RouteRequest, reply_to: str, t0: float, kv: KvView | None, span: Span) -> bool:
         """Plan and start handing the request over; True when ``span`` went to the routing, which
         ends it with the reply (the worker's ack may come later), False when the caller ends it."""
+        if self._expired(request, reply_to, t0):  # (the indexer's answer may have taken the rest)
+            span.set_attribute("infera.route.status", 504)
+            return False
         try:
             plan = self.core.plan(request, kv, time.monotonic())
         except SessionIdError as exc:
@@ -273,6 +278,30 @@ class RoutePath:
             return 429, message
         return 503, (f"none of the {n} active workers of model {model!r} could take the request "
                      f"({r.gone} without a request queue, {r.failed} refused)")
+
+    def _expired(self, request: RouteRequest, reply_to: str, t0: float) -> bool:
+        """Whether the requester stopped waiting for this route request before the router got to it
+        (``route_deadline``, on the wall clock the fleet shares, as ``deadline``): then it is not
+        placed, so no engine works for nobody; the requester has tried another router. A router
+        frozen for 20 s (SIGSTOP, a stalled host) placed every request of those 20 s when it woke,
+        the clients of all of them long gone (the HA audit of session 28)."""
+        if request.route_deadline is None:
+            return False
+        late = time.time() - request.route_deadline
+        if late <= 0:
+            return False
+        self.metrics.route_expired.inc()
+        held = self._refusals.let_through("expired", time.monotonic())
+        if held is not None:
+            log.warning("route_request_expired", request_id=request.request_id, late_s=round(late, 3),
+                        hint="the requester stopped waiting (--route-timeout) before this router got to the "
+                             "request: the router was stalled or behind, or the hosts' clocks disagree",
+                        **({"repeated": held} if held else {}))
+        self.metrics.routed_inc(request.model, "", 504)
+        self._spawn(self._send(reply_to, RouteReply(
+            status=504, message=f"route request reached router {self.router_id} {late:.3f}s after its "
+                                "requester stopped waiting", router_id=self.router_id), t0))
+        return True
 
     def _drop(self, lease: Lease) -> None:
         if self.core.release(lease.lease_id) is not None:

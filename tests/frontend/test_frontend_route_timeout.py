@@ -1,0 +1,26 @@
+"""A router subscribed to the route subject but not answering (frozen by SIGSTOP, a hung host, a
+loop stuck) is handed its share of the route requests by the broker's queue group."""
+
+from __future__ import annotations
+
+import time
+
+import aiohttp
+
+from tests.frontend.frontend_fakes import W1, chat_body, completion_json, url
+
+
+async def test_a_route_request_no_router_answers_in_time_is_tried_again_through_the_queue_group(
+        start_frontend, multi):
+    """A router that is subscribed but stalled (frozen, or hung) takes its share of the route
+    requests and answers none: the frontend tries again after --route-timeout, and the request says
+    until when it was waited for, so that the stalled router, when it wakes, drops it unplaced."""
+    fe = await start_frontend(route_timeout=0.5)
+    multi.stalled = 1
+    before = time.time()
+    async with aiohttp.ClientSession() as s, s.post(url(fe, "/v1/chat/completions"), json=chat_body()) as r:
+        assert r.status == 200 and await r.read() == completion_json()
+    first, second = multi.routed
+    assert before + 0.5 <= first.route_deadline <= second.route_deadline - 0.5  # each attempt its own
+    assert multi.placed == [W1]
+    assert fe.metrics.registry.get_sample_value("infera_frontend_retries_total", {"reason": "route_timeout"}) == 1
