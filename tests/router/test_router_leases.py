@@ -14,6 +14,15 @@ def test_acquire_gives_unique_ids_and_release_drops_once():
     assert table.count("w1") == 1 and a.lease_id not in table and b.lease_id in table
 
 
+def test_a_router_started_again_under_the_same_id_does_not_take_its_predecessors_release_for_its_own():
+    before, after = LeaseTable("r1"), LeaseTable("r1")  # a fixed --router-id, a crash, a restart
+    old = before.acquire("w1", "req-old", 10, now=1.0)
+    new = after.acquire("w1", "req-new", 10, now=2.0)
+    assert old.lease_id != new.lease_id and new.lease_id.startswith("r1-")
+    assert after.release(old.lease_id) is None  # the old process's request ended: not this lease
+    assert new.lease_id in after
+
+
 def test_unknown_release_is_ignored():
     table = LeaseTable("r1")
     table.acquire("w1", "req", 0, now=0.0)

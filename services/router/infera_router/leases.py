@@ -7,6 +7,7 @@ Leases are stored in creation order, so expiring the old ones costs only what it
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 
@@ -40,8 +41,11 @@ class Lease:
 
 
 class LeaseTable:
-    def __init__(self, id_prefix: str) -> None:
+    def __init__(self, id_prefix: str, start: str | None = None) -> None:
         self.prefix = id_prefix  # this router's id: every lease id starts with it
+        # and then this table's own mark: a router started again under the same --router-id (a fixed
+        # id) must not take a Release of its predecessor's lease (numbered from 1 too) for one of its own
+        self._start = start if start is not None else secrets.token_hex(3)
         self._next = 0
         self._leases: dict[str, Lease] = {}  # insertion (= creation) order
         self._by_worker: dict[str, dict[str, Lease]] = {}
@@ -50,7 +54,7 @@ class LeaseTable:
                 prefill_tokens: int | None = None) -> Lease:
         self._next += 1
         prefill = prompt_tokens if prefill_tokens is None else prefill_tokens
-        lease = Lease(f"{self.prefix}-{self._next}", worker_id, request_id, now, prompt_tokens, prefill)
+        lease = Lease(f"{self.prefix}-{self._start}-{self._next}", worker_id, request_id, now, prompt_tokens, prefill)
         self._leases[lease.lease_id] = lease
         self._by_worker.setdefault(worker_id, {})[lease.lease_id] = lease
         return lease
