@@ -41,7 +41,7 @@ from infera_common.engine_relay import Abort, FrameSink, Outcome, Publish, Relay
 from infera_common.logs import get_logger
 from infera_common.recent import RecentIds
 from infera_common.schemas import Cancel, Prefilled, Release, WorkEnvelope, decode, encode
-from infera_common.subjects import router_prefilled_subject, router_release_subject
+from infera_common.subjects import requester_alive_subject, router_prefilled_subject, router_release_subject
 
 log = get_logger("request_runner")
 
@@ -75,6 +75,8 @@ class StopReason:
 
 CLIENT_CANCELLED = StopReason("cancelled", 499, "cancelled by the requester")
 CLOSING = StopReason("error", 503, "worker-agent stopping")
+#: What a request gets whose frontend left the message bus (``requester_watch``): nobody reads its answer.
+REQUESTER_GONE = StopReason("cancelled", 499, "its requester (a frontend) left the message bus")
 #: What a request waiting on an engine its agent found unresponsive gets (``stop_unanswered``).
 ENGINE_UNHEALTHY = StopReason("error", 503, "the worker's engine stopped answering its health checks; "
                               "retry on another worker")
@@ -166,6 +168,27 @@ class RequestRunner:
         """The requests being handled, counted per router that leased them."""
         return dict(Counter(entry.envelope.router_id for entry in self._inflight.values()))
 
+    def work_by_router(self) -> dict[str, tuple[int, int]]:
+        """Per router that said the size of every one of its requests here: (prompt tokens still to
+        prefill, prompt tokens x samples decoding). A request counts as prefilling until its first
+        streamed data frame went out (a unary one throughout), as its router counts it."""
+        work: dict[str, tuple[int, int]] = {}
+        unsized: set[str] = set()
+        for entry in self._inflight.values():
+            env = entry.envelope
+            if env.prefill_tokens is None or env.decode_tokens is None:
+                unsized.add(env.router_id)
+                continue
+            prefill, decode = work.get(env.router_id, (0, 0))
+            if env.stream and entry.sink.data_sent:
+                decode += env.decode_tokens
+            else:
+                prefill += env.prefill_tokens
+            work[env.router_id] = (prefill, decode)
+        for router_id in unsized:
+            work.pop(router_id, None)
+        return work
+
     def in_flight_by_rank(self) -> dict[int, tuple[int, int]]:
         """Per DP rank the router pinned requests to (``dp_pin.RANK_HEADER``): the requests being
         handled there and the frames they have sent so far (a mark that moves while the rank works)."""
@@ -232,6 +255,20 @@ class RequestRunner:
         return sum(self._stop(entry, reason) for entry in list(self._inflight.values())
                    if (worker_id is None or entry.worker_id == worker_id)
                    and not entry.sink.closed and not entry.sink.data_sent)
+
+    def requesters(self) -> set[str]:
+        """Where to ask whether each frontend waiting for a request in flight is still on the bus
+        (``subjects.requester_alive_subject``; requests answering a router are left out)."""
+        out: set[str] = set()
+        for entry in self._inflight.values():
+            if entry.stop is None and (subject := requester_alive_subject(entry.envelope.reply_subject)):
+                out.add(subject)
+        return out
+
+    def stop_requester(self, alive_subject: str, reason: StopReason) -> int:
+        """Stop the requests of the frontend behind ``alive_subject`` (``requesters``); how many."""
+        return sum(self._stop(entry, reason) for entry in list(self._inflight.values())
+                   if requester_alive_subject(entry.envelope.reply_subject) == alive_subject)
 
     def refuse_new(self, reason: StopReason) -> None:
         """Answer submitted envelopes with ``reason`` at once, unless a drain refusal is already set."""

@@ -127,6 +127,11 @@ class LoadReport(_Msg):
     #: ``in_flight`` split by the router that leased each request: a router counts the others'
     #: requests from this without guessing which of its own the report still includes
     by_router: dict[str, int] = Field(default_factory=dict)
+    #: the size of those requests, per router whose every request here said it (``WorkEnvelope.prefill_tokens``):
+    #: (prompt tokens still to prefill, prompt tokens x samples of the requests past their first streamed
+    #: token), as the leasing router counts its own; a router weighs the others' requests by them
+    #: instead of sizing each like the request it is placing (``None``: not said, an older agent)
+    by_router_work: dict[str, tuple[int, int]] | None = None
     #: requests the engine holds that did not come through this agent (clients calling the engine
     #: directly): its running + waiting less the agent's in-flight count taken both before and
     #: after reading them, so a request that ended or started during the read is not counted
@@ -247,6 +252,11 @@ class WorkEnvelope(_Msg):
     sequences: int = Field(1, ge=1)
     #: ``RouteRequest.keepalive``: send ``alive`` frames while the answer has not begun
     keepalive: float | None = Field(None, gt=0)
+    #: the request's size as its router counts it in its load (``None``: not said, an older router):
+    #: the prompt tokens it found uncached on this worker, and the prompt tokens times ``n`` its
+    #: decoding reads; the worker-agent reports them per router (``LoadReport.by_router_work``)
+    prefill_tokens: int | None = None
+    decode_tokens: int | None = None
 
 
 FrameKind = Literal["head", "data", "end", "error", "alive"]

@@ -113,6 +113,21 @@ def frontend_inbox_prefix(frontend_id: str) -> str:
     return f"{INBOX_PREFIX}.{_token(frontend_id)}."
 
 
+#: The last token of the subject on which a frontend answers that it is on the bus (``<prefix>alive``:
+#: its inbox subscription's wildcard takes it; its reply subjects end in numbers).
+ALIVE_TOKEN = "alive"
+
+
+def requester_alive_subject(reply_subject: str) -> str | None:
+    """Where to ask whether the frontend behind ``reply_subject`` is still on the bus: NATS answers
+    "no responders" there once it is not (a frontend that predates the question takes it and says
+    nothing). None for a reply subject that is not a frontend's (a router's prefill leg)."""
+    parts = reply_subject.split(".")
+    if len(parts) != 3 or parts[0] != INBOX_PREFIX:
+        return None
+    return f"{parts[0]}.{parts[1]}.{ALIVE_TOKEN}"
+
+
 # --- frontend API for NATS clients -------------------------------------------
 FRONTEND_QUEUE = "infera-frontend"
 #: Every API subject starts so (a request whose reply subject does is refused: it would call the API).

@@ -67,3 +67,43 @@ async def test_a_request_cancelled_at_any_moment_is_acked_released_and_untracked
     frames = [decode_frame(data) for subject, data in sent if subject == "_INBOX.client.1"]
     assert [(f.kind, f.status) for f in frames] == [("error", 499)]
     assert [subject for subject, _ in sent if "release" in subject] != []
+
+
+async def test_the_work_in_flight_is_sized_per_router_as_each_router_counts_its_own():
+    """What the agent's load report tells every router of the others' requests (``LoadReport.by_router_work``)."""
+
+    async def publish(subject: str, data: bytes) -> None:
+        pass
+
+    class Streams:
+        async def run(self, env, sink):
+            if env.request_id == "decoding":
+                await sink.send("head")
+                await sink.send("data", body=b"{}")  # its first token went out
+            await asyncio.sleep(10)
+            return "ok"
+
+    async def abort(request_id: str) -> None:
+        pass
+
+    runner = RequestRunner(publish, Counts(), vouch=lambda worker_id: False)
+    engine = Engine(relay=Streams(), abort=abort)
+
+    def env(request_id: str, router_id: str, stream: bool = True, **size) -> WorkEnvelope:
+        return WorkEnvelope(request_id=request_id, endpoint=Endpoint.CHAT, body=b"{}", reply_subject="_INBOX.fe.1",
+                            deadline=time.time() + 60, lease_id=request_id, router_id=router_id, stream=stream,
+                            **size)
+
+    await runner.submit("w1", env("decoding", "r1", prefill_tokens=100, decode_tokens=300), engine)
+    await runner.submit("w1", env("prefilling", "r1", prefill_tokens=40, decode_tokens=50), engine)
+    await runner.submit("w1", env("unary", "r1", stream=False, prefill_tokens=7, decode_tokens=9), engine)
+    await runner.submit("w1", env("sized", "r2", prefill_tokens=5, decode_tokens=5), engine)
+    await runner.submit("w1", env("unsized", "r2"), engine)  # from a router before the fields
+    await runner.submit("w1", env("other", "r3", prefill_tokens=1, decode_tokens=2), engine)
+    for _ in range(50):
+        await asyncio.sleep(0.01)
+        if runner.work_by_router()["r1"][1]:
+            break
+    assert runner.work_by_router() == {"r1": (40 + 7, 300), "r3": (1, 0)}  # r2: one of its requests unsized
+    assert runner.in_flight_by_router() == {"r1": 3, "r2": 2, "r3": 1}
+    await runner.close()

@@ -158,6 +158,43 @@ def _chat_or_down(url: str) -> int:
         return 0
 
 
+def test_a_request_whose_frontend_is_killed_stops_running_on_its_engine(tmp_path):
+    """Nothing reads the answer of a request whose frontend died: its worker-agent finds the frontend
+    gone from the bus (requester_watch, ~5 s) and aborts the engine's request, instead of decoding
+    all 6,000 tokens for nobody (about 35 s here)."""
+    fleet = Fleet(tmp_path, workers=1, env=env_with()).start()
+    try:
+        [worker] = fleet.workers_list()
+        body = json.dumps({"model": BUNDLED_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+                           "max_tokens": 6000, "ignore_eos": True, "stream": True}).encode()
+        req = urllib.request.Request(fleet.url + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+
+        def read_stream() -> None:
+            try:
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    while resp.read(4096):
+                        pass
+            except OSError:  # the frontend died under it
+                pass
+
+        running = lambda: scrape(worker["url"]).get("sglang:num_running_reqs", 0)  # noqa: E731
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(read_stream)
+            deadline = time.monotonic() + 10
+            while running() < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert running() == 1, "the request never started"
+            [frontend] = [p for p in process_tree(fleet.proc.pid) if b"infera_frontend" in _cmdline(p)]
+            os.kill(frontend, signal.SIGKILL)
+            killed = time.monotonic()
+            while running() > 0 and time.monotonic() - killed < 20:
+                time.sleep(0.2)
+            assert running() == 0, "the engine still runs the request of a dead frontend"
+    finally:
+        fleet.stop()
+
+
 def test_infera_up_starts_its_nats_server_and_control_services_again_and_the_fleet_serves_on(tmp_path):
     """SIGKILL nats-server, then the router, the kv-indexer and the frontend, one at a time: each
     is started again on its own ports, and the fleet serves on with both workers (it used to stop

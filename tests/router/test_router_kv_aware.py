@@ -267,6 +267,25 @@ def test_a_stale_report_does_not_count_this_router_s_finished_requests_as_other_
     assert {x.worker_id: x for x in c.plan(request(), view({})).costs}["a"].load_blocks == 20
 
 
+def test_another_routers_decoding_requests_weigh_as_this_routers_own_when_the_report_sizes_them():
+    """Two routers: a's cache holds the prefix, and two of r2's conversations decode there. Sized by
+    the agent's report they weigh a tenth of their prompts, as r1's own would, and the prefix wins;
+    counted as requests the size of this one they outweighed it, and the prefix was computed again
+    on b (the HA audit of session 28)."""
+    c = RouterCore(KvAware(rng=random.Random(1)), "r1", 100.0)
+    c.apply_change(join("a", kv_block_size=64))
+    c.apply_change(join("b", kv_block_size=64))
+    c.apply_load(LoadReport(worker_id="a", in_flight=2, by_router={"r2": 2}))  # an agent that does not size
+    assert c.plan(request(), view({"a": 9})).order[0].worker_id == "b"  # 2 x 1 + 2 x 10 > 2 x 10
+    c.apply_load(LoadReport(worker_id="a", in_flight=2, by_router={"r2": 2}, by_router_work={"r2": (0, 2 * 640)}))
+    costs = {x.worker_id: x for x in c.plan(request(), view({"a": 9})).costs}
+    assert costs["a"].load_blocks == 0.1 * 2 * 640 / 64 and c.plan(request(), view({"a": 9})).order[0].worker_id == "a"
+    # still prefilling, they weigh in full (and a router that did not size its requests: by count)
+    c.apply_load(LoadReport(worker_id="a", in_flight=3, by_router={"r2": 2, "r3": 1},
+                            by_router_work={"r2": (2 * 640, 0)}))
+    assert {x.worker_id: x for x in c.plan(request(), view({"a": 9})).costs}["a"].load_blocks == 20 + 10
+
+
 def test_a_prompt_that_ended_ok_stays_counted_a_moment_for_its_events_to_reach_the_index():
     """A follow-up sent the moment the answer arrives can beat the engine's KV events to the index:
     the prompt's blocks stay counted on its worker for LINGER seconds after a release ``ok``."""

@@ -16,7 +16,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from infera_common.nats_conn import unsubscribe_quietly
-from infera_common.subjects import frontend_inbox_prefix
+from infera_common.subjects import ALIVE_TOKEN, frontend_inbox_prefix
 
 
 def _wake(waiter: asyncio.Future) -> None:
@@ -91,6 +91,7 @@ class Inbox:
         self._nc = nc
         self.max_unread = max_unread  # each mailbox's limit
         self.prefix = frontend_inbox_prefix(frontend_id)
+        self.alive_subject = self.prefix + ALIVE_TOKEN  # where workers ask whether it is on the bus
         self._boxes: dict[str, Mailbox] = {}
         self._ids = itertools.count(1)
         self._sub = None
@@ -117,5 +118,8 @@ class Inbox:
 
     async def _on_msg(self, msg: Msg) -> None:
         box = self._boxes.get(msg.subject)
-        if box is not None:  # else: for a request no longer waiting (e.g. its client left)
+        if box is not None:
             box.put(msg)
+        elif msg.subject == self.alive_subject and msg.reply:  # a worker asks (``requester_watch``)
+            await msg.respond(b"")
+        # else: for a request no longer waiting (e.g. its client left)

@@ -27,16 +27,18 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 
+from infera_common.absence import Absences
+
 
 class SenderWatch:
-    __slots__ = ("silent_after", "unheard_after", "gone_after", "_progress", "_absent_since", "_settled_at")
+    __slots__ = ("silent_after", "unheard_after", "gone_after", "_progress", "_absent", "_settled_at")
 
     def __init__(self, silent_after: float, gone_after: float, unheard_after: float | None = None) -> None:
         self.silent_after = silent_after
         self.unheard_after = silent_after if unheard_after is None else unheard_after
         self.gone_after = gone_after
         self._progress: dict[Hashable, tuple[int, float]] = {}  # request -> (frames received, since when)
-        self._absent_since: dict[Hashable, float] = {}  # sender -> first "no responders" in a row
+        self._absent = Absences(gone_after)  # senders answering "no responders"
         self._settled_at = float("-inf")  # before this, every sender may still be reconnecting
 
     def silent(self, key: Hashable, progress: int, now: float) -> bool:
@@ -56,23 +58,20 @@ class SenderWatch:
 
     def absent(self, sender: Hashable, now: float) -> float:
         """The sender answered "no responders": for how many seconds it has done so in a row."""
-        return now - self._absent_since.setdefault(sender, now)
+        return self._absent.absent(sender, now)
 
     def present(self, sender: Hashable) -> None:
-        self._absent_since.pop(sender, None)
+        self._absent.present(sender)
 
     def gone(self, sender: Hashable, progress: int, now: float) -> bool:
         """Whether a request of ``sender`` with ``progress`` frames received ends now (see the module doc)."""
-        since = self._absent_since.get(sender)
-        if since is None:
+        if self._absent.since(sender) is None:
             return False
-        if progress == 0 and now >= self._settled_at:
-            return True
-        return now - since >= self.gone_after
+        return (progress == 0 and now >= self._settled_at) or self._absent.gone(sender, now)
 
     def reset(self, now: float) -> None:
         """This frontend is back on the broker at ``now``: what it saw before means nothing, and the
         senders get ``gone_after`` seconds to be back too."""
         self._progress.clear()
-        self._absent_since.clear()
+        self._absent.clear()
         self._settled_at = now + self.gone_after

@@ -402,8 +402,15 @@ class RouterCore:
         if worker.off_bus:
             self.back_on_bus.append(report.worker_id)
         self.fleet.set_load(report, self.clock)
+        worker.others_prefill = worker.others_decode = 0
         if report.by_router or not report.in_flight:
-            worker.others = report.in_flight - report.by_router.get(self.leases.prefix, 0)
+            own = self.leases.prefix
+            worker.others = report.in_flight - report.by_router.get(own, 0)
+            for router_id, (prefill, decode) in (report.by_router_work or {}).items():
+                if router_id != own:  # sized: weighed as this router weighs its own, not as a count
+                    worker.others -= report.by_router.get(router_id, 0)
+                    worker.others_prefill += prefill
+                    worker.others_decode += decode
         else:  # an agent that does not split its count: the policy estimates from the leases
             worker.others = None
         return True

@@ -30,6 +30,7 @@ from infera_common.engine_relay import ABORT_PATHS, EngineAborter, Relay
 from infera_common.frames_answer import FramesAnswers
 from infera_common.logs import get_logger
 from infera_common.nats_conn import unsubscribe_quietly
+from infera_common.requester_watch import RequesterWatch
 from infera_common.request_runner import ENGINE_UNHEALTHY, Engine, RequestRunner, SeriesHooks, StopReason
 from infera_common.frames import encode_frame
 from infera_common.schemas import WorkEnvelope, WorkerRecord, encode
@@ -119,6 +120,7 @@ class HttpDispatcher:
                                                              metrics.http_cancels, metrics.bad_messages.labels("cancel")),
                                      self._finds_hangs)
         self._answers = FramesAnswers(self._runner, metrics.http_frames_queries, metrics.http_frames_replays)
+        self._requesters = RequesterWatch(nc, self._runner, metrics.http_requester_gone)
         self._session: aiohttp.ClientSession | None = None
         self._engines: dict[str, tuple[str, Engine]] = {}  # worker id -> (url, engine)
         self._subs: list[Any] = []
@@ -139,6 +141,7 @@ class HttpDispatcher:
             await self._nc.subscribe(router_frames_query_subject(self._router_id), cb=self._answers.on_query),
             await self._nc.subscribe(router_frames_replay_subject(self._router_id), cb=self._answers.on_replay),
         ]
+        self._requesters.start()
 
     async def send(self, worker_id: str, env: WorkEnvelope, timeout: float, on_result: OnResult) -> None:
         record = self._record_of(worker_id)
@@ -184,6 +187,7 @@ class HttpDispatcher:
         return await self._runner.wait_idle(timeout)
 
     async def stop(self) -> None:
+        await self._requesters.stop()
         if not await self._runner.wait_idle(self._drain_timeout):
             log.warning("http_requests_stopped", count=self._runner.in_flight, grace_s=self._drain_timeout)
         await self._runner.close(ROUTER_STOPPING)

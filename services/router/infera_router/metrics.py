@@ -208,6 +208,11 @@ class RouterMetrics:
         self.http_cancels = Counter(
             "infera_router_http_cancels", "Cancel messages received for requests this router runs itself.", registry=r,
         )
+        self.http_requester_gone = Counter(
+            "infera_router_http_requester_gone_requests",
+            "Requests this router ran on engines itself, stopped because their frontend left the message bus.",
+            registry=r,
+        )
         self.http_frames_queries = Counter(
             "infera_router_http_frames_queries", "Frontends' questions (FramesQuery: after a broker outage, or about "
             "requests silent for 2 s) about requests this router runs itself, by outcome.", ["outcome"], registry=r,

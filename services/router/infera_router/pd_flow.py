@@ -111,7 +111,8 @@ class PdFlow:
                 request_id=request.request_id, endpoint=request.endpoint, stream=False,
                 body=json.dumps(protocol.prefill_body(body, prefill, ctx)).encode(),
                 reply_subject=router_pd_subject(self._router_id, lease.lease_id), deadline=request.deadline,
-                lease_id=lease.lease_id, router_id=self._router_id,
+                lease_id=lease.lease_id, router_id=self._router_id, prefill_tokens=lease.prefill_tokens,
+                decode_tokens=lease.decode_tokens,
                 headers={**rank_headers(prefill.rank), **engine_headers(request.traceparent)},
             )
             result = await self._publish(prefill, env)
@@ -155,7 +156,8 @@ class PdFlow:
             env = WorkEnvelope(
                 request_id=request.request_id, endpoint=request.endpoint, body=body(worker), stream=request.stream,
                 reply_subject=request.reply_subject, deadline=request.deadline, lease_id=lease.lease_id,
-                router_id=self._router_id, keepalive=request.keepalive,
+                router_id=self._router_id, keepalive=request.keepalive, prefill_tokens=lease.prefill_tokens,
+                decode_tokens=lease.decode_tokens,
                 headers={**rank_headers(worker.rank), **engine_headers(request.traceparent)},
             )
             result = await self._publish(worker, env)

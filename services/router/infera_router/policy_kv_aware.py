@@ -9,7 +9,7 @@ work, roughly tokens / bs):
                                                     on w still waiting for (or in) their prefill
                + kv_decode_weight * decoding(w) / bs   KV blocks its decoding requests read per step
                                                     (each prompt once per sample: ``n``)
-               + others(w) * ceil(T / bs)           requests it cannot see, sized like this one
+               + others(w) * ceil(T / bs)           requests whose size it does not know, sized like this one
     fill(w)    = blocks the index lists on w / w's KV capacity in blocks, at most 1 (0: unknown)
     cost(w)    = (kv_overlap_weight + kv_evict_weight * fill(w)) * prefill(w) + load(w)
 
@@ -21,8 +21,16 @@ prompt less what the policy saw cached on ``w`` when it picked ``w``. The split 
 request's first token waits behind every prompt still being prefilled on that worker, but a
 decoding request only slows each engine step a little (and holds KV blocks), so counting it at
 full size keeps a busy conversation away from the worker that holds its cache.
-``others(w)`` = the requests other routers leased on ``w`` (the agent's load report splits its
-in-flight count by router; older reports: agent in-flight - this router's leases) + the report's
+``prefilling(w)`` and ``decoding(w)`` include the other routers' requests on ``w`` when the agent's
+load report sizes them (``LoadReport.by_router_work``: the tokens each router put in its
+envelopes, split by first token as this router splits its own). Before, each of them weighed as
+much as the request being placed, while this router's own decoding request weighed a tenth of its
+prompt: with two routers, a worker holding a prefix and two of the other router's decoding
+requests cost more than an empty one, and the prefix was computed again elsewhere (the HA audit
+of session 28: 16-17 prefix misses in 60 s with two routers against 6 with one).
+``others(w)`` = the requests other routers leased on ``w`` that the report does not size (the
+agent's load report splits its in-flight count by router; older reports: agent in-flight - this
+router's leases) + the report's
 ``engine_unseen`` (clients going straight to the engine; older reports: ``max(0, engine running +
 waiting - agent in-flight sequences)``): requests whose sizes this router does not know, counted at this
 request's size. Each weighs as much as the whole request being placed, so both counts are taken
@@ -122,7 +130,9 @@ def unseen_requests(worker: WorkerState) -> int:
 
 
 def worker_load(worker: WorkerState, bs: int, req_blocks: int, decode_weight: float) -> float:
-    return (worker.prefill_tokens + decode_weight * worker.decode_tokens) / bs + unseen_requests(worker) * req_blocks
+    prefill = worker.prefill_tokens + worker.others_prefill
+    decode = worker.decode_tokens + worker.others_decode
+    return (prefill + decode_weight * decode) / bs + unseen_requests(worker) * req_blocks
 
 
 def cache_fill(worker: WorkerState, kv: KvView) -> float:

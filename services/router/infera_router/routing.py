@@ -216,7 +216,7 @@ class RoutePath:
                 request_id=request.request_id, endpoint=request.endpoint, body=pin_bytes(request.body, worker.rank),
                 stream=request.stream, reply_subject=request.reply_subject, deadline=request.deadline,
                 lease_id=lease.lease_id, router_id=self.router_id, sequences=request.sequences,
-                keepalive=request.keepalive,
+                keepalive=request.keepalive, prefill_tokens=lease.prefill_tokens, decode_tokens=lease.decode_tokens,
                 headers={**rank_headers(worker.rank), **engine_headers(request.traceparent)},
             )
             assert self._dispatcher is not None, "router stopped"

@@ -37,7 +37,10 @@ class WorkerState:
     in_flight_sequences: int = 0  # the sequences those leases run on the engine (``n`` x prompts each)
     prefill_tokens: int = 0  # uncached prompt tokens of the leases whose prefill is not known to be done
     decode_tokens: int = 0  # prompt tokens, times their samples, of the leases past their first token
-    others: int | None = None  # requests on it other routers leased (from its load report), when known
+    others: int | None = None  # requests on it other routers leased (from its load report), when known,
+    #                            less those whose size the report gives (``others_prefill``/``others_decode``)
+    others_prefill: int = 0  # prompt tokens still to prefill of the other routers' requests (load report)
+    others_decode: int = 0  # prompt tokens x samples of the other routers' requests past their first token
     reported_at: float | None = None  # monotonic time of its latest load report (None: none yet)
     report_every: float | None = None  # seconds between its reports, as it said
     probed_at: float = 0.0  # when its agent was last asked whether it is on the bus (off_bus.py)

@@ -40,6 +40,7 @@ class EngineWatch:
     def __init__(self, settings: AgentSettings, session: aiohttp.ClientSession, local_url: str, *, model: str,
                  role: Role, family: Family, metrics: AgentMetrics, in_flight: Callable[[], int],
                  sequences: Callable[[], int], by_router: Callable[[], dict[str, int]],
+                 work_by_router: Callable[[], dict[str, tuple[int, int]]],
                  by_rank: Callable[[], dict[int, tuple[int, int]]],
                  publish_load: Callable[[LoadReport], Awaitable[None]], on_health: Callable[[bool], Awaitable[None]],
                  health_generates: bool = False, dp_size: int = 1) -> None:
@@ -47,6 +48,7 @@ class EngineWatch:
         self.reporter: LoadReporter | None = LoadReporter(
             worker_id=settings.worker_id or "", session=session, metrics_url=f"{local_url}/metrics",
             interval=settings.load_interval, in_flight=in_flight, sequences=sequences, by_router=by_router,
+            work_by_router=work_by_router,
             publish=publish_load, on_load=self._on_load,
             counts_unseen=settings.request_transport == "nats",  # on http the routers call the engine
         )

@@ -121,6 +121,7 @@ class LoadReporter:
         in_flight: Callable[[], int],
         publish: Callable[[LoadReport], Awaitable[None]],
         by_router: Callable[[], dict[str, int]] = dict,
+        work_by_router: Callable[[], dict[str, tuple[int, int]]] = dict,
         on_load: Callable[[EngineLoad], None] = lambda _load: None,
         sequences: Callable[[], int] | None = None,
         counts_unseen: bool = True,
@@ -132,6 +133,7 @@ class LoadReporter:
         self._in_flight = in_flight
         self._sequences = sequences or in_flight  # what the engine runs for them: n samples x prompts each
         self._by_router = by_router
+        self._work_by_router = work_by_router
         self._counts_unseen = counts_unseen
         self._publish = publish
         self._on_load = on_load
@@ -178,6 +180,7 @@ class LoadReporter:
             in_flight=self._in_flight(),
             in_flight_sequences=self._sequences(),
             by_router=self._by_router(),
+            by_router_work=self._work_by_router(),
             engine_running=self.last.running,
             engine_waiting=self.last.waiting,
             engine_unseen=self._unseen,

@@ -22,6 +22,11 @@ class AgentMetrics:
         )
         self.bad_cancels = Counter("infera_agent_bad_cancels", "Cancel messages that were not a valid Cancel.", registry=r)
         self.cancels = Counter("infera_agent_cancels", "Cancel messages received.", registry=r)
+        self.requesters_gone = Counter(
+            "infera_agent_requester_gone_requests",
+            "Requests stopped because their frontend left the message bus (requester_watch): the engine aborted them.",
+            registry=r,
+        )
         self.frames_queries = Counter(
             "infera_agent_frames_queries", "Frontends' questions about the frames sent (FramesQuery: after a broker "
             "outage, or about requests silent for 2 s), by outcome.",

@@ -183,6 +183,7 @@ class Agent:
             in_flight=lambda: self._worker.in_flight if self._worker else 0,
             sequences=lambda: self._worker.in_flight_sequences if self._worker else 0,
             by_router=lambda: self._worker.in_flight_by_router() if self._worker else {},
+            work_by_router=lambda: self._worker.work_by_router() if self._worker else {},
             by_rank=lambda: self._worker.in_flight_by_rank() if self._worker else {},
             publish_load=self._publish_load, on_health=self._on_health, health_generates=self._health_generates,
             dp_size=self._pd.dp_size,

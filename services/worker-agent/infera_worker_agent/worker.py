@@ -31,6 +31,7 @@ from nats.js.errors import NotFoundError
 
 from infera_common.engine_relay import Abort, Relay
 from infera_common.frames_answer import FramesAnswers
+from infera_common.requester_watch import RequesterWatch
 from infera_common.logs import get_logger
 from infera_common.nats_conn import flush_all, seal_request_stream, unsubscribe_quietly
 from infera_common.request_runner import CLOSING, Engine, RequestRunner, SeriesHooks, StopReason, quietly
@@ -88,6 +89,7 @@ class RequestWorker:
         self._runner = RequestRunner(nc.publish, SeriesHooks(metrics.requests, metrics.in_flight, metrics.cancels,
                                                              metrics.bad_cancels), lambda _: finds_hangs)
         self._answers = FramesAnswers(self._runner, metrics.frames_queries, metrics.frames_replays)
+        self._requesters = RequesterWatch(nc, self._runner, metrics.requesters_gone)
         self._work_sub = None
         self._cancel_sub = None
         self._frames_sub = None
@@ -114,6 +116,7 @@ class RequestWorker:
         self._replay_sub = await self._nc.subscribe(frames_replay_subject(self.worker_id), cb=self._on_replay)
         await flush_all(self._nc)  # cancel subscription known to the broker before we register
         self._tasks["keepalive"] = asyncio.create_task(self._keepalive(), name="keepalive")
+        self._requesters.start()
 
     @property
     def in_flight(self) -> int:
@@ -130,6 +133,10 @@ class RequestWorker:
     def in_flight_by_router(self) -> dict[str, int]:
         """The requests being handled, counted per router that leased them."""
         return self._runner.in_flight_by_router()
+
+    def work_by_router(self) -> dict[str, tuple[int, int]]:
+        """The size of the requests in flight per router (``RequestRunner.work_by_router``)."""
+        return self._runner.work_by_router()
 
     def begin_drain(self, refusal: StopReason) -> None:
         """Run no new work: from now on delivered envelopes are answered with ``refusal`` at once."""
@@ -233,6 +240,7 @@ class RequestWorker:
         refusal is set), so none is left without a frame and a Release.
         """
         self._runner.refuse_new(reason)
+        await self._requesters.stop()
         await stop_tasks(*self._tasks.values())
         self._tasks.clear()
         work_sub, self._work_sub = self._work_sub, None
