@@ -22,5 +22,8 @@ async def test_a_route_request_no_router_answers_in_time_is_tried_again_through_
         assert r.status == 200 and await r.read() == completion_json()
     first, second = multi.routed
     assert before + 0.5 <= first.route_deadline <= second.route_deadline - 0.5  # each attempt its own
+    # the stalled router may have handed the first over before it stalled: the retry is another
+    # request on the worker (the same id was refused 409 "already running" by a worker holding both)
+    assert second.request_id == first.request_id + "-1"
     assert multi.placed == [W1]
     assert fe.metrics.registry.get_sample_value("infera_frontend_retries_total", {"reason": "route_timeout"}) == 1

@@ -18,7 +18,7 @@ from infera_common.schemas import Endpoint
 from infera_common.tokenizer import ChatTokenizer
 
 from infera_frontend.exchange import Exchange
-from infera_frontend.failover import Attempts, engine_status_reason, retry_reason
+from infera_frontend.failover import ROUTE_TIMEOUT, Attempts, engine_status_reason, retry_reason
 from infera_frontend.metrics import UNKNOWN_MODEL, FrontendMetrics
 from infera_frontend.prepare import (
     OFFLOAD_CHARS, ModelTable, Tokens, check_context, check_context_floor, check_sequences, longest_prompt_chars,
@@ -106,10 +106,11 @@ class Pipeline:
         check_context(parsed, tokens, limit)
         attempts = Attempts(self.max_retries)
         failed: ApiError | Exchange | None = None  # the previous attempt's answer, while retrying
+        carried = request_id  # the id the attempt carries to its worker and engine
         while True:
             try:
                 ex = await self.relay.open(
-                    request_id=request_id, endpoint=parsed.endpoint, model=parsed.model, body=body,
+                    request_id=carried, endpoint=parsed.endpoint, model=parsed.model, body=body,
                     stream=parsed.stream, token_ids=tokens.token_ids, prompt_tokens=tokens.prompt_tokens,
                     exclude=attempts.tried, session_ids=session_ids, traceparent=traceparent,
                     sequences=sequences(parsed), samples=samples(parsed),
@@ -121,6 +122,10 @@ class Pipeline:
                     return _stand(failed)
                 if attempts.retry(retry_reason(err)):
                     self._retrying(request_id, None, err.status, retry_reason(err))
+                    if retry_reason(err) == ROUTE_TIMEOUT:
+                        # the silent router may have handed the request over just before it stalled:
+                        # another id, so that a worker holding both runs the retry too (not 409)
+                        carried = f"{request_id}-{attempts.retries}"
                     continue
                 raise
             attempts.tried_on(ex.worker_id)

@@ -258,6 +258,11 @@ class Relay:
             log.warning("router_unavailable", request_id=request_id, error=error,
                         **({"repeated": held} if held else {}))
 
+    @property
+    def open_requests(self) -> int:
+        """Placed requests whose answer is not finished."""
+        return len(self._open)
+
     def forget(self, exchange: Exchange) -> None:
         """``exchange`` is closed."""
         self._open.discard(exchange)

@@ -150,6 +150,8 @@ class Frontend:
         if self._stopped:
             return
         self._stopped = True
+        log.info("draining", requests_under_way=self.relay.open_requests if self.relay is not None else 0,
+                 drain_timeout_s=self.settings.drain_timeout)
         if self._load_sub is not None:
             await unsubscribe_quietly(self._load_sub)
             self._load_sub = None
