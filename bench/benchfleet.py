@@ -41,7 +41,7 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
-def _spawn(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+def spawn(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     log = open(log_path, "ab")
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, **env} if env else None)
@@ -81,7 +81,7 @@ def start_fleet(tmp: Path, *, workers: int, policy: str | None, engine_args: lis
         prefill_workers=prefill_workers, decode_workers=decode_workers, **planes,
     )
     for spec in plan:
-        procs.append(_spawn(spec.argv(sys.executable), tmp / f"{spec.name}.log", env))
+        procs.append(spawn(spec.argv(sys.executable), tmp / f"{spec.name}.log", env))
     url = f"http://127.0.0.1:{http_port}"
     try:
         wait_port("127.0.0.1", http_port, 30)
@@ -111,7 +111,7 @@ def start_engines(tmp: Path, *, workers: int, engine_args: list[str]) -> tuple[l
             port = free_port()
             argv = [sys.executable, "-m", "infera_mock_engine", *default_engine_args(), *engine_args,
                     "--model-path", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port)]
-            procs.append(_spawn(argv, tmp / f"engine-{i}.log"))
+            procs.append(spawn(argv, tmp / f"engine-{i}.log"))
             urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + 60
         for proc, url in zip(procs, urls):
@@ -148,7 +148,7 @@ def start_sglang_router(tmp: Path, worker_urls: list[str], *, policy: str = "cac
             "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             "--log-level", "warn", "--shutdown-grace-period-secs", "5", *(extra_args or [])]
-    proc = _spawn(argv, tmp / "sglang-router.log")
+    proc = spawn(argv, tmp / "sglang-router.log")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_port("127.0.0.1", port, 30, proc)
