@@ -39,14 +39,21 @@ class Reconnects:
 
     def __init__(self) -> None:
         self._steps: list[tuple[str, Restore]] = []
+        self._listeners: list[Callable[[], None]] = []
         self._task: asyncio.Task | None = None
         self._again = False
 
     def add(self, name: str, step: Restore) -> None:
         self._steps.append((name, step))
 
+    def listen(self, told: Callable[[], None]) -> None:
+        """Call ``told`` at each reconnect, at once (before the steps, which may take seconds)."""
+        self._listeners.append(told)
+
     def reconnected(self) -> None:
-        """Run the steps (once more after the current run, if one is going)."""
+        """Tell the listeners; run the steps (once more after the current run, if one is going)."""
+        for told in self._listeners:
+            told()
         self._again = True
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._runs(), name="nats-restore")

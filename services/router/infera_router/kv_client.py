@@ -5,10 +5,18 @@ Never raises: any failure becomes ``KvView.failed(reason)`` (reason ``no_indexer
 ``error`` or ``bad_reply``), counted in ``infera_router_kv_query_failures_total{reason}`` and
 logged at most once per reason per ``FAILURE_LOG_INTERVAL`` seconds, so the caller routes that
 request by load only and the fallback is visible.
+
+"No responders" from a fleet whose indexer answered within ``RECENT`` seconds is asked again every
+``NO_INDEXER_PAUSE`` seconds for up to ``NO_INDEXER_WAIT``: after a broker restart each service
+reconnects in its own time (nats-py tries every 0.5 s), and a kv-indexer back half a second after
+the router had its first prompts routed blind, their cached prefixes computed again elsewhere (a
+broker-restart test). An indexer that stays away costs each request that wait only until the
+indexer has been silent for ``RECENT`` seconds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from nats.aio.client import Client as NATS
@@ -26,6 +34,9 @@ from infera_router.state import WorkerState
 log = get_logger("router.kv")
 
 FAILURE_LOG_INTERVAL = 30.0
+NO_INDEXER_WAIT = 1.0
+NO_INDEXER_PAUSE = 0.05
+RECENT = 30.0
 
 
 class KvClient:
@@ -34,15 +45,26 @@ class KvClient:
         self.timeout = timeout
         self.metrics = metrics
         self._logged: dict[str, float] = {}
+        self._answered = float("-inf")  # when an indexer last answered (monotonic)
 
     async def query(self, query: OverlapQuery, candidates: list[WorkerState],
                     trace_context: str | None = None) -> KvView:
         t0 = time.perf_counter()
+        data, headers = encode(query), engine_headers(trace_context) or None
+        wait_until: float | None = None
         try:
-            msg = await self.nc.request(KV_QUERY, encode(query), timeout=self.timeout,
-                                        headers=engine_headers(trace_context) or None)
-        except NoRespondersError:
-            return self._failed("no_indexer", "no kv-indexer subscribed")
+            while True:
+                try:
+                    msg = await self.nc.request(KV_QUERY, data, timeout=self.timeout, headers=headers)
+                    self._answered = time.monotonic()
+                    break
+                except NoRespondersError:
+                    now = time.monotonic()
+                    if wait_until is None:
+                        wait_until = now + (NO_INDEXER_WAIT if now - self._answered < RECENT else 0.0)
+                    if now >= wait_until:
+                        return self._failed("no_indexer", "no kv-indexer subscribed")
+                    await asyncio.sleep(NO_INDEXER_PAUSE)
         except TimeoutError:
             return self._failed("timeout", f"no answer within {self.timeout}s")
         except Exception as exc:  # connection closed, draining, ...

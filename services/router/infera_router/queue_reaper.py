@@ -10,6 +10,12 @@ live agent always is), deletes the stream. Several routers may do it at once: de
 that is gone already is nothing. Requests still queued there were for an agent that cannot run
 them; their frontends have retried them elsewhere (``sender_gone``, ``frames_lost``).
 
+A broker outage longer than the TTL makes every worker leave every router's view at once, and
+when the broker is back the agents need a moment to reconnect, register and bind again: a queue
+is therefore only deleted once this router has been back on the broker for a whole grace too
+(``reconnected``). Before, a grace that ended in the instant of the reconnect deleted a live
+agent's queue, and its worker took no request until it restarted (a broker-restart test in CI).
+
 The one window left open: an agent started again with the same ``--worker-id`` that has created
 its stream but not yet bound its consumer (milliseconds) exactly when the grace ends; it then fails
 its start with the broker's error, and is started again.
@@ -18,6 +24,7 @@ its start with the broker's error, and is started again.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 from nats.js.errors import NotFoundError
@@ -38,6 +45,11 @@ class QueueReaper:
         self._listed = listed  # whether discovery lists the worker (again)
         self._on_deleted = on_deleted
         self._waiting: dict[str, asyncio.Task] = {}
+        self._back_at = time.monotonic()  # when this router was last (re)connected to the broker
+
+    def reconnected(self) -> None:
+        """The router is back on the broker: every worker gets a whole grace to be back too."""
+        self._back_at = time.monotonic()
 
     def left(self, worker_id: str, grace: float) -> None:
         """``worker_id`` left discovery: look at its queue after ``grace`` seconds (once)."""
@@ -52,8 +64,14 @@ class QueueReaper:
 
     async def _later(self, worker_id: str, grace: float) -> None:
         await asyncio.sleep(grace + MARGIN)
-        if self._listed(worker_id):
-            return
+        while True:
+            if self._listed(worker_id):
+                return
+            if not self._nc.is_connected:  # away from the broker: its grace starts when both are back
+                self._back_at = time.monotonic()
+            elif time.monotonic() - self._back_at >= grace + MARGIN:
+                break
+            await asyncio.sleep(max(0.1, self._back_at + grace + MARGIN - time.monotonic()))
         js = self._nc.jetstream()
         stream = request_stream(worker_id)
         try:

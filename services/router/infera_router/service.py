@@ -142,6 +142,7 @@ class RouterService(RoutePath):
         if self.settings.request_transport == "nats":
             self._reaper = QueueReaper(self.nc, lambda wid: self.core.fleet.get(wid) is not None,
                                        self.metrics.queues_deleted.inc)
+            self._reconnects.listen(self._reaper.reconnected)
         log.info(
             "router_serving", router_id=self.router_id, policy=self.settings.router_policy,
             kv_index=("local" if self._local_kv is not None else "remote") if self._needs_kv() else None,
