@@ -9,6 +9,7 @@ import msgpack
 import nats.errors
 import pytest
 
+from infera_common.clock_offsets import time_answer
 from infera_common.discovery import Registrar
 from infera_common.frames import decode_frame
 from infera_common.nats_conn import connect, ensure_request_stream, flush_all
@@ -109,17 +110,51 @@ async def test_round_robin_alternates_between_workers_streams(bench):
     assert [e.sequences for e in await bench.pull("a")] == [6]
 
 
-async def test_a_route_request_its_requester_stopped_waiting_for_is_not_placed(bench):
+async def frontend_clock(nc, frontend: str, skew: float | None) -> None:
+    """Frontend ``frontend``'s ``alive`` subject, answering the time on a clock ``skew`` seconds
+    off this host's (None: an older frontend, which answers with an empty message)."""
+    async def answer(msg) -> None:
+        await msg.respond(b"" if skew is None else time_answer(time.time() + skew))
+    await nc.subscribe(f"_INBOX.{frontend}.alive", cb=answer)
+    await flush_all(nc)
+
+
+@pytest.mark.parametrize("skew", [-10.0, 0.0, 10.0])
+async def test_a_route_request_its_requester_stopped_waiting_for_is_not_placed(bench, skew):
     """A router stalled past the frontend's --route-timeout (frozen, or far behind) must not place
     the requests it finds waiting when it wakes: their frontends have tried another router, and
-    the engines would answer nobody."""
+    the engines would answer nobody. Stopped waiting by the frontend's clock: a frontend whose host
+    clock is 10 s behind the router's is served, not refused (each of its requests looked 5 s late)."""
     await bench.worker("a")
-    stale = await bench.route(request_id="stale", route_deadline=time.time() - 2)
-    assert stale.status == 504 and "stopped waiting" in stale.message
-    assert await bench.pull("a") == [] and bench.leases("a") == 0
-    assert bench.metric("infera_router_route_expired_total") == 1
-    fresh = await bench.route(request_id="fresh", route_deadline=time.time() + 5)
+    await frontend_clock(bench.nc, "fe", skew)
+    hello = await bench.route(request_id="hello", reply_subject="_INBOX.fe.1", route_deadline=time.time() + skew + 5)
+    assert hello.status == 200  # and the router asks the frontend the time
+    await eventually(lambda: bench.metric("infera_router_requester_clock_offset_seconds") == pytest.approx(
+        abs(skew), abs=0.5) and len(bench.router._clocks) == 1)
+    assert [e.request_id for e in await bench.pull("a")] == ["hello"]
+    their_now = time.time() + skew
+    fresh = await bench.route(request_id="fresh", reply_subject="_INBOX.fe.2", route_deadline=their_now + 5)
     assert fresh.status == 200 and [e.request_id for e in await bench.pull("a")] == ["fresh"]
+    stale = await bench.route(request_id="stale", reply_subject="_INBOX.fe.3", route_deadline=their_now - 2)
+    assert stale.status == 504 and "stopped waiting" in stale.message
+    assert await bench.pull("a") == [] and bench.leases("a") == 2  # hello and fresh
+    assert bench.metric("infera_router_route_expired_total") == 1
+
+
+async def test_route_deadlines_of_a_frontend_whose_clock_is_unknown_are_not_read(bench):
+    """Until the router knows how far a frontend's clock is from its own, and for a frontend that
+    cannot say (an older one), a deadline that looks past is no reason to refuse: a wrong clock
+    would refuse everything."""
+    await bench.worker("a")
+    await frontend_clock(bench.nc, "old", None)
+    for n in range(2):
+        reply = await bench.route(request_id=f"old{n}", reply_subject=f"_INBOX.old.{n}", route_deadline=time.time() - 6)
+        assert reply.status == 200
+        await asyncio.sleep(0.2)  # (its empty answer to the router's question has come)
+    unknown = await bench.route(request_id="unknown", reply_subject="_INBOX.nobody.1", route_deadline=time.time() - 6)
+    assert unknown.status == 200
+    assert [e.request_id for e in await bench.pull("a")] == ["old0", "old1", "unknown"]
+    assert bench.metric("infera_router_route_expired_total") == 0
 
 
 async def test_unknown_model_404_and_no_active_worker_503(bench):

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from infera_common.clock_offsets import time_answer
 from infera_common.nats_conn import unsubscribe_quietly
 from infera_common.subjects import ALIVE_TOKEN, frontend_inbox_prefix
 
@@ -120,6 +122,6 @@ class Inbox:
         box = self._boxes.get(msg.subject)
         if box is not None:
             box.put(msg)
-        elif msg.subject == self.alive_subject and msg.reply:  # a worker asks (``requester_watch``)
-            await msg.respond(b"")
+        elif msg.subject == self.alive_subject and msg.reply:  # a worker asks (``requester_watch``), or a
+            await msg.respond(time_answer(time.time()))  # router the time (``requester_clocks``)
         # else: for a request no longer waiting (e.g. its client left)

@@ -50,7 +50,13 @@ class RouterMetrics:
         self.route_expired = Counter(
             "infera_router_route_expired",
             "Route requests dropped unplaced: their requester had stopped waiting (RouteRequest.route_deadline) "
-            "before this router got to them (the router stalled or fell behind, or the clocks disagree).",
+            "before this router got to them (the router stalled or fell behind).",
+            registry=r,
+        )
+        self.requester_clock_offset = Gauge(
+            "infera_router_requester_clock_offset_seconds",
+            "The largest difference measured between this router's wall clock and a frontend's, in absolute "
+            "seconds (route deadlines are read with it; above a second, the hosts' time sync is off).",
             registry=r,
         )
         self.unknown_releases = Counter(

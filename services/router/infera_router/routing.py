@@ -281,21 +281,26 @@ class RoutePath:
 
     def _expired(self, request: RouteRequest, reply_to: str, t0: float) -> bool:
         """Whether the requester stopped waiting for this route request before the router got to it
-        (``route_deadline``, on the wall clock the fleet shares, as ``deadline``): then it is not
-        placed, so no engine works for nobody; the requester has tried another router. A router
-        frozen for 20 s (SIGSTOP, a stalled host) placed every request of those 20 s when it woke,
-        the clients of all of them long gone (the HA audit of session 28)."""
-        if request.route_deadline is None:
+        (``route_deadline``, on the requester's wall clock, read with the offset measured to it:
+        ``requester_clocks``; not checked while none is): then it is not placed, so no engine works
+        for nobody; the requester has tried another router. A router frozen for 20 s (SIGSTOP, a
+        stalled host) placed every request of those 20 s when it woke, the clients of all of them
+        long gone (the HA audit of session 28)."""
+        if request.route_deadline is None or self._clocks is None:
             return False
-        late = time.time() - request.route_deadline
+        offset = self._clocks.offset_for(request.reply_subject)
+        if offset is None:
+            return False
+        late = time.time() - offset - request.route_deadline
         if late <= 0:
             return False
         self.metrics.route_expired.inc()
         held = self._refusals.let_through("expired", time.monotonic())
         if held is not None:
             log.warning("route_request_expired", request_id=request.request_id, late_s=round(late, 3),
+                        clock_offset_s=round(offset, 3),
                         hint="the requester stopped waiting (--route-timeout) before this router got to the "
-                             "request: the router was stalled or behind, or the hosts' clocks disagree",
+                             "request: the router was stalled or behind",
                         **({"repeated": held} if held else {}))
         self.metrics.routed_inc(request.model, "", 504)
         self._spawn(self._send(reply_to, RouteReply(

@@ -47,6 +47,7 @@ from infera_router.queue_reaper import QueueReaper
 from infera_router.pd_flow import PdFlow
 from infera_router.planes import plane_mismatches
 from infera_router.pd_pairs import PdPairs
+from infera_router.requester_clocks import RequesterClocks
 from infera_router.routing import RoutePath
 from infera_router.policies import create_policy
 from infera_router.sessions import SessionTable
@@ -100,6 +101,7 @@ class RouterService(RoutePath):
         self._sweeper: asyncio.Task | None = None
         self._off_bus: OffBusWatch | None = None
         self._reaper: QueueReaper | None = None
+        self._clocks: RequesterClocks | None = None  # the frontends' clock offsets (route deadlines)
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -134,6 +136,7 @@ class RouterService(RoutePath):
         self._subs.append(await self.nc.subscribe(self.release_subject, cb=self._on_release))
         self._subs.append(await self.nc.subscribe(router_prefilled_subject(self.router_id), cb=self._on_prefilled))
         self._subs.append(await self.nc.subscribe(LOAD_SUBJECTS, cb=self._on_load))
+        self._clocks = RequesterClocks(self.nc, self._spawn, self.metrics.requester_clock_offset.set)
         self._route_sub = await self.nc.subscribe(ROUTER_ROUTE, queue=ROUTER_QUEUE, cb=self._on_route)
         await flush_all(self.nc)  # the broker knows the subscriptions before we say we serve
         self._sweeper = asyncio.create_task(self._sweep(), name="lease-sweeper")
