@@ -25,12 +25,12 @@ async def test_a_frontend_says_its_time_and_a_gone_or_older_one_gives_no_offset(
         await frontend.subscribe("_INBOX.fe-old.alive", cb=older)
         await flush_all(frontend)
         clocks = RequesterClocks(router, spawned.append, largest.append)
-        assert clocks.offset_for("_INBOX.fe-1.7") is None  # not known yet: a question is due
-        assert clocks.offset_for("_INBOX.fe-1.8") is None and len(spawned) == 1  # (one question at a time)
+        assert clocks.offset_for(inbox.open()[0]) is None  # not known yet: a question is due
+        assert clocks.offset_for(inbox.open()[0]) is None and len(spawned) == 1  # (one question at a time)
         assert clocks.offset_for("infera.router.pd.r1.lease-1") is None  # not a frontend's subject: never asked
         offset = await spawned.pop()
         assert offset == pytest.approx(0.0, abs=0.05)  # one host, one clock
-        assert clocks.offset_for("_INBOX.fe-1.9") == offset and spawned == []
+        assert clocks.offset_for(inbox.open()[0]) == offset and spawned == []
         assert largest == [pytest.approx(abs(offset))]
 
         clocks.offset_for("_INBOX.fe-old.1")
@@ -38,8 +38,8 @@ async def test_a_frontend_says_its_time_and_a_gone_or_older_one_gives_no_offset(
 
         await inbox.stop()  # the frontend leaves the bus: forgotten, asked afresh next time
         await flush_all(frontend)
-        assert await clocks.ask("_INBOX.fe-1.alive") is None
-        assert clocks.offset_for("_INBOX.fe-1.10") is None and len(spawned) == 1
+        assert await clocks.ask(inbox.alive_subject) is None
+        assert clocks.offset_for(inbox.open()[0]) is None and len(spawned) == 1
         await spawned.pop()
     finally:
         for coro in spawned:

@@ -1,8 +1,10 @@
 """One reply subscription per frontend process, dispatching messages to per-request mailboxes.
 
-Every request gets its own subject ``_INBOX.<frontend_id>.<n>``: the router's ``RouteReply``
+Every request gets its own subject ``_INBOX.<frontend_id>-<start>.<n>``: the router's ``RouteReply``
 and the worker's ``Frame``s for that request both arrive there, through the single wildcard
-subscription ``_INBOX.<frontend_id>.*`` (no subscription per request).
+subscription ``_INBOX.<frontend_id>-<start>.*`` (no subscription per request). ``<start>`` is new
+at every start of the process: a frontend restarted under the same ``--frontend-id`` does not
+answer for its predecessor's requests (``requester_watch`` stops them on their engines).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 
@@ -92,7 +95,7 @@ class Inbox:
     def __init__(self, nc: NATS, frontend_id: str, max_unread: int = 0) -> None:
         self._nc = nc
         self.max_unread = max_unread  # each mailbox's limit
-        self.prefix = frontend_inbox_prefix(frontend_id)
+        self.prefix = frontend_inbox_prefix(f"{frontend_id}-{uuid.uuid4().hex[:8]}")
         self.alive_subject = self.prefix + ALIVE_TOKEN  # where workers ask whether it is on the bus
         self._boxes: dict[str, Mailbox] = {}
         self._ids = itertools.count(1)
