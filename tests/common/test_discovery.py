@@ -24,11 +24,46 @@ def test_fleet_view_expires_by_record_ttl():
     assert [c.record.worker_id for c in gone] == ["a"] and len(view) == 0
 
 
-def test_fleet_view_stale_record_seen_late_counts_its_age():
+def test_fleet_view_a_record_seen_first_long_after_its_heartbeat_gets_half_its_ttl():
+    """A watcher's first snapshot may hold the entry of an agent killed a minute ago, or a live
+    agent's whose host clock is a minute behind: both get half a TTL, in which the live one beats
+    again (every ttl/3) and the dead one does not."""
     view = FleetView()
-    rec = _record("a", ttl=2.0).model_copy(update={"heartbeat_at": time.time() - 1.5})
-    view.put(rec, 50.0, time.time())
-    assert [c.record.worker_id for c in view.expire(50.6)] == ["a"]
+    now = time.time()
+    dead = _record("dead", ttl=6.0).model_copy(update={"heartbeat_at": now - 60})
+    skewed = _record("skewed", ttl=6.0).model_copy(update={"heartbeat_at": now - 60})
+    fresh = _record("fresh", ttl=6.0).model_copy(update={"heartbeat_at": now - 1})
+    for rec in (dead, skewed, fresh):
+        view.put(rec, 50.0, now)
+    assert view.expire(52.9) == []
+    view.put(skewed.model_copy(update={"heartbeat_at": now - 60 + 2}), 52.0, now + 2)  # its next heartbeat
+    assert [c.record.worker_id for c in view.expire(53.0)] == ["dead"]
+    assert view.expire(55.0 - 0.01) == [] and [c.record.worker_id for c in view.expire(55.0)] == ["fresh"]
+    assert [c.record.worker_id for c in view.expire(58.0)] == ["skewed"]  # a full ttl after its last beat
+
+
+def test_fleet_view_a_worker_whose_clock_is_behind_stays_listed_between_heartbeats():
+    """Read against this host's clock, every heartbeat of an agent 10 s behind looked 10 s old, and
+    the worker was dropped right after each one."""
+    view = FleetView()
+    t = time.time()
+    for beat in range(6):  # a heartbeat every 2 s (ttl/3), its host clock 10 s behind
+        now_mono, now_wall = 100.0 + 2 * beat, t + 2 * beat
+        view.put(_record("a", ttl=6.0).model_copy(update={"heartbeat_at": now_wall - 10}), now_mono, now_wall)
+        assert view.expire(now_mono + 1.99) == [] and view.get("a") is not None
+    assert view.expire(110.0 + 6.0) != []  # silent for a ttl after its last heartbeat: gone
+
+
+def test_fleet_view_a_heartbeat_read_late_still_counts_its_delay():
+    """What the clocks' offset does not explain is age: a watcher stalled for 5 s finds a heartbeat
+    of a skewed worker 5 s older than its clock offset says, and gives it the rest of its ttl only."""
+    view = FleetView()
+    t = time.time()
+    for beat in range(3):
+        view.put(_record("a", ttl=6.0).model_copy(update={"heartbeat_at": t + 2 * beat + 30}), 100.0 + 2 * beat,
+                 t + 2 * beat)  # this worker's clock 30 s ahead
+    view.put(_record("a", ttl=6.0).model_copy(update={"heartbeat_at": t + 6 + 30}), 111.0, t + 11)  # read 5 s late
+    assert view.expire(111.9) == [] and [c.record.worker_id for c in view.expire(112.0)] == ["a"]
 
 
 def test_draining_worker_is_known_but_not_active():
