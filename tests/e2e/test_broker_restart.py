@@ -7,108 +7,36 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import aiohttp
 import nats
 import pytest
 
-from infera.fleet_plan import plan_fleet
-from infera.procs import free_port, start_nats, stop_process, wait_port
 from infera_common.models import BUNDLED_MODEL_NAME
 from infera_common.subjects import KV_EVENT_STREAM
-from tests.e2e.fleet import env_with
-from tests.e2e.runbook import http_json, wait_for
-
-
-def _chat(url: str, content: str = "hi") -> tuple[int, dict]:
-    return http_json(url + "/v1/chat/completions", {"model": BUNDLED_MODEL_NAME, "max_tokens": 2,
-                                                    "messages": [{"role": "user", "content": content}]}, timeout=10)
-
-
-def _active_workers(url: str) -> list[str]:
-    with urllib.request.urlopen(url + "/v1/workers", timeout=5) as resp:
-        return sorted(w["worker_id"] for w in json.load(resp)["data"] if w["status"] == "active")
-
-
-class ManualFleet:
-    """The services `infera up` would start, but with the nats-server in the test's hands."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.nats_port, self.port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.nats: subprocess.Popen | None = None
-        self.frontend: subprocess.Popen | None = None
-        self.procs: list[subprocess.Popen] = []
-        self.specs: dict[str, tuple] = {}  # service name -> (its ProcSpec, its process)
-        self.env: dict[str, str] = {}
-        (tmp / "logs").mkdir()
-
-    def start_nats(self, store: str) -> None:
-        with open(self.tmp / "logs" / f"nats-{store}.log", "ab") as log:
-            self.nats = start_nats(self.nats_port, self.tmp / store, log_file=log)
-
-    def start(self, request_transport: str = "nats", **env_values: str) -> "ManualFleet":
-        self.start_nats("store")
-        specs = plan_fleet(nats_url=f"nats://127.0.0.1:{self.nats_port}", host="127.0.0.1", port=self.port,
-                           workers=2, router_policy="kv-aware", engine_args=["--served-model-name", BUNDLED_MODEL_NAME],
-                           metrics_ports=[free_port() for _ in range(4)], request_transport=request_transport)
-        env = self.env = env_with(**{"INFERA_DISCOVERY_TTL": "3", **env_values})
-        for spec in specs:
-            with open(self.tmp / "logs" / f"{spec.name}.log", "ab") as log:
-                self.procs.append(subprocess.Popen(spec.argv(sys.executable), stdout=log, stderr=subprocess.STDOUT,
-                                                   env={**env, **spec.env}, start_new_session=True))
-            self.specs[spec.name] = (spec, self.procs[-1])
-            if spec.role == "frontend":
-                self.frontend = self.procs[-1]
-                wait_port("127.0.0.1", self.port, 30.0, self.procs[-1])
-        wait_for(lambda: len(_active_workers(self.url)) == 2, 60, "two active workers")
-        return self
-
-    def restart(self, name: str) -> None:
-        """Stop one service (SIGTERM) and start it again with the same command line."""
-        spec, proc = self.specs[name]
-        stop_process(proc, timeout=20.0)
-        with open(self.tmp / "logs" / f"{spec.name}.log", "ab") as log:
-            again = subprocess.Popen(spec.argv(sys.executable), stdout=log, stderr=subprocess.STDOUT,
-                                     env={**self.env, **spec.env}, start_new_session=True)
-        self.procs[self.procs.index(proc)] = again
-        self.specs[name] = (spec, again)
-
-    def logs(self) -> str:
-        return "".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted((self.tmp / "logs").glob("*.log")))
-
-    def stop(self) -> None:
-        if self.frontend is not None and self.frontend.poll() is None:
-            self.frontend.send_signal(signal.SIGCONT)  # a test that failed while it was stopped
-        for proc in reversed(self.procs):
-            stop_process(proc, timeout=20.0)
-        if self.nats is not None:
-            stop_process(self.nats)
+from tests.e2e.manual_fleet import ManualFleet, active_workers, chat
+from tests.e2e.runbook import wait_for
 
 
 @pytest.mark.parametrize("store", ["store", "fresh-store"], ids=["same-store", "new-broker"])
 def test_the_fleet_serves_and_routes_by_cache_again_after_nats_server_restarts(tmp_path, store):
     fleet = ManualFleet(tmp_path).start()
     try:
-        assert _chat(fleet.url)[0] == 200
-        workers = _active_workers(fleet.url)
+        assert chat(fleet.url)[0] == 200
+        workers = active_workers(fleet.url)
         os.kill(fleet.nats.pid, signal.SIGKILL)
         fleet.nats.wait()
         fleet.start_nats(store)
         # every service restores what the broker lost: queues, consumers, the discovery bucket,
         # the KV event stream and the watches on them
-        wait_for(lambda: _chat(fleet.url)[0] == 200, 20, "a request answered after the restart")
-        wait_for(lambda: _active_workers(fleet.url) == workers, 10, "both workers listed again")
+        wait_for(lambda: chat(fleet.url)[0] == 200, 20, "a request answered after the restart")
+        wait_for(lambda: active_workers(fleet.url) == workers, 10, "both workers listed again")
         # KV-aware routing follows the engines' events again: a repeated long prompt lands where it is cached
         for i in range(3):
             prompt = " ".join(f"w{i}x{j}" for j in range(300))
-            first, again = _chat(fleet.url, prompt)[1], _chat(fleet.url, prompt)[1]
+            first, again = chat(fleet.url, prompt)[1], chat(fleet.url, prompt)[1]
             assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
             assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 1024, fleet.logs()
         assert all(p.poll() is None for p in fleet.procs), fleet.logs()  # nobody died of it
@@ -199,15 +127,15 @@ def test_prompts_cached_before_an_outage_longer_than_the_discovery_ttl_still_fin
     try:
         prompts = [" ".join(f"o{i}x{j}" for j in range(300)) for i in range(6)]
         for prompt in prompts:
-            assert _chat(fleet.url, prompt)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        workers = _active_workers(fleet.url)
+            assert chat(fleet.url, prompt)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        workers = active_workers(fleet.url)
         os.kill(fleet.nats.pid, signal.SIGKILL)
         fleet.nats.wait()
         time.sleep(8)
         fleet.start_nats("store")
-        wait_for(lambda: _chat(fleet.url)[0] == 200, 20, "a request answered after the restart")
-        wait_for(lambda: _active_workers(fleet.url) == workers, 10, "both workers listed again")
-        cached = [_chat(fleet.url, prompt)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] for prompt in prompts]
+        wait_for(lambda: chat(fleet.url)[0] == 200, 20, "a request answered after the restart")
+        wait_for(lambda: active_workers(fleet.url) == workers, 10, "both workers listed again")
+        cached = [chat(fleet.url, prompt)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] for prompt in prompts]
         assert all(c >= 1024 for c in cached), (cached, fleet.logs())
     finally:
         fleet.stop()
@@ -222,14 +150,14 @@ def test_a_kv_indexer_restarted_after_the_events_left_the_stream_knows_the_cache
     try:
         prompts = [" ".join(f"s{i}x{j}" for j in range(300)) for i in range(6)]
         for prompt in prompts:
-            assert _chat(fleet.url, prompt)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            assert chat(fleet.url, prompt)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         time.sleep(0.5)  # their KV events reached the stream
         asyncio.run(_purge_kv_events(f"nats://127.0.0.1:{fleet.nats_port}"))
         fleet.restart("kv-indexer")
         indexer_log = tmp_path / "logs" / "kv-indexer.log"
         wait_for(lambda: indexer_log.read_text().count("kv_indexer_serving") == 2, 30, "the indexer serving again")
         time.sleep(1.0)  # the agents' state relays came in
-        cached = [_chat(fleet.url, prompt)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] for prompt in prompts]
+        cached = [chat(fleet.url, prompt)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] for prompt in prompts]
         assert all(c >= 1024 for c in cached), (cached, fleet.logs())
     finally:
         fleet.stop()

@@ -1,0 +1,69 @@
+"""A fleet whose hosts' clocks disagree: each service process runs on its own wall clock (a
+``sitecustomize`` shifts ``time.time`` in that process alone, as a host without time sync would)."""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.request
+
+from tests.e2e.manual_fleet import ManualFleet, active_workers, chat
+from tests.e2e.runbook import wait_for
+
+SHIFT = '''import os, time
+_shift = float(os.environ.get("TEST_CLOCK_SHIFT_S", "0"))
+if _shift:
+    _time, _time_ns = time.time, time.time_ns
+    time.time = lambda: _time() + _shift
+    time.time_ns = lambda: _time_ns() + int(_shift * 1e9)
+'''
+
+
+def shifted(tmp_path, seconds: float) -> dict[str, str]:
+    """The environment of a process whose wall clock runs ``seconds`` off this host's."""
+    site = tmp_path / "clock-shift"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(SHIFT)
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "TEST_CLOCK_SHIFT_S": str(seconds)}
+
+
+def _router_metric(fleet: ManualFleet, name: str) -> float:
+    spec = fleet.specs["router"][0]
+    port = spec.args[spec.args.index("--metrics-port") + 1]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} not in the router's metrics")
+
+
+def test_a_fleet_whose_clocks_disagree_by_more_than_a_ttl_serves_and_keeps_its_workers(tmp_path):
+    """One worker's host 20 s behind the frontend's, the other 20 s ahead, the router's 8 s ahead
+    (more than --route-timeout), the kv-indexer's 3 s behind. Before: the worker 20 s behind was
+    dropped from every view right after each heartbeat (each looked 20 s old against a 3 s TTL),
+    and the router refused every request as past its route deadline (504)."""
+    fleet = ManualFleet(tmp_path)
+    try:
+        fleet.start(service_env={"worker-1": shifted(tmp_path, -20), "worker-2": shifted(tmp_path, 20),
+                                 "router": shifted(tmp_path, 8), "kv-indexer": shifted(tmp_path, -3)})
+        both = active_workers(fleet.url)
+        assert len(both) == 2
+        statuses = []
+        prompt = "the same long question about clocks " * 40  # several KV blocks
+        end = time.monotonic() + 8  # over two TTLs: heartbeats of both workers come and age
+        while time.monotonic() < end:
+            assert active_workers(fleet.url) == both
+            statuses.append(chat(fleet.url, f"question {len(statuses)}")[0])
+        assert statuses and set(statuses) == {200}
+        first, again = chat(fleet.url, prompt), chat(fleet.url, prompt)
+        assert first[0] == again[0] == 200
+        assert again[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # routed to its cache
+        wait_for(lambda: abs(_router_metric(fleet, "infera_router_requester_clock_offset_seconds") - 8) < 0.5,
+                 10, "the router's measured offset to the frontend")
+        assert _router_metric(fleet, "infera_router_route_expired_total") == 0
+    except BaseException:
+        print(fleet.logs())
+        raise
+    finally:
+        fleet.stop()
