@@ -9,7 +9,8 @@ wall clock, ``time_answer``), as NTP does. With ``sent`` and ``received`` on the
 ``their_time`` the answer, the offset (asker minus peer) is ``(sent + received) / 2 - their_time``,
 wrong by at most half the round trip. Of the last ``KEEP`` samples the one with the shortest round
 trip counts; a sample whose round trip took longer than ``max_round_trip`` says too little and is
-dropped. A peer's offset is asked again ``resync_after`` seconds after the last question, when it
+dropped, and one that cannot agree with the estimate (further from it than both samples' error
+bounds and ``STEP_TOLERANCE`` allow) says a clock stepped, and starts the samples over. A peer's offset is asked again ``resync_after`` seconds after the last question, when it
 is needed (``due``): the clocks drift slowly, and a peer nobody needs is not asked.
 """
 
@@ -23,6 +24,7 @@ KEEP = 4
 RESYNC_AFTER = 30.0
 MAX_ROUND_TRIP = 1.0
 MAX_PEERS = 4096
+STEP_TOLERANCE = 0.05
 
 
 def time_answer(now: float) -> bytes:
@@ -89,6 +91,10 @@ class ClockOffsets:
         if peer is None or not 0 <= round_trip <= self.max_round_trip:
             return None
         offset = (sent + received) / 2 - their_time
+        if peer.samples:
+            best_round_trip, best = min(peer.samples)
+            if abs(offset - best) > (round_trip + best_round_trip) / 2 + STEP_TOLERANCE:
+                peer.samples.clear()  # a clock stepped: what came before no longer holds
         peer.samples.append((round_trip, offset))
         return offset
 

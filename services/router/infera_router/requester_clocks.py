@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine
 
 import nats.errors
 
-from infera_common.clock_offsets import ClockOffsets, read_time_answer
+from infera_common.clock_offsets import MAX_PEERS, ClockOffsets, read_time_answer
 from infera_common.logs import get_logger
 from infera_common.subjects import requester_alive_subject
 
@@ -71,6 +71,8 @@ class RequesterClocks:
         if self._largest is not None:
             self._largest(self._offsets.largest())
         if abs(offset) >= WARN_OFFSET and key not in self._warned:
+            if len(self._warned) >= MAX_PEERS:  # (each start of a frontend is a new key)
+                self._warned.clear()
             self._warned.add(key)
             log.warning("requester_clock_offset", frontend=key.split(".")[1], offset_s=round(offset, 3),
                         hint="this host's clock and the frontend's disagree: route deadlines are read with the "
