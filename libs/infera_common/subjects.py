@@ -70,6 +70,15 @@ def load_subject(worker_id: str) -> str:
 #: Request/reply: pick a worker for a request (queue group ``ROUTER_QUEUE``).
 ROUTER_ROUTE = f"{PREFIX}.router.route"
 ROUTER_QUEUE = "infera-router"
+#: Request/reply, every router (no queue group): each answers with its router id. A frontend whose
+#: route request went unanswered asks it, and sends the retry to the first router that answers
+#: (``router_route_subject``), not to the queue group, which may hand it to the same silent router.
+ROUTER_PING = f"{PREFIX}.router.ping"
+
+
+def router_route_subject(router_id: str) -> str:
+    """Route requests for one router instance alone (the same RPC as ``ROUTER_ROUTE``)."""
+    return f"{PREFIX}.router.route.{_token(router_id)}"
 
 
 def router_release_subject(router_id: str) -> str:

@@ -28,6 +28,8 @@ from infera_common.schemas import (
     decode,
     encode,
 )
+from infera_common.nats_conn import flush_all
+from infera_common.subjects import ROUTER_PING, router_route_subject
 from infera_frontend.service import Frontend
 from tests.waiting import eventually
 
@@ -165,6 +167,7 @@ class MultiFleet:
     tasks: set = field(default_factory=set)
     before_reply: Script | None = None  # what the router does before it replies (say, wait on a prefill)
     stalled: int = 0  # route requests still to be taken in and never answered (a frozen router's share)
+    direct: list[str] = field(default_factory=list)  # ids of the route requests sent to a router's own subject
 
     async def frame(self, req: RouteRequest, frame: Frame, *, lost: bool = False) -> None:
         """Send a frame (``lost``: count and keep it as sent, but it never reaches the frontend)."""
@@ -202,6 +205,25 @@ class MultiFleet:
         if self.stalled:
             self.stalled -= 1
             return
+        await self._place(msg, req)
+
+    async def serve_directly(self, router_id: str) -> None:
+        """Be also a router that answers ``ROUTER_PING`` as ``router_id`` and takes route requests on
+        its own subject (never stalled: ``stalled`` is the queue group's silent router)."""
+        async def on_ping(msg) -> None:
+            await msg.respond(router_id.encode())
+
+        async def on_direct(msg) -> None:
+            req = decode(RouteRequest, msg.data)
+            self.routed.append(req)
+            self.direct.append(req.request_id)
+            await self._place(msg, req)
+
+        await self.nc.subscribe(ROUTER_PING, cb=on_ping)
+        await self.nc.subscribe(router_route_subject(router_id), cb=on_direct)
+        await flush_all(self.nc)
+
+    async def _place(self, msg, req: RouteRequest) -> None:
         left = [w for w in self.workers if w not in req.exclude]
         if not left:
             await msg.respond(encode(RouteReply(status=503, message="every worker of the model is excluded")))

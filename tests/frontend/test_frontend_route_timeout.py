@@ -27,3 +27,18 @@ async def test_a_route_request_no_router_answers_in_time_is_tried_again_through_
     assert second.request_id == first.request_id + "-1"
     assert multi.placed == [W1]
     assert fe.metrics.registry.get_sample_value("infera_frontend_retries_total", {"reason": "route_timeout"}) == 1
+
+
+async def test_a_retry_after_a_route_timeout_goes_to_a_router_that_says_it_is_there(start_frontend, multi):
+    """Two routers, one frozen: through the queue group the retry went to the frozen one again half
+    the time, and the request failed after two route timeouts. The retry goes to the first router
+    that answers the ping, on that router's own subject."""
+    fe = await start_frontend(route_timeout=0.5)
+    await multi.serve_directly("r2")
+    multi.stalled = 2  # the queue group would hand the frozen router the retry too
+    async with aiohttp.ClientSession() as s, s.post(url(fe, "/v1/chat/completions"), json=chat_body()) as r:
+        assert r.status == 200 and await r.read() == completion_json()
+    first, second = multi.routed
+    assert multi.direct == [second.request_id] == [first.request_id + "-1"]
+    assert multi.stalled == 1 and multi.placed == [W1]  # the queue group was not asked again
+    assert fe.metrics.registry.get_sample_value("infera_frontend_retries_total", {"reason": "route_timeout"}) == 1

@@ -17,7 +17,8 @@ from infera_common.schemas import (
     LoadReport, Release, RouteReply, WorkEnvelope, WorkerStatus, decode, encode,
 )
 from infera_common.subjects import (
-    ROUTER_ROUTE, load_subject, request_stream, router_release_subject, work_consumer, work_subject,
+    ROUTER_PING, ROUTER_ROUTE, load_subject, request_stream, router_release_subject, router_route_subject,
+    work_consumer, work_subject,
 )
 
 from infera_router.service import RouterService
@@ -155,6 +156,16 @@ async def test_route_deadlines_of_a_frontend_whose_clock_is_unknown_are_not_read
     assert unknown.status == 200
     assert [e.request_id for e in await bench.pull("a")] == ["old0", "old1", "unknown"]
     assert bench.metric("infera_router_route_expired_total") == 0
+
+
+async def test_the_router_says_it_is_there_and_routes_requests_sent_to_it_alone(bench):
+    """What a frontend whose route request went unanswered uses to send the retry past the queue
+    group, to a router that answers."""
+    await bench.worker("a")
+    assert (await bench.nc.request(ROUTER_PING, b"", timeout=2)).data == b"rt1"
+    msg = await bench.nc.request(router_route_subject("rt1"), encode(route_request(request_id="direct")), timeout=5)
+    assert decode(RouteReply, msg.data).status == 200
+    assert [e.request_id for e in await bench.pull("a")] == ["direct"]
 
 
 async def test_unknown_model_404_and_no_active_worker_503(bench):

@@ -107,13 +107,14 @@ class Pipeline:
         attempts = Attempts(self.max_retries)
         failed: ApiError | Exchange | None = None  # the previous attempt's answer, while retrying
         carried = request_id  # the id the attempt carries to its worker and engine
+        silence = False  # the previous attempt got no route reply
         while True:
             try:
                 ex = await self.relay.open(
                     request_id=carried, endpoint=parsed.endpoint, model=parsed.model, body=body,
                     stream=parsed.stream, token_ids=tokens.token_ids, prompt_tokens=tokens.prompt_tokens,
                     exclude=attempts.tried, session_ids=session_ids, traceparent=traceparent,
-                    sequences=sequences(parsed), samples=samples(parsed),
+                    sequences=sequences(parsed), samples=samples(parsed), after_silence=silence,
                 )
             except ApiError as err:
                 if failed is not None:
@@ -122,13 +123,15 @@ class Pipeline:
                     return _stand(failed)
                 if attempts.retry(retry_reason(err)):
                     self._retrying(request_id, None, err.status, retry_reason(err))
-                    if retry_reason(err) == ROUTE_TIMEOUT:
+                    silence = retry_reason(err) == ROUTE_TIMEOUT
+                    if silence:
                         # the silent router may have handed the request over just before it stalled:
                         # another id, so that a worker holding both runs the retry too (not 409)
                         carried = f"{request_id}-{attempts.retries}"
                     continue
                 raise
             attempts.tried_on(ex.worker_id)
+            silence = False
             try:
                 status, answer = await ex.start()
             except ApiError as err:

@@ -184,11 +184,13 @@ class Relay:
         traceparent: str | None = None,
         sequences: int = 1,
         samples: int = 1,
+        after_silence: bool = False,
     ) -> Exchange:
         """Ask the router to place the request (on none of ``exclude``); ``ApiError`` when it is not placed.
 
         ``session_ids``: every value of the client's session header, in order, unmodified (the
         router validates them). Each attempt gets its own inbox subject and a fresh deadline.
+        ``after_silence``: the previous attempt got no route reply (``Placement.place``).
         """
         subject, box = self.inbox.open()
         data = encode(RouteRequest(
@@ -209,7 +211,7 @@ class Relay:
                 type="invalid_request_error", code="request_too_large",
             )
         try:
-            reply, early = await self._placement.place(data, subject, box)
+            reply, early = await self._placement.place(data, subject, box, after_silence)
         except asyncio.CancelledError:  # the client left while the router decides: cancel once placed
             self.spawn(self._cancel_when_routed(subject, box, request_id))
             raise

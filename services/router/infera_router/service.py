@@ -29,9 +29,11 @@ from infera_common.schemas import LoadReport, Prefilled, Release, WorkerRecord, 
 from infera_common.subjects import (
     LOAD_SUBJECTS,
     ROUTER_QUEUE,
+    ROUTER_PING,
     ROUTER_ROUTE,
     router_prefilled_subject,
     router_release_subject,
+    router_route_subject,
 )
 from infera_common.tasks import stop_tasks
 
@@ -96,7 +98,7 @@ class RouterService(RoutePath):
         self._reconnects = Reconnects()  # what to restore when the broker comes back (it may have restarted)
         self._listed_or_told: set[str] = set()  # workers discovery listed once, or already warned about
         self._subs: list[Subscription] = []
-        self._route_sub: Subscription | None = None
+        self._route_subs: list[Subscription] = []  # the queue group's, this router's own, the ping
         self._dispatcher: Dispatcher | None = None
         self._sweeper: asyncio.Task | None = None
         self._off_bus: OffBusWatch | None = None
@@ -137,7 +139,11 @@ class RouterService(RoutePath):
         self._subs.append(await self.nc.subscribe(router_prefilled_subject(self.router_id), cb=self._on_prefilled))
         self._subs.append(await self.nc.subscribe(LOAD_SUBJECTS, cb=self._on_load))
         self._clocks = RequesterClocks(self.nc, self._spawn, self.metrics.requester_clock_offset.set)
-        self._route_sub = await self.nc.subscribe(ROUTER_ROUTE, queue=ROUTER_QUEUE, cb=self._on_route)
+        self._route_subs = [
+            await self.nc.subscribe(ROUTER_PING, cb=self._on_ping),
+            await self.nc.subscribe(router_route_subject(self.router_id), cb=self._on_route),
+            await self.nc.subscribe(ROUTER_ROUTE, queue=ROUTER_QUEUE, cb=self._on_route),
+        ]
         await flush_all(self.nc)  # the broker knows the subscriptions before we say we serve
         self._sweeper = asyncio.create_task(self._sweep(), name="lease-sweeper")
         self._off_bus = OffBusWatch(self.nc, self.core, self.metrics)
@@ -154,12 +160,12 @@ class RouterService(RoutePath):
 
     async def stop(self) -> None:
         """Stop taking requests, answer the ones in hand, then close."""
-        if self._route_sub is not None:
+        for sub in self._route_subs:
             try:
-                await self._route_sub.drain()
+                await sub.drain()
             except Exception as exc:  # connection already gone
                 log.info("route_drain_skipped", error=str(exc))
-            self._route_sub = None
+        self._route_subs = []
         if self._route_tasks:  # requests waiting for the kv-indexer or a PD leg: let them reach their reply
             await asyncio.gather(*list(self._route_tasks), return_exceptions=True)
         if self._pd is not None:
