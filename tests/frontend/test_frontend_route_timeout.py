@@ -41,4 +41,11 @@ async def test_a_retry_after_a_route_timeout_goes_to_a_router_that_says_it_is_th
     first, second = multi.routed
     assert multi.direct == [second.request_id] == [first.request_id + "-1"]
     assert multi.stalled == 1 and multi.placed == [W1]  # the queue group was not asked again
-    assert fe.metrics.registry.get_sample_value("infera_frontend_retries_total", {"reason": "route_timeout"}) == 1
+    # for a while the other requests go to a router that answers too: the queue group would hand
+    # the silent router its share of them, each waiting out the route timeout
+    async with aiohttp.ClientSession() as s, s.post(url(fe, "/v1/chat/completions"), json=chat_body()) as r:
+        assert r.status == 200
+    assert len(multi.direct) == 2 and multi.stalled == 1
+    registry = fe.metrics.registry
+    assert registry.get_sample_value("infera_frontend_retries_total", {"reason": "route_timeout"}) == 1
+    assert registry.get_sample_value("infera_frontend_routes_direct_total") == 2

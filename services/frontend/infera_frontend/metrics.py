@@ -61,6 +61,12 @@ class FrontendMetrics:
             "Requests the router did not place, by status (503 includes router unreachable).",
             ["status"], registry=r,
         )
+        self.routes_direct = Counter(
+            "infera_frontend_routes_direct",
+            "Route requests sent to one router's own subject, the first to answer infera.router.ping, instead of "
+            "the routers' queue group: within 30 s of a route request no router answered (a router frozen or hung).",
+            registry=r,
+        )
         self.upstream_timeouts = Counter(
             "infera_frontend_upstream_timeouts",
             "Requests cancelled because no frame came within --upstream-timeout.",

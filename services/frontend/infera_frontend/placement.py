@@ -9,6 +9,7 @@ the decode worker). ``router_error`` turns a refusal into the client's error.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import msgpack
 from nats.aio.client import Client as NATS
@@ -24,6 +25,10 @@ from infera_frontend.validation import ApiError
 NO_ROUTER_PAUSE = 0.25
 #: Seconds to wait for a router to say it is there before a retry after a route timeout.
 PING_TIMEOUT = 0.5
+#: Seconds after a route timeout during which every route request goes to a router that answers
+#: the ping: the queue group goes on handing a frozen router its share until nats-server drops it
+#: (2 missed pings, 20-30 s), each of them waiting out --route-timeout first.
+WARY_FOR = 30.0
 
 _ROUTER_ERROR_TYPES = {
     400: ("invalid_request_error", None),
@@ -62,10 +67,13 @@ class Placement:
     """Route requests and their replies, with the frontend's ``--route-timeout`` and
     ``--upstream-timeout``."""
 
-    def __init__(self, nc: NATS, route_timeout: float, upstream_timeout: float) -> None:
+    def __init__(self, nc: NATS, route_timeout: float, upstream_timeout: float,
+                 direct: Callable[[], None] | None = None) -> None:
         self._nc = nc
         self.route_timeout = route_timeout
         self.upstream_timeout = upstream_timeout
+        self._direct = direct  # told of each route request sent to one router's own subject (a counter)
+        self._wary_until = 0.0  # (loop time) until then, route requests go to a router that answers
 
     async def place(self, data: bytes, subject: str, box: Mailbox,
                     after_silence: bool = False) -> tuple[RouteReply, list[Msg]]:
@@ -77,11 +85,18 @@ class Placement:
         hands each request to any of them, so half of the retries went to a silent router again (two
         routers, one frozen: 34 of 240 requests failed, the HA bench). So the retry goes to the first
         router that says it is there (``ROUTER_PING``), on its own subject; to the queue group when
-        none does within ``PING_TIMEOUT`` (routers from before the ping answer nothing)."""
+        none does within ``PING_TIMEOUT`` (routers from before the ping answer nothing). So do the
+        other requests for ``WARY_FOR`` seconds after it: the silent router would take its share of
+        them too, each waiting out the route timeout."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.route_timeout
-        router = await self.answering_router() if after_silence else None
+        now = loop.time()
+        deadline = now + self.route_timeout
+        if after_silence:
+            self._wary_until = now + WARY_FOR
+        router = await self.answering_router() if now < self._wary_until else None
         if router is not None:
+            if self._direct is not None:
+                self._direct()
             await self._nc.publish(router_route_subject(router), data, reply=subject)
             try:
                 return await self.reply(box, deadline)

@@ -115,7 +115,7 @@ class Relay:
         self.route_timeout = route_timeout
         self.upstream_timeout = upstream_timeout
         self.request_timeout = request_timeout
-        self._placement = Placement(nc, route_timeout, upstream_timeout)
+        self._placement = Placement(nc, route_timeout, upstream_timeout, metrics.routes_direct.inc)
         self._background: set[asyncio.Task] = set()
         self._open: set[Exchange] = set()  # placed requests whose exchange is not closed yet
         self.token_checker = TokenChecker()
