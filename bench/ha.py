@@ -4,18 +4,19 @@ Starts the `infera up` topology (kv-aware) with ``--workers`` mock workers plus 
 kv-indexer, router and frontend, and sends open-loop chat requests (``--rate`` per second,
 alternating between the frontends; two thirds of them open with one of six ~520-token system
 prompts, so kv-aware has prefixes to find; a third of the answers are 100-300 tokens long, so
-the workers holding those prefixes are also decoding other requests). Two scenarios, each
+the workers holding those prefixes are also decoding other requests). Three scenarios, each
 against its baseline in the same run:
 
 - ``routers``: the same traffic with one router, then with two. Per fleet: the requests whose
   system prompt the engine did not find cached (a prefix miss; the first request of each prompt
   must miss), the token hit ratio, latency.
 - ``router-freeze``: two routers; one is stopped (SIGSTOP) for ``--freeze`` seconds, then resumed.
-  Per window (before, frozen, after): requests answered, failed, latency; and the answers the
-  engines produced against the answers clients got (work for nobody).
+  Per window (before, frozen, after): requests answered, failed, prefix misses, latency; and the
+  answers the engines produced against the answers clients got (work for nobody).
+- ``indexer-freeze``: the same with one of the two kv-indexers stopped instead.
 
-    .venv/bin/python bench/ha.py [--scenario routers router-freeze] [--workers 4] [--rate 12]
-                                 [--seconds 60] [--freeze 20]
+    .venv/bin/python bench/ha.py [--scenario routers router-freeze indexer-freeze] [--workers 4]
+                                 [--rate 12] [--seconds 60] [--freeze 20]
 
 Both scenarios come from the HA audit of session 28 (docs/benchmarks.md, "Replicated control plane").
 """
@@ -150,11 +151,17 @@ def scenario_routers(args) -> None:
           f"({two['misses'] / max(1, base['misses']):.2f}x), hit ratio {two['hit'] / max(1e-9, base['hit']):.3f}x")
 
 
-def scenario_freeze(args) -> None:
-    with tempfile.TemporaryDirectory(prefix="bench-ha-freeze-") as tmp:
+#: The service a freeze scenario stops, and its place among the processes replicate() adds (kv-indexer,
+#: router, frontend): the second of its kind.
+FROZEN = {"router-freeze": ("infera_router", -2), "indexer-freeze": ("infera_kv_indexer", -3)}
+
+
+def scenario_freeze(args, scenario: str) -> None:
+    module, index = FROZEN[scenario]
+    with tempfile.TemporaryDirectory(prefix=f"bench-ha-{scenario}-") as tmp:
         procs, urls, agent_ports = fleet(Path(tmp), args.workers, 2)
-        frozen = procs[-2]  # replicate() starts kv-indexer, router, frontend: the second router
-        assert "infera_router" in frozen.args
+        frozen = procs[index]
+        assert module in frozen.args
         marks: dict[str, float] = {}
 
         async def freeze() -> None:
@@ -175,13 +182,15 @@ def scenario_freeze(args) -> None:
     windows = [("before", [r for r in recs if r["t"] < marks["stop"]]),
                ("frozen", [r for r in recs if marks["stop"] <= r["t"] < marks["cont"]]),
                ("after", [r for r in recs if r["t"] >= marks["cont"]])]
-    print(f"\nscenario router-freeze: {args.workers} mock workers, 2 routers, {args.rate:g} req/s; one router "
-          f"SIGSTOPped for {args.freeze:g} s\n")
-    print("window | sent | answered | failed | p50 ms | p99 ms")
-    print("---|---|---|---|---|---")
+    what = module.removeprefix("infera_").replace("_", "-")
+    print(f"\nscenario {scenario}: {args.workers} mock workers, 2 routers and 2 kv-indexers, {args.rate:g} req/s; "
+          f"one {what} SIGSTOPped for {args.freeze:g} s\n")
+    print("window | sent | answered | failed | prefix misses | token hit ratio | p50 ms | p99 ms")
+    print("---|---|---|---|---|---|---|---")
     for name, w in windows:
         s = stats(w)
-        print(f"{name} | {s['n']} | {s['ok']} | {s['failed']} | {s['p50']:.0f} | {s['p99']:.0f}")
+        print(f"{name} | {s['n']} | {s['ok']} | {s['failed']} | {s['misses']} | {s['hit']:.3f} | {s['p50']:.0f} | "
+              f"{s['p99']:.0f}")
     steady, during = stats(windows[0][1]), stats(windows[1][1])
     clients = sum(1 for r in recs if r["status"] == 200)
     print(f"\nfrozen window against before: p99 {during['p99'] / max(1e-9, steady['p99']):.1f}x, "
@@ -191,17 +200,19 @@ def scenario_freeze(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenario", nargs="+", default=["routers", "router-freeze"], choices=["routers", "router-freeze"])
+    ap.add_argument("--scenario", nargs="+", default=["routers", "router-freeze", "indexer-freeze"],
+                    choices=["routers", *FROZEN])
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--rate", type=float, default=12.0, help="requests per second")
     ap.add_argument("--seconds", type=float, default=60.0, help="length of the routers run; of each window around "
                     "the freeze")
-    ap.add_argument("--freeze", type=float, default=20.0, help="seconds the router stays stopped")
+    ap.add_argument("--freeze", type=float, default=20.0, help="seconds the router (or kv-indexer) stays stopped")
     args = ap.parse_args()
     if "routers" in args.scenario:
         scenario_routers(args)
-    if "router-freeze" in args.scenario:
-        scenario_freeze(args)
+    for scenario in FROZEN:
+        if scenario in args.scenario:
+            scenario_freeze(args, scenario)
 
 
 if __name__ == "__main__":
