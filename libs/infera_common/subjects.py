@@ -156,6 +156,14 @@ KV_QUERY = f"{PREFIX}.kv.query"
 #: (``KvResync``; the agents answer with ``KvRelay(kind="state")`` on their event subjects).
 KV_RESYNC = f"{PREFIX}.kv.resync"
 KV_INDEXER_QUEUE = "infera-kv-indexer"
+#: Request/reply, every kv-indexer (no queue group): each answers with its id (``answering``): after
+#: a query went unanswered, a router asks the first to answer (``kv_query_subject``) for a while.
+KV_PING = f"{PREFIX}.kv.ping"
+
+
+def kv_query_subject(indexer_id: str) -> str:
+    """Overlap queries for one kv-indexer instance alone (the same RPC as ``KV_QUERY``)."""
+    return f"{PREFIX}.kv.query.{_token(indexer_id)}"
 
 
 def kv_event_subject(worker_id: str) -> str:

@@ -11,7 +11,9 @@ from infera_common.discovery import Registrar
 from infera_common.nats_conn import KV_EVENT_MAX_AGE, KV_EVENT_MAX_BYTES, connect, ensure_kv_event_stream
 from infera_common.block_hash import block_hashes, pack_hashes
 from infera_common.schemas import KvRelay, KvResync, OverlapReply, decode, encode
-from infera_common.subjects import KV_EVENT_STREAM, KV_QUERY, KV_RESYNC, kv_event_subject
+from infera_common.subjects import (
+    KV_EVENT_STREAM, KV_PING, KV_QUERY, KV_RESYNC, kv_event_subject, kv_query_subject,
+)
 from infera_kv_indexer.service import KvIndexerService
 from infera_kv_indexer.settings import KvIndexerSettings
 from nats.js.api import RetentionPolicy, StorageType
@@ -78,6 +80,17 @@ async def test_relayed_batches_of_both_engines_answer_prefix_depths_per_worker(b
     await nc.jetstream().publish(kv_event_subject("sg"), cleared_relay("sg"))
     reply = await until(nc, query(chat), lambda r: depths(r) == {("vl", 0): 9})
     assert reply.unseen == ["idle"]
+
+
+async def test_the_indexer_says_it_is_there_and_answers_queries_sent_to_it_alone(bus):
+    """What a router whose query to the queue group went unanswered (an indexer frozen) uses to
+    send the next ones to an indexer that answers."""
+    nc, service, register, _ = bus
+    await register("w1")
+    pong = await nc.request(KV_PING, b"", timeout=5)
+    assert pong.data.decode() == service.indexer_id
+    msg = await nc.request(kv_query_subject(service.indexer_id), encode(query(tokens(64))), timeout=5)
+    assert decode(OverlapReply, msg.data).unseen == ["w1"]
 
 
 async def test_a_worker_leaving_discovery_disappears_from_answers(bus):

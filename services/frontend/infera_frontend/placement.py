@@ -15,6 +15,7 @@ import msgpack
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from infera_common.answering import Wary, first_to_answer
 from infera_common.schemas import RouteReply
 from infera_common.subjects import ROUTER_PING, ROUTER_ROUTE, router_route_subject
 
@@ -25,10 +26,6 @@ from infera_frontend.validation import ApiError
 NO_ROUTER_PAUSE = 0.25
 #: Seconds to wait for a router to say it is there before a retry after a route timeout.
 PING_TIMEOUT = 0.5
-#: Seconds after a route timeout during which every route request goes to a router that answers
-#: the ping: the queue group goes on handing a frozen router its share until nats-server drops it
-#: (2 missed pings, 20-30 s), each of them waiting out --route-timeout first.
-WARY_FOR = 30.0
 
 _ROUTER_ERROR_TYPES = {
     400: ("invalid_request_error", None),
@@ -73,7 +70,7 @@ class Placement:
         self.route_timeout = route_timeout
         self.upstream_timeout = upstream_timeout
         self._direct = direct  # told of each route request sent to one router's own subject (a counter)
-        self._wary_until = 0.0  # (loop time) until then, route requests go to a router that answers
+        self._wary = Wary()  # (on the loop's clock) after a route timeout: to a router that answers
 
     async def place(self, data: bytes, subject: str, box: Mailbox,
                     after_silence: bool = False) -> tuple[RouteReply, list[Msg]]:
@@ -86,14 +83,14 @@ class Placement:
         routers, one frozen: 34 of 240 requests failed, the HA bench). So the retry goes to the first
         router that says it is there (``ROUTER_PING``), on its own subject; to the queue group when
         none does within ``PING_TIMEOUT`` (routers from before the ping answer nothing). So do the
-        other requests for ``WARY_FOR`` seconds after it: the silent router would take its share of
-        them too, each waiting out the route timeout."""
+        other requests for ``answering.WARY_FOR`` seconds after it: the silent router would take its
+        share of them too, each waiting out the route timeout."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         deadline = now + self.route_timeout
         if after_silence:
-            self._wary_until = now + WARY_FOR
-        router = await self.answering_router() if now < self._wary_until else None
+            self._wary.silence(now)
+        router = await first_to_answer(self._nc, ROUTER_PING, PING_TIMEOUT) if self._wary.active(now) else None
         if router is not None:
             if self._direct is not None:
                 self._direct()
@@ -110,16 +107,6 @@ class Placement:
                 if loop.time() + NO_ROUTER_PAUSE >= deadline:
                     raise
             await asyncio.sleep(NO_ROUTER_PAUSE)
-
-    async def answering_router(self) -> str | None:
-        """The id of the first router to answer ``ROUTER_PING`` (None: none within ``PING_TIMEOUT``)."""
-        try:
-            msg = await self._nc.request(ROUTER_PING, b"", timeout=PING_TIMEOUT)
-            router = msg.data.decode()
-            router_route_subject(router)  # (a valid subject token, or ValueError)
-            return router
-        except Exception:  # no router, none answered, an unreadable id, or this connection in trouble
-            return None
 
     async def reply(self, box: Mailbox, deadline: float | None = None) -> tuple[RouteReply, list[Msg]]:
         """The router's reply (by ``deadline``, on the loop's clock; default ``--route-timeout`` from

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,7 +35,7 @@ from infera_common.logs import get_logger
 from infera_common.nats_conn import (
     Reconnects, close_connection, connect, flush_all, nats_log_fields, unsubscribe_quietly,
 )
-from infera_common.subjects import KV_INDEXER_QUEUE, KV_QUERY
+from infera_common.subjects import KV_INDEXER_QUEUE, KV_PING, KV_QUERY, kv_query_subject
 from infera_common.tasks import stop_tasks
 from infera_common.tracing import HEADER as TRACE_HEADER
 from infera_common.tracing import SpanKind, finish, start_span
@@ -72,7 +73,8 @@ class KvIndexerService:
         self._reconnects = Reconnects()  # what to restore when the broker comes back (it may have restarted)
         self._zmq = ZmqFollower(self._apply_zmq, self._clear, self.metrics, settings.kv_replay_timeout,
                                 restore=self._restore_state)
-        self._query_sub: Any | None = None
+        self._query_subs: list[Any] = []  # the ping, this indexer's own query subject, the queue group's
+        self.indexer_id = f"kvi-{uuid.uuid4().hex[:12]}"  # answers the routers' ping (``answering``)
         self._housekeeper: asyncio.Task | None = None
         self._mismatch_warned: set[str] = set()
         # workers whose blocks changed since the last tick: when their latest message was relayed
@@ -122,7 +124,11 @@ class KvIndexerService:
         if self._zmq.followed:
             log.info("zmq_replay_done", workers=len(self._zmq.followed), still_replaying=late,
                      seconds=round(time.monotonic() - t0, 3))
-        self._query_sub = await self.nc.subscribe(KV_QUERY, queue=KV_INDEXER_QUEUE, cb=self._on_query)
+        self._query_subs = [
+            await self.nc.subscribe(KV_PING, cb=self._on_ping),
+            await self.nc.subscribe(kv_query_subject(self.indexer_id), cb=self._on_query),
+            await self.nc.subscribe(KV_QUERY, queue=KV_INDEXER_QUEUE, cb=self._on_query),
+        ]
         if hasattr(self.nc, "flush"):
             await flush_all(self.nc)  # the broker knows the subscription before we say we serve
         seen, unseen, unattached = self.index.counts()
@@ -131,8 +137,9 @@ class KvIndexerService:
                  zmq_workers=len(self._zmq.followed), max_age=s.kv_event_max_age if self.uses_stream else None)
 
     async def stop(self) -> None:
-        sub, self._query_sub = self._query_sub, None
-        await unsubscribe_quietly(sub)
+        subs, self._query_subs = self._query_subs, []
+        for sub in subs:
+            await unsubscribe_quietly(sub)
         if self._stream is not None:
             await self._stream.stop()
         if self._housekeeper is not None:
@@ -268,6 +275,11 @@ class KvIndexerService:
         self.metrics.set_workers(*self.index.counts())
 
     # --- queries ---------------------------------------------------------------------------
+    async def _on_ping(self, msg: Msg) -> None:
+        """Who answers (``subjects.KV_PING``): this indexer's id, to a router whose query went unanswered."""
+        if msg.reply:
+            await msg.respond(self.indexer_id.encode())
+
     async def _on_query(self, msg: Msg) -> None:
         t0 = time.perf_counter()
         parent = msg.headers.get(TRACE_HEADER) if msg.headers else None

@@ -111,6 +111,12 @@ class RouterMetrics:
             "kv-indexer queries that gave no answer (no_indexer, timeout, error, bad_reply); "
             "each such request was routed by load only.", ["reason"], registry=r,
         )
+        self.kv_queries_direct = Counter(
+            "infera_router_kv_queries_direct",
+            "Overlap queries sent to one kv-indexer's own subject, the first to answer infera.kv.ping, instead of "
+            "the indexers' queue group: within 30 s of a query no indexer answered (an indexer frozen or hung).",
+            registry=r,
+        )
         self.kv_queries_skipped = Counter(
             "infera_router_kv_queries_skipped",
             "kv-aware requests routed without a kv-indexer query: the prompt is shorter than every "
