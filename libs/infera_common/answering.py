@@ -12,6 +12,8 @@ responders"), and the caller uses the queue group as before.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from infera_common.subjects import TOKEN_RE
 
 #: Seconds after a request went unanswered during which requests go to a member that answers.
@@ -44,3 +46,13 @@ async def first_to_answer(nc, subject: str, timeout: float) -> str | None:  # no
     except Exception:
         return None
     return member if TOKEN_RE.match(member) else None
+
+
+def ping_answerer(member_id: str) -> Callable[[object], Awaitable[None]]:
+    """A member's subscription callback for its ping subject: it answers with ``member_id``."""
+    answer = member_id.encode()
+
+    async def on_ping(msg) -> None:  # noqa: ANN001 - a NATS message
+        if msg.reply:
+            await msg.respond(answer)
+    return on_ping

@@ -28,6 +28,7 @@ from infera_common.schemas import (
     decode,
     encode,
 )
+from infera_common.answering import ping_answerer
 from infera_common.nats_conn import flush_all
 from infera_common.subjects import ROUTER_PING, router_route_subject
 from infera_frontend.service import Frontend
@@ -210,16 +211,13 @@ class MultiFleet:
     async def serve_directly(self, router_id: str) -> None:
         """Be also a router that answers ``ROUTER_PING`` as ``router_id`` and takes route requests on
         its own subject (never stalled: ``stalled`` is the queue group's silent router)."""
-        async def on_ping(msg) -> None:
-            await msg.respond(router_id.encode())
-
         async def on_direct(msg) -> None:
             req = decode(RouteRequest, msg.data)
             self.routed.append(req)
             self.direct.append(req.request_id)
             await self._place(msg, req)
 
-        await self.nc.subscribe(ROUTER_PING, cb=on_ping)
+        await self.nc.subscribe(ROUTER_PING, cb=ping_answerer(router_id))
         await self.nc.subscribe(router_route_subject(router_id), cb=on_direct)
         await flush_all(self.nc)
 

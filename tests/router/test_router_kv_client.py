@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from nats.errors import NoRespondersError
 
+from infera_common.answering import ping_answerer
 from infera_common.nats_conn import connect, flush_all
 from infera_common.schemas import OverlapQuery, OverlapReply, encode
 from infera_common.subjects import KV_INDEXER_QUEUE, KV_PING, KV_QUERY, kv_query_subject
@@ -63,15 +64,12 @@ async def test_after_a_query_times_out_queries_go_to_an_indexer_that_answers(nat
         async def silent(msg) -> None:  # frozen: takes the queue group's share and the ping, answers nothing
             pass
 
-        async def ping(msg) -> None:
-            await msg.respond(b"kvi-live")
-
         async def answer(msg) -> None:
             await msg.respond(encode(OverlapReply(workers=[])))
 
         await frozen.subscribe(KV_QUERY, queue=KV_INDEXER_QUEUE, cb=silent)
         await frozen.subscribe(KV_PING, cb=silent)
-        await live.subscribe(KV_PING, cb=ping)
+        await live.subscribe(KV_PING, cb=ping_answerer("kvi-live"))
         await live.subscribe(kv_query_subject("kvi-live"), cb=answer)
         for nc in (frozen, live):
             await flush_all(nc)

@@ -29,6 +29,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
+from infera_common.answering import ping_answerer
 from infera_common.discovery_select import FleetWatcher, discovery_for
 from infera_common.fleet import Change
 from infera_common.logs import get_logger
@@ -125,7 +126,7 @@ class KvIndexerService:
             log.info("zmq_replay_done", workers=len(self._zmq.followed), still_replaying=late,
                      seconds=round(time.monotonic() - t0, 3))
         self._query_subs = [
-            await self.nc.subscribe(KV_PING, cb=self._on_ping),
+            await self.nc.subscribe(KV_PING, cb=ping_answerer(self.indexer_id)),
             await self.nc.subscribe(kv_query_subject(self.indexer_id), cb=self._on_query),
             await self.nc.subscribe(KV_QUERY, queue=KV_INDEXER_QUEUE, cb=self._on_query),
         ]
@@ -275,11 +276,6 @@ class KvIndexerService:
         self.metrics.set_workers(*self.index.counts())
 
     # --- queries ---------------------------------------------------------------------------
-    async def _on_ping(self, msg: Msg) -> None:
-        """Who answers (``subjects.KV_PING``): this indexer's id, to a router whose query went unanswered."""
-        if msg.reply:
-            await msg.respond(self.indexer_id.encode())
-
     async def _on_query(self, msg: Msg) -> None:
         t0 = time.perf_counter()
         parent = msg.headers.get(TRACE_HEADER) if msg.headers else None

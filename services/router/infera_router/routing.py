@@ -91,12 +91,6 @@ class RoutePath:
             await self._send(msg.reply, RouteReply(status=500, message=f"router failure: {type(exc).__name__}: {exc}",
                                                    router_id=self.router_id), t0)
 
-    async def _on_ping(self, msg: Msg) -> None:
-        """Who answers (``subjects.ROUTER_PING``): this router's id, to a frontend whose route request
-        went unanswered and that sends its retry to a router known to answer."""
-        if msg.reply:
-            await msg.respond(self.router_id.encode())
-
     async def _route_with_kv(self, request: RouteRequest, reply_to: str, t0: float, query: OverlapQuery,
                              candidates: list[WorkerState], span: Span) -> None:
         handed_over = False

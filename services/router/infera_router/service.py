@@ -18,6 +18,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from infera_common.answering import ping_answerer
 from infera_common.discovery_select import FleetWatcher, discovery_for
 from infera_common.fleet import Change
 from infera_common.kv_index.stream import request_resync
@@ -140,7 +141,7 @@ class RouterService(RoutePath):
         self._subs.append(await self.nc.subscribe(LOAD_SUBJECTS, cb=self._on_load))
         self._clocks = RequesterClocks(self.nc, self._spawn, self.metrics.requester_clock_offset.set)
         self._route_subs = [
-            await self.nc.subscribe(ROUTER_PING, cb=self._on_ping),
+            await self.nc.subscribe(ROUTER_PING, cb=ping_answerer(self.router_id)),
             await self.nc.subscribe(router_route_subject(self.router_id), cb=self._on_route),
             await self.nc.subscribe(ROUTER_ROUTE, queue=ROUTER_QUEUE, cb=self._on_route),
         ]
