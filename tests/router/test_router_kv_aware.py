@@ -5,11 +5,14 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from infera_common.schemas import LoadReport, OverlapReply, WorkerOverlap
+import msgpack
+import pytest
+
+from infera_common.schemas import LoadReport, OverlapReply, WorkerOverlap, encode
 
 from infera_router.core import RouterCore
 from infera_router.inflight_blocks import LINGER
-from infera_router.kv_view import KvView, kv_query, kv_view, without_index
+from infera_router.kv_view import KvView, kv_query, kv_view, read_reply, without_index
 from infera_router.policy_kv_aware import KvAware, cache_fill
 from infera_router.state import WorkerState
 
@@ -167,6 +170,39 @@ def test_reply_is_read_per_worker_and_pinned_dp_rank():
     v = kv_view(ws, reply)
     assert v.ok and v.depth == {"a": 5, "b": 3} and v.unseen == {"q"}
     assert v.held == {}  # an indexer that says nothing of holdings: unknown, not empty
+
+
+def test_reply_bytes_read_without_models_say_what_the_schema_says():
+    c = RouterCore(KvAware(rng=random.Random(1)), "r", 100.0)
+    c.apply_change(join("dp", kv_block_size=64, dp_size=2))
+    c.apply_change(join("a", kv_block_size=64))
+    targets = [t for w in c.fleet.workers() for t in w.targets]
+    reply = OverlapReply(overlaps=[WorkerOverlap(worker_id="dp", dp_rank=1, blocks=4),
+                                   WorkerOverlap(worker_id="a", dp_rank=None, blocks=2)],
+                         unseen=["q"], held=[WorkerOverlap(worker_id="dp", dp_rank=0, blocks=10),
+                                             WorkerOverlap(worker_id="a", blocks=7)])
+    fast, slow = read_reply(targets, encode(reply)), kv_view(targets, reply)
+    assert (fast.depth, fast.unseen, fast.held) == (slow.depth, slow.unseen, slow.held)
+    assert fast.depth == {"dp#1": 4, "a": 2} and fast.held == {"dp#0": 10, "a": 7}
+    # a field a newer indexer adds to an entry is ignored, as the schema ignores it
+    newer = {"overlaps": [{"worker_id": "a", "dp_rank": None, "blocks": 3, "tier": "gpu"}], "unseen": []}
+    assert read_reply(targets, msgpack.packb(newer)).depth == {"a": 3}
+    # what the schema would coerce or refuse, it decides: a depth as text is refused
+    with pytest.raises(ValueError):
+        read_reply(targets, msgpack.packb({"overlaps": [{"worker_id": "a", "blocks": "many"}]}))
+    with pytest.raises(ValueError):
+        read_reply(targets, b"\xc1 not msgpack")
+    assert read_reply(targets, msgpack.packb({})).depth == {}  # an empty reply: nothing known
+
+
+def test_a_records_change_reaches_what_the_policy_reads():
+    c = RouterCore(KvAware(rng=random.Random(1)), "r", 100.0)
+    c.apply_change(join("a", kv_block_size=16, kv_capacity_tokens=16 * 100))
+    [a] = c.fleet.workers()
+    assert (a.block_size, a.capacity_blocks, [t.worker_id for t in a.targets]) == (16, 100, ["a"])
+    c.apply_change(join("a", kv_block_size=64, kv_capacity_tokens=64 * 10, dp_size=2))  # restarted otherwise
+    assert (a.block_size, [t.worker_id for t in a.targets]) == (64, ["a#0", "a#1"])
+    assert [t.capacity_blocks for t in a.targets] == [10, 10] and a.capacity_blocks == 20
 
 
 def test_held_blocks_are_read_per_rank_target_and_summed_for_a_whole_worker():

@@ -136,6 +136,8 @@ class CircuitBreaker(Generic[K]):
         """The candidates a request may go to (order kept). If there are candidates but none is
         allowed, all of them are returned with ``all_open=True``: route anyway."""
         candidates = list(candidates)
+        if not any(w.open for w in self._workers.values()):  # none open (the usual case): no check per candidate
+            return Allowed(candidates, False)
         allowed = [c for c in candidates if self.allows(key(c) if key else c, now)]  # type: ignore[arg-type]
         if candidates and not allowed:
             return Allowed(candidates, True)

@@ -201,10 +201,13 @@ class RouterCore:
     def _with_inflight(self, candidates: list[WorkerState], kv: KvView) -> KvView:
         """The indexer's depths, deepened where this router's in-flight prompts are about to be cached."""
         depth = dict(kv.depth)
+        inflight, chains, unseen = self.inflight, kv.hashes, kv.unseen
         for w in candidates:
-            chain = kv.hashes.get(w.record.index_block_size or 0)
-            if chain and w.base_id not in kv.unseen:
-                pending = self.inflight.depth(w.worker_id, chain)
+            if not inflight.holds(w.worker_id):
+                continue
+            chain = chains.get(w.block_size or 0)
+            if chain and w.base_id not in unseen:
+                pending = inflight.depth(w.worker_id, chain)
                 if pending > depth.get(w.worker_id, 0):
                     depth[w.worker_id] = pending
         return KvView(ok=True, depth=depth, unseen=kv.unseen, hashes=kv.hashes, held=kv.held)

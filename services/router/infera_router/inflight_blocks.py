@@ -63,6 +63,10 @@ class InflightBlocks:
         if any(w == worker_id for _, w, _ in self._lingering):  # (its new leases, should it return, are not these)
             self._lingering = deque(entry for entry in self._lingering if entry[1] != worker_id)
 
+    def holds(self, worker_id: str) -> bool:
+        """Whether any block is in flight on the worker."""
+        return worker_id in self._by_worker
+
     def depth(self, worker_id: str, chain: list[int]) -> int:
         """How many leading blocks of ``chain`` are in flight on the worker."""
         held = self._by_worker.get(worker_id)

@@ -30,11 +30,11 @@ from nats.errors import NoRespondersError
 
 from infera_common.answering import Wary, first_to_answer
 from infera_common.logs import get_logger
-from infera_common.schemas import OverlapQuery, OverlapReply, decode, encode
+from infera_common.schemas import OverlapQuery, encode
 from infera_common.subjects import KV_PING, KV_QUERY, kv_query_subject
 from infera_common.tracing import engine_headers
 
-from infera_router.kv_view import KvView, kv_view
+from infera_router.kv_view import KvView, read_reply
 from infera_router.metrics import RouterMetrics
 from infera_router.state import WorkerState
 
@@ -89,10 +89,9 @@ class KvClient:
         finally:
             self.metrics.kv_query_seconds.observe(time.perf_counter() - t0)
         try:
-            reply = decode(OverlapReply, msg.data)
+            return read_reply(candidates, msg.data)
         except ValueError as exc:
             return self._failed("bad_reply", str(exc)[:300])
-        return kv_view(candidates, reply)
 
     async def _subject(self, now: float) -> str:
         """Where to send a query: the queue group, or while wary the indexer that answers the ping."""

@@ -8,8 +8,10 @@ in ``kv_local.py``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+import msgpack
 
 from infera_common.block_hash import block_hashes
 from infera_common.schemas import OverlapQuery, OverlapReply, RouteRequest
@@ -46,7 +48,7 @@ def kv_query(candidates: list[WorkerState], request: RouteRequest) -> OverlapQue
     """The overlap query for ``request`` (None when there is nothing to ask: no tokens or block sizes)."""
     if not request.tokens:
         return None
-    sizes = sorted({w.record.index_block_size for w in candidates if w.record.index_block_size})
+    sizes = sorted({w.block_size for w in candidates if w.block_size})
     if not sizes:
         return None
     ids = request.token_ids
@@ -63,6 +65,38 @@ def without_index(query: OverlapQuery) -> KvView | None:
     if any(query.hashes.values()):
         return None
     return KvView(ok=True, hashes=query.hashes, asked=False)
+
+
+def read_reply(candidates: list[WorkerState], data: bytes) -> KvView:
+    """The kv-indexer's encoded reply as the policy reads it; ``ValueError`` when malformed.
+
+    A reply lists every candidate's holding, so it is read without a pydantic model per entry when
+    every field has exactly the schema's type; anything else goes through ``OverlapReply``'s own
+    validation, which decides what is accepted."""
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ValueError(f"not msgpack: {exc}") from exc
+    if type(raw) is dict:
+        overlaps, unseen, held = _entries(raw.get("overlaps", [])), raw.get("unseen", []), _entries(raw.get("held", []))
+        if overlaps is not None and held is not None and type(unseen) is list and all(type(u) is str for u in unseen):
+            return depth_view(candidates, overlaps, unseen, held)
+    return kv_view(candidates, OverlapReply.model_validate(raw))
+
+
+def _entries(raw: object) -> list[Entry] | None:
+    """``[{"worker_id", "dp_rank", "blocks"}]`` as entries, or None unless each has exactly the schema's types."""
+    if type(raw) is not list:
+        return None
+    out = []
+    for entry in raw:
+        if type(entry) is not dict:
+            return None
+        wid, rank, blocks = entry.get("worker_id"), entry.get("dp_rank"), entry.get("blocks")
+        if type(wid) is not str or type(blocks) is not int or (rank is not None and type(rank) is not int):
+            return None
+        out.append((wid, rank, blocks))
+    return out
 
 
 def kv_view(candidates: list[WorkerState], reply: OverlapReply) -> KvView:
@@ -84,21 +118,23 @@ def depth_view(candidates: list[WorkerState], overlaps: Iterable[Entry], unseen:
     """
     targets: dict[str, list[WorkerState]] = {}
     for w in candidates:
-        targets.setdefault(w.base_id, []).append(w)
+        same = targets.get(w.base_id)
+        if same is None:
+            targets[w.base_id] = [w]
+        else:
+            same.append(w)
     depth: dict[str, int] = {}
-    for w, blocks in _per_target(targets, overlaps):
-        depth[w.worker_id] = max(depth.get(w.worker_id, 0), blocks)
-    holding: dict[str, int] = {}
-    for w, blocks in _per_target(targets, held):
-        holding[w.worker_id] = holding.get(w.worker_id, 0) + blocks
-    return KvView(ok=True, depth=depth, unseen=frozenset(unseen), held=holding)
-
-
-def _per_target(targets: dict[str, list[WorkerState]], entries: Iterable[Entry]) -> Iterator[tuple[WorkerState, int]]:
-    """Each entry with every routing target it describes."""
-    for worker_id, dp_rank, blocks in entries:
+    for worker_id, dp_rank, blocks in overlaps:
         for w in targets.get(worker_id, ()):
-            rank = w.rank if w.rank is not None else w.record.dp_rank
-            if rank is not None and dp_rank is not None and dp_rank != rank:
-                continue
-            yield w, blocks
+            rank = w.pinned_rank
+            if rank is None or dp_rank is None or dp_rank == rank:
+                wid = w.worker_id
+                depth[wid] = max(depth.get(wid, 0), blocks)
+    holding: dict[str, int] = {}
+    for worker_id, dp_rank, blocks in held:
+        for w in targets.get(worker_id, ()):
+            rank = w.pinned_rank
+            if rank is None or dp_rank is None or dp_rank == rank:
+                wid = w.worker_id
+                holding[wid] = holding.get(wid, 0) + blocks
+    return KvView(ok=True, depth=depth, unseen=frozenset(unseen), held=holding)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from infera_common.schemas import WorkerStatus
+
+if TYPE_CHECKING:
+    from infera_router.policy_kv_aware import WorkerCost
 
 #: Route handling time, decode to reply: tens of microseconds for the decision plus one
 #: JetStream publish round trip.
@@ -314,3 +317,17 @@ class RouterMetrics:
                 pass
         else:
             self.breaker_state.labels(worker).set(BREAKER_STATE_VALUES[state])
+
+
+def account_pick(m: RouterMetrics, costs: list[WorkerCost], asked: bool = True) -> None:
+    """Metrics of one kv-aware decision (``costs`` cheapest first; ``asked`` False: decided without
+    the indexer, which then said nothing about which workers it has seen)."""
+    best = costs[0]
+    m.kv_picks.labels(best.worker_id).inc()
+    m.kv_hit_blocks.observe(best.matched_blocks)
+    m.kv_request_blocks.observe(best.request_blocks)
+    if best.cache_info != "ok":
+        m.kv_picks_without_cache_info.labels(best.cache_info).inc()
+    for c in costs:
+        if c.cache_info in ("ok", "unknown_block_size", "unseen") and (asked or c.cache_info != "ok"):
+            m.set_blind(c.worker_id, None if c.cache_info == "ok" else c.cache_info)

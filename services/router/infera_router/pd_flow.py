@@ -101,7 +101,7 @@ class PdFlow:
             if plan.costs is not None:
                 cached = plan.costs[i].matched_blocks * plan.costs[i].block_size
             lease = self._core.acquire(prefill, request, time.monotonic(), cached,
-                                       hashes.get(prefill.record.index_block_size or 0), plan)
+                                       hashes.get(prefill.block_size or 0), plan)
             self._on_lease_change(lease)  # the gauge follows the lease count
             self.pairs.start(request.request_id, lease.lease_id, prefill.base_id)
             waiter = asyncio.get_running_loop().create_future() if protocol.sequential else None

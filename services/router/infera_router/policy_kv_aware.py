@@ -96,9 +96,10 @@ DEFAULT_DECODE_WEIGHT = 0.1
 DEFAULT_EVICT_WEIGHT = 0.75
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class WorkerCost:
-    """The cost breakdown of one candidate (for the decision, the debug log and the metrics)."""
+    """The cost breakdown of one candidate (for the decision, the debug log and the metrics). Not
+    frozen: one is built per candidate per request, and a frozen one takes four times as long."""
 
     worker_id: str
     cost: float
@@ -120,56 +121,77 @@ def unseen_requests(worker: WorkerState) -> int:
     report = worker.load
     if report is None:
         return 0
-    if report.engine_unseen is not None:  # counted by the agent around its scrape (LoadReport)
-        beside_agent = report.engine_unseen
-    else:
+    beside_agent = report.engine_unseen  # counted by the agent around its scrape (LoadReport)
+    if beside_agent is None:
         beside_agent = max(0, report.engine_running + report.engine_waiting - reported_sequences(report))
     if worker.others is not None:  # the agent said which requests are other routers'
         return worker.others + beside_agent
     return max(0, report.in_flight - worker.in_flight) + beside_agent
 
 
-def worker_load(worker: WorkerState, bs: int, req_blocks: int, decode_weight: float) -> float:
-    prefill = worker.prefill_tokens + worker.others_prefill
-    decode = worker.decode_tokens + worker.others_decode
-    return (prefill + decode_weight * decode) / bs + unseen_requests(worker) * req_blocks
-
-
 def cache_fill(worker: WorkerState, kv: KvView) -> float:
     """How full the worker's KV cache is, 0..1: the blocks the index lists there over its capacity
-    (the record's ``kv_capacity_tokens`` per DP rank, times the ranks a whole-worker target spans);
-    0 when either is unknown."""
-    rec = worker.record
-    bs, held = rec.index_block_size, kv.held.get(worker.worker_id)
-    if not rec.kv_capacity_tokens or not bs or held is None:
+    (``WorkerState.capacity_blocks``); 0 when either is unknown."""
+    capacity = worker.capacity_blocks
+    if not capacity:
         return 0.0
-    ranks = 1 if worker.rank is not None or rec.dp_rank is not None else max(1, rec.dp_size)
-    capacity = rec.kv_capacity_tokens * ranks // bs
-    return min(1.0, held / capacity) if capacity > 0 else 0.0
+    held = kv.held.get(worker.worker_id)
+    return 0.0 if held is None else min(1.0, held / capacity)
+
+
+def worker_costs(candidates: list[WorkerState], tokens: int, kv: KvView, weight: float, decode_weight: float,
+                 evict_weight: float) -> list[WorkerCost]:
+    """Each candidate's cost (the module doc's formula) for a prompt of ``tokens`` tokens.
+
+    One loop with the per-worker steps written out: a route request weighs every candidate (a
+    worker, or each DP rank), so at hundreds of targets this loop is most of the router's work."""
+    out = []
+    append = out.append
+    if not kv.ok:
+        failure = kv.failure or "none"
+        for w in candidates:
+            bs = w.block_size or DEFAULT_BLOCK_SIZE
+            req_blocks = -(-tokens // bs)
+            load = (w.prefill_tokens + w.others_prefill + decode_weight * (w.decode_tokens + w.others_decode)) / bs
+            if w.load is not None:
+                load += unseen_requests(w) * req_blocks
+            append(WorkerCost(w.worker_id, load, 0, 0, req_blocks, load, bs, failure))
+        return out
+    depth, unseen, held = kv.depth, kv.unseen, kv.held
+    for w in candidates:
+        wid = w.worker_id
+        known_bs = w.block_size
+        bs = known_bs or DEFAULT_BLOCK_SIZE
+        req_blocks = -(-tokens // bs)
+        load = (w.prefill_tokens + w.others_prefill + decode_weight * (w.decode_tokens + w.others_decode)) / bs
+        if w.load is not None:
+            load += unseen_requests(w) * req_blocks
+        matched = 0
+        if known_bs is None:
+            info = "unknown_block_size"
+        elif unseen and w.base_id in unseen:
+            info = "unseen"
+        else:
+            info = "ok"
+            matched = depth.get(wid, 0)
+            if matched:
+                # an engine computes at least the prompt's last token (its logits start the answer): of a
+                # prompt ending on a block boundary it reuses one block less than it holds (SGLang, vLLM, the mock)
+                matched = min(matched, max(0, (tokens - 1) // bs))
+        prefill = req_blocks - matched
+        fill = 0.0
+        if evict_weight and w.capacity_blocks:
+            blocks = held.get(wid)
+            if blocks is not None:
+                fill = min(1.0, blocks / w.capacity_blocks)
+        append(WorkerCost(wid, (weight + evict_weight * fill) * prefill + load, prefill, matched, req_blocks, load,
+                          bs, info, fill))
+    return out
 
 
 def worker_cost(worker: WorkerState, tokens: int, kv: KvView, weight: float, decode_weight: float,
                 evict_weight: float) -> WorkerCost:
-    rec = worker.record
-    bs = rec.index_block_size or DEFAULT_BLOCK_SIZE
-    req_blocks = -(-tokens // bs)
-    load = worker_load(worker, bs, req_blocks, decode_weight)
-    if not kv.ok:
-        return WorkerCost(worker.worker_id, load, 0, 0, req_blocks, load, bs, kv.failure or "none")
-    if rec.index_block_size is None:
-        info = "unknown_block_size"
-    elif worker.base_id in kv.unseen:
-        info = "unseen"
-    else:
-        info = "ok"
-    # an engine computes at least the prompt's last token (its logits start the answer): of a prompt
-    # that ends on a block boundary it reuses one block less than it holds (SGLang, vLLM, the mock)
-    reusable = max(0, (tokens - 1) // bs)
-    matched = min(kv.depth.get(worker.worker_id, 0), reusable) if info == "ok" else 0
-    prefill = req_blocks - matched
-    fill = cache_fill(worker, kv) if evict_weight else 0.0
-    cost = (weight + evict_weight * fill) * prefill + load
-    return WorkerCost(worker.worker_id, cost, prefill, matched, req_blocks, load, bs, info, fill)
+    return worker_costs([worker], tokens, kv, weight, decode_weight, evict_weight)[0]
 
 
 class KvAware:
@@ -191,9 +213,8 @@ class KvAware:
         view = kv if kv is not None else KvView.failed("none")
         tokens = request_tokens(request)
         rnd = self._rng.random
-        costs = [worker_cost(w, tokens, view, self.overlap_weight, self.decode_weight, self.evict_weight)
-                 for w in candidates]
-        keyed = sorted(((c.cost, c.load_blocks, rnd(), i) for i, c in enumerate(costs)))
+        costs = worker_costs(candidates, tokens, view, self.overlap_weight, self.decode_weight, self.evict_weight)
+        keyed = sorted([(c.cost, c.load_blocks, rnd(), i) for i, c in enumerate(costs)])
         return [costs[i] for *_, i in keyed]
 
     def rank(self, candidates: list[WorkerState], request: RouteRequest, kv: KvView | None = None) -> list[str]:

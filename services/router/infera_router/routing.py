@@ -22,6 +22,7 @@ from infera_router.jetstream import PubResult
 from infera_router.kv_local import LocalKvIndex
 from infera_router.kv_view import KvView, without_index
 from infera_router.leases import Lease
+from infera_router.metrics import account_pick
 from infera_router.policy_kv_aware import WorkerCost
 from infera_router.sessions import SessionIdError
 from infera_router.state import WorkerState
@@ -46,6 +47,15 @@ class Routing:
     gone: int = 0
     failed: int = 0
     span: Span | None = None  # the request's ``route`` span, ended with the reply (``RoutePath._reply``)
+
+
+def log_pick(request: RouteRequest, costs: list[WorkerCost]) -> None:
+    """The debug line of one kv-aware decision: every candidate's cost breakdown, cheapest first."""
+    log.debug("route_pick", request_id=request.request_id, model=request.model, worker_id=costs[0].worker_id,
+              costs=[{"worker": c.worker_id, "cost": round(c.cost, 3), "prefill_blocks": c.prefill_blocks,
+                      "matched_blocks": c.matched_blocks, "request_blocks": c.request_blocks,
+                      "load_blocks": round(c.load_blocks, 3), "block_size": c.block_size,
+                      "cache_info": c.cache_info} for c in costs])
 
 
 class RoutePath:
@@ -136,7 +146,9 @@ class RoutePath:
             if plan.costs:
                 routing.costs = plan.costs
                 routing.hashes = kv.hashes if kv is not None else {}
-                self._account_pick(request, plan.costs, asked=kv is None or kv.asked)
+                account_pick(self.metrics, plan.costs, asked=kv is None or kv.asked)
+                if self.settings.log_level == "debug":  # the breakdown costs a list build: only when shown
+                    log_pick(request, plan.costs)
             if plan.disaggregated and self._pd is not None:
                 async def reply(status: int, message: str, worker_id: str | None, lease_id: str | None) -> None:
                     await self._reply(routing, status, message, worker_id, lease_id)
@@ -174,26 +186,6 @@ class RoutePath:
         self._route_tasks.add(task)
         task.add_done_callback(self._route_tasks.discard)
 
-    def _account_pick(self, request: RouteRequest, costs: list[WorkerCost], asked: bool = True) -> None:
-        """Metrics and the debug line of one kv-aware decision (``costs`` cheapest first; ``asked`` False:
-        decided without the indexer, which then said nothing about which workers it has seen)."""
-        m = self.metrics
-        best = costs[0]
-        m.kv_picks.labels(best.worker_id).inc()
-        m.kv_hit_blocks.observe(best.matched_blocks)
-        m.kv_request_blocks.observe(best.request_blocks)
-        if best.cache_info != "ok":
-            m.kv_picks_without_cache_info.labels(best.cache_info).inc()
-        for c in costs:
-            if c.cache_info in ("ok", "unknown_block_size", "unseen") and (asked or c.cache_info != "ok"):
-                m.set_blind(c.worker_id, None if c.cache_info == "ok" else c.cache_info)
-        if self.settings.log_level == "debug":  # the breakdown costs a list build: only when shown
-            log.debug("route_pick", request_id=request.request_id, model=request.model, worker_id=best.worker_id,
-                      costs=[{"worker": c.worker_id, "cost": round(c.cost, 3), "prefill_blocks": c.prefill_blocks,
-                              "matched_blocks": c.matched_blocks, "request_blocks": c.request_blocks,
-                              "load_blocks": round(c.load_blocks, 3), "block_size": c.block_size,
-                              "cache_info": c.cache_info} for c in costs])
-
     async def _try_next(self, r: Routing) -> None:
         """Hand the work to the next candidate (its ack continues in ``_on_published``), or answer."""
         if r.tried >= len(r.order):
@@ -206,7 +198,7 @@ class RoutePath:
         if r.costs is not None:  # the same order as r.order
             cost = r.costs[r.tried - 1]
             cached = cost.matched_blocks * cost.block_size
-        hashes = r.hashes.get(worker.record.index_block_size or 0)
+        hashes = r.hashes.get(worker.block_size or 0)
         lease = r.lease = self.core.acquire(worker, request, time.monotonic(), cached, hashes, r.plan)
         # no ``requester`` yet: a worker that leaves before its ack is another candidate's to answer
         # (``_on_published``), not a 502 to the requester, who would charge it to the worker named next

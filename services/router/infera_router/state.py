@@ -48,20 +48,31 @@ class WorkerState:
     rank: int | None = None  # the DP rank this target pins (None: the whole worker)
     ranks: list[WorkerState] = field(default_factory=list)  # per-rank targets of a DP worker
 
-    @property
-    def worker_id(self) -> str:
-        if self.rank is None:
-            return self.record.worker_id
-        return f"{self.record.worker_id}#{self.rank}"
+    # derived from ``record`` and ``rank`` (``_derive``; change the record with ``set_record``): read
+    # for every candidate of every route request, so kept as plain attributes
+    worker_id: str = field(init=False, default="")  # the routing target's id: ``<worker>`` or ``<worker>#<rank>``
+    base_id: str = field(init=False, default="")  # the real worker id (subjects, leases, breakers, replies)
+    block_size: int | None = field(init=False, default=None)  # ``record.index_block_size``: what requests hash at
+    pinned_rank: int | None = field(init=False, default=None)  # the DP rank its requests run on, if one:
+    #                                                            its own, or the one its record pins
+    targets: list[WorkerState] = field(init=False, default_factory=list, repr=False)  # where its requests can be pinned:
+    #                                                                        its ranks, or itself
+    capacity_blocks: int = field(init=False, default=0)  # its KV capacity in blocks of ``block_size`` (0: unknown):
+    #                                                      the record's per DP rank, times the ranks it spans
 
-    @property
-    def base_id(self) -> str:
-        return self.record.worker_id
+    def __post_init__(self) -> None:
+        self._derive()
 
-    @property
-    def targets(self) -> list[WorkerState]:
-        """Where requests for this worker can be pinned: its ranks, or itself."""
-        return self.ranks or [self]
+    def _derive(self) -> None:
+        record = self.record
+        self.base_id = record.worker_id
+        self.worker_id = record.worker_id if self.rank is None else f"{record.worker_id}#{self.rank}"
+        self.block_size = record.index_block_size
+        self.pinned_rank = self.rank if self.rank is not None else record.dp_rank
+        self.targets = self.ranks or [self]
+        ranks = 1 if self.pinned_rank is not None else max(1, record.dp_size)
+        bs = self.block_size
+        self.capacity_blocks = record.kv_capacity_tokens * ranks // bs if record.kv_capacity_tokens and bs else 0
 
     def target(self, rank: int | None) -> WorkerState:
         if rank is None or not self.ranks or not 0 <= rank < len(self.ranks):
@@ -70,11 +81,14 @@ class WorkerState:
 
     def set_record(self, record: WorkerRecord) -> None:
         self.record = record
+        self._derive()
         per_rank = record.dp_size if record.dp_size > 1 and record.dp_rank is None else 0
         if len(self.ranks) != per_rank:
             self.ranks = [WorkerState(record, rank=r) for r in range(per_rank)]
         for target in self.ranks:
             target.record = record
+            target._derive()
+        self.targets = self.ranks or [self]
 
     @property
     def model(self) -> str:
