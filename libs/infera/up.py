@@ -26,6 +26,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,7 +38,7 @@ from infera.server_settings import ServerSettings
 from infera_common.models import BUNDLED_MODEL_NAME
 from infera_common.ports import IN_USE, bind_failure
 from infera_common.settings import PlaneChoices, TracingSettings, directory_to_write, parse_cli
-from infera_frontend.settings import ApiAddressSettings
+from infera_frontend.settings import ApiAddressSettings, ApiKeySettings
 from infera_router.settings import PolicySettings
 from infera_worker_agent.settings import AgentSettings
 
@@ -49,9 +50,10 @@ RESTARTS = 5
 RESTART_WINDOW = 600.0
 
 
-class UpSettings(TracingSettings, ApiAddressSettings, PolicySettings, PlaneChoices):
-    """``infera up``'s own flags; ``--host``/``--port``, ``--router-policy`` and the plane flags are the
-    frontend's, the router's and every service's, passed on to the processes it starts."""
+class UpSettings(TracingSettings, ApiAddressSettings, ApiKeySettings, PolicySettings, PlaneChoices):
+    """``infera up``'s own flags; ``--host``/``--port``, ``--api-key``, ``--router-policy`` and the plane
+    flags are the frontend's, the router's and every service's, passed on to the processes it starts
+    (the keys in the frontend's environment, not on its command line)."""
 
     workers: int = Field(2, ge=0, le=64, description="Number of aggregated mock engines (each behind a worker-agent).")
     prefill_workers: int = Field(
@@ -139,6 +141,10 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"infera up: error: {exc}", file=sys.stderr)
         return 2
+    keys = settings.api_keys()
+    if keys:  # in the environment of the process serving the HTTP API: a command line is visible to all
+        plan = [replace(spec, env={**spec.env, "INFERA_API_KEY": ",".join(keys)})
+                if spec.role in ("frontend", "server") else spec for spec in plan]
     state = Path(settings.state_dir or tempfile.mkdtemp(prefix="infera-up-"))
     logs = state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -178,12 +184,13 @@ def main(argv: list[str]) -> int:
                     _tail(logs / f"{front}.log")
                     return 1
             running.append((spec.name, _spawn(spec, logs)))
-        active = _wait_ready(url, total, settings.ready_timeout, running, lambda: stopping, logs)
+        active = _wait_ready(url, total, settings.ready_timeout, running, lambda: stopping, logs, keys[:1])
         if active is None:
             return 1
         where = [] if broker_free else [f"NATS {nats_url}"]
         where += [f"etcd {etcd_endpoint}"] if etcd_endpoint else []
-        _print_banner(url, (active[0].get("model") if active else None) or BUNDLED_MODEL_NAME, ", ".join(where), logs)
+        _print_banner(url, (active[0].get("model") if active else None) or BUNDLED_MODEL_NAME, ", ".join(where), logs,
+                      bool(keys))
         reported: set[str] = set()
         restarts = RestartBudget(RESTARTS, RESTART_WINDOW)
         specs = {spec.name: spec for spec in plan if spec.name not in worker_names}
@@ -297,7 +304,8 @@ def _client_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
-def _wait_ready(url: str, workers: int, timeout: float, running, stopping, logs: Path) -> list[dict] | None:
+def _wait_ready(url: str, workers: int, timeout: float, running, stopping, logs: Path,
+                key: list[str] | None = None) -> list[dict] | None:
     """The active worker records once ``workers`` of them are listed; None when the fleet failed, stops,
     or made no progress (one more worker listed, or turned active) for ``timeout`` seconds: a large
     fleet starting on few cores takes more than that in all, each worker ~1 s of CPU to start."""
@@ -311,7 +319,8 @@ def _wait_ready(url: str, workers: int, timeout: float, running, stopping, logs:
                 _tail(logs / f"{name}.log")
                 return None
         try:
-            with urllib.request.urlopen(f"{url}/v1/workers", timeout=1) as resp:
+            ask = urllib.request.Request(f"{url}/v1/workers", headers={"Authorization": f"Bearer {k}" for k in key or ()})
+            with urllib.request.urlopen(ask, timeout=1) as resp:
                 listed = json.load(resp).get("data", [])
             active = [w for w in listed if w.get("status") == "active"]
             if len(active) >= workers:
@@ -336,10 +345,12 @@ def _tail(path: Path, lines: int = 20) -> None:
         pass
 
 
-def _print_banner(url: str, model: str, where: str, logs: Path) -> None:
-    """The endpoint, and a curl line for the model the workers serve (``--served-model-name`` included)."""
+def _print_banner(url: str, model: str, where: str, logs: Path, keyed: bool = False) -> None:
+    """The endpoint, and a curl line for the model the workers serve (``--served-model-name`` included);
+    with ``--api-key`` the line sends ``$INFERA_API_KEY`` (the key itself is not printed)."""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}],
                        "max_tokens": 16})
+    auth = ' -H "Authorization: Bearer $INFERA_API_KEY"' if keyed else ""
     print(f"Infera is up: OpenAI endpoint {url}/v1  ({where}; logs in {logs})")
-    print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
+    print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
     print("Ctrl-C stops the fleet.", flush=True)

@@ -40,6 +40,18 @@ Publish = Callable[[str, bytes], Awaitable[None]]
 SSE_CONTENT_TYPE = "text/event-stream"
 
 
+def bearer_header(api_key: str | None) -> dict[str, str]:
+    """The header an engine started with ``--api-key`` asks every request for (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+#: What an engine's 401 means behind Infera: the key its --api-key asks for is not the one sent.
+ENGINE_KEY_REFUSED = ("the engine refused the request with 401 Unauthorized: it was started with --api-key (or "
+                      "VLLM_API_KEY) and was not sent that key. The worker-agent sends the key given in the engine's "
+                      "arguments; a router that calls the engines itself (--request-transport http) needs it as "
+                      "--engine-api-key")
+
+
 def outcome_for_status(status: int) -> Outcome:
     """An engine answer is a worker failure only when the engine says so (5xx); 4xx are the client's."""
     return "error" if status >= 500 else "ok"
@@ -155,6 +167,9 @@ class Relay:
         headers = {**env.headers, "Content-Type": "application/json", "X-Request-Id": env.request_id,
                    **engine_headers(trace_context)}
         async with self._session.post(self._base + env.endpoint.value, data=env.body, headers=headers) as resp:
+            if resp.status == 401:  # the client's key is the frontend's business: this is the fleet's setup
+                await sink.error(502, ENGINE_KEY_REFUSED, unreached=True)
+                return "error"
             streaming = (
                 env.stream and resp.status < 400 and resp.content_type == SSE_CONTENT_TYPE
             )

@@ -95,6 +95,9 @@ class WorkerRecord(_Msg):
     #: generate, or the stall check): a router calling the engine itself (``--request-transport
     #: http``) then sends ``alive`` frames for the requests waiting there (False: an older agent)
     finds_hangs: bool = False
+    #: its engine asks each request for an API key (its --api-key): a router that calls it itself
+    #: (--request-transport http) needs that key as its --engine-api-key (the key is never in the record)
+    engine_api_key: bool = False
     #: the longest sequence (prompt + output tokens) the engine accepts, from its ``/v1/models``
     #: ``max_model_len``: a frontend refuses longer requests itself, in the OpenAI error format
     #: (None: not said, an older agent, or an engine that truncates long prompts instead)

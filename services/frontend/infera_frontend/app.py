@@ -4,7 +4,8 @@ Routes: POST /v1/chat/completions, POST /v1/completions (optional header ``X-Dyn
 every value passed to the router for session affinity), GET /v1/models, GET /v1/models/{model}
 (OpenAI's "retrieve model"), GET /v1/workers (every worker record, plus this frontend's
 ``discovery`` and the running workers ``not_in_discovery``), GET /health (process up), GET /ready
-(NATS connected and discovery synced, else 503), GET /metrics (Prometheus). Every error is an
+(NATS connected and discovery synced, else 503), GET /metrics (Prometheus). With ``--api-key``
+every route but the last three asks for a key (``auth.py``). Every error is an
 OpenAI error body (aiohttp's own 404 and 405 too, through ``openai_http_errors``); every completion
 response carries ``X-Request-Id``.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from aiohttp import web
 
@@ -25,6 +26,7 @@ from infera_common.schemas import Endpoint
 from infera_common.tracing import HEADER as TRACE_HEADER
 
 from infera_frontend import sse
+from infera_frontend.auth import make_auth_middleware
 from infera_frontend.listing import model_entry, models_list, workers_list
 from infera_frontend.metrics import FrontendMetrics
 from infera_frontend.pipeline import Pipeline
@@ -88,9 +90,13 @@ class HttpApi:
         #: before its connection is closed (it may never read again: its handler and frames would stay)
         self.slow_client_grace = SLOW_CLIENT_GRACE_S
 
-    def build(self, max_body_bytes: int) -> web.Application:
+    def build(self, max_body_bytes: int, api_keys: Sequence[str] = ()) -> web.Application:
+        """The application; with ``api_keys``, every route but the probes asks for one of them (``auth``)."""
+        middlewares = [openai_http_errors]
+        if api_keys:
+            middlewares.insert(0, make_auth_middleware(api_keys, self.metrics.unauthorized.inc))
         # aiohttp refuses bodies of client_max_size bytes or more: allow exactly max_body_bytes
-        app = web.Application(client_max_size=max_body_bytes + 1, middlewares=[openai_http_errors])
+        app = web.Application(client_max_size=max_body_bytes + 1, middlewares=middlewares)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)

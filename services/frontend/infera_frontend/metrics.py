@@ -36,6 +36,10 @@ class FrontendMetrics:
         self.in_flight = Gauge(
             "infera_frontend_requests_in_flight", "Completion requests being served.", ["transport"], registry=r,
         )
+        self.unauthorized = Counter(
+            "infera_frontend_unauthorized_requests",
+            "HTTP requests refused with 401 for a missing or wrong API key (--api-key).", registry=r,
+        )
         self.client_disconnects = Counter(
             "infera_frontend_client_disconnects",
             "Clients gone before their response was complete (request cancelled).",

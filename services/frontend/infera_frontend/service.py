@@ -105,7 +105,7 @@ class Frontend:
         http = self.http = HttpApi(pipeline, self.watcher.view, self.metrics, self.not_ready,
                                    fleet_info=self.fleet_info)
         self._runner = web.AppRunner(
-            http.build(s.max_body_bytes),
+            http.build(s.max_body_bytes, s.api_keys()),
             handler_cancellation=True,  # a client that disconnects cancels its handler -> Cancel upstream
             access_log=logging.getLogger("aiohttp.access") if s.access_log else None,
             shutdown_timeout=s.drain_timeout,  # what answers under way get once the port is closed

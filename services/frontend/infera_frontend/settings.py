@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import AliasChoices, Field, field_validator
-from pydantic_settings import SettingsConfigDict
+from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from infera_common.models import default_model_path
 from infera_common.settings import DrainSettings, InferaSettings, LogSettings, PlaneSettings
@@ -19,7 +20,33 @@ class ApiAddressSettings(InferaSettings):
     port: int = Field(8000, ge=0, le=65535, description="Port of the OpenAI HTTP API (0: a free port).")
 
 
-class FrontendSettings(DrainSettings, PlaneSettings, LogSettings, ApiAddressSettings):
+class ApiKeySettings(InferaSettings):
+    """The keys HTTP clients must present: the frontend's, and what ``infera up`` checks its fleet with."""
+
+    api_key: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="Require 'Authorization: Bearer KEY' on every HTTP route but /health, /ready and /metrics "
+        "(401 otherwise). Repeat the flag, or separate keys with commas in the environment variable, to accept "
+        "several (to replace a key without refusing clients in between). Prefer the environment variable: a "
+        "command line is visible to every user of the host. NATS clients are checked by the NATS server. "
+        "Default: no key asked.",
+    )
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _key_list(cls, value: object) -> object:
+        if isinstance(value, str):  # the environment variable: one key, or several separated by commas
+            value = value.split(",")
+        if isinstance(value, list):
+            value = [v.strip() if isinstance(v, str) else v for v in value]
+            value = [v for v in value if v != ""]
+        return value
+
+    def api_keys(self) -> list[str]:
+        return [key.get_secret_value() for key in self.api_key]
+
+
+class FrontendSettings(DrainSettings, PlaneSettings, LogSettings, ApiAddressSettings, ApiKeySettings):
     # the env prefix also applies to aliases: INFERA_MODEL_PATH / INFERA_ROUTER_TOKENIZER_PATH
     model_config = SettingsConfigDict(env_prefix_target="all")
 

@@ -40,6 +40,7 @@ class EngineConfig:
     disagg: DisaggConfig = field(default_factory=DisaggConfig)  # prefill/decode role (pd_config.py)
     ignored_args: tuple[str, ...] = ()
     model_config: dict[str, Any] = field(default_factory=dict, compare=False)
+    api_key: str | None = field(default=None, repr=False)  # --api-key (vLLM: or VLLM_API_KEY): auth.py
 
     @property
     def served_model_name(self) -> str:
@@ -58,6 +59,8 @@ class EngineConfig:
         d = asdict(self)
         d.pop("model_config")
         d.pop("kv_hash_seed")
+        d.pop("api_key")  # a secret: /server_info says only whether one is set
+        d["api_key_set"] = self.api_key is not None
         kv = d.pop("kv_events")
         if kv is not None:
             kv.pop("flavor")

@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "2 x layers x KV heads x head dim x 2 bytes; 23040 for SmolLM2-135M)")
     p.add_argument("--kv-transfer-bandwidth", type=_positive_float, default=None, metavar="BYTES_PER_S",
                    help="cap the simulated KV transfer at this many bytes/s (default: no cap)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' as the engine of --engine-flavor does (vLLM: also "
+                   "from VLLM_API_KEY); health and metrics stay open")
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=["debug", "info", "warning", "error", "critical"], help="log level (default info)")
     return p
@@ -225,6 +228,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, str]:
         disagg=disagg,
         ignored_args=tuple(unknown),
         model_config=model_config,
+        api_key=ns.api_key or (os.environ.get("VLLM_API_KEY") or None if ns.engine_flavor == "vllm" else None),
     )
     return config, ns.log_level
 

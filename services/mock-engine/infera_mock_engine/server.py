@@ -14,6 +14,7 @@ from pathlib import Path
 from aiohttp import web
 
 from infera_mock_engine import api_cache, api_misc, api_openai, api_sglang
+from infera_mock_engine.auth import make_auth_middleware
 from infera_mock_engine.config import EngineConfig
 from infera_mock_engine.engine import Engine
 from infera_mock_engine.errors import make_error_middleware
@@ -26,8 +27,11 @@ log = logging.getLogger("infera_mock_engine")
 
 
 def create_app(engine: Engine) -> web.Application:
-    app = web.Application(middlewares=[make_error_middleware(engine.config.engine_flavor)],
-                          client_max_size=64 * 1024 * 1024)
+    config = engine.config
+    middlewares = [make_error_middleware(config.engine_flavor)]
+    if config.api_key is not None:
+        middlewares.insert(0, make_auth_middleware(config.engine_flavor, config.api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app[ENGINE] = engine
     app[api_misc.REGISTRY] = make_registry(engine)
     app[api_misc.STARTED] = time.monotonic()

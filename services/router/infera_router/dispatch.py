@@ -26,7 +26,7 @@ from typing import Any, Literal, Protocol
 
 import aiohttp
 
-from infera_common.engine_relay import ABORT_PATHS, EngineAborter, Relay
+from infera_common.engine_relay import ABORT_PATHS, EngineAborter, Relay, bearer_header
 from infera_common.frames_answer import FramesAnswers
 from infera_common.logs import get_logger
 from infera_common.nats_conn import unsubscribe_quietly
@@ -111,8 +111,9 @@ class HttpDispatcher:
     frames_from = "router"
 
     def __init__(self, nc: Any, router_id: str, record_of: Callable[[str], WorkerRecord | None],
-                 metrics: RouterMetrics, drain_timeout: float) -> None:
+                 metrics: RouterMetrics, drain_timeout: float, engine_api_key: str | None = None) -> None:
         self._nc = nc
+        self._engine_api_key = engine_api_key  # --engine-api-key: sent to every engine
         self._router_id = router_id
         self._drain_timeout = drain_timeout  # what the router's own engine calls get to finish when it stops
         self._record_of = record_of
@@ -135,6 +136,7 @@ class HttpDispatcher:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),  # every worker's max_pending is the bound
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+            headers=bearer_header(self._engine_api_key),
         )
         self._subs = [
             await self._nc.subscribe(CANCEL_SUBJECTS, cb=self._on_cancel),

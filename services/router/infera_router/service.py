@@ -206,7 +206,9 @@ class RouterService(RoutePath):
                 state = self.core.fleet.get(worker_id)
                 return state.record if state is not None else None
 
-            return HttpDispatcher(self.nc, self.router_id, record_of, self.metrics, self.settings.drain_timeout)
+            key = self.settings.engine_api_key
+            return HttpDispatcher(self.nc, self.router_id, record_of, self.metrics, self.settings.drain_timeout,
+                                  key.get_secret_value() if key is not None else None)
         return JetStreamDispatcher(self.nc)
 
     # --- discovery -------------------------------------------------------------------------
@@ -250,6 +252,12 @@ class RouterService(RoutePath):
             log.warning("worker_plane_mismatch", worker_id=record.worker_id, model=record.model, flag=problem.flag,
                         worker_value=problem.worker, router_value=problem.ours, effect=problem.effect,
                         hint=f"give every service the same {problem.flag}")
+        if (record.engine_api_key and record.request_transport == "http" == self.settings.request_transport
+                and self.settings.engine_api_key is None):
+            log.warning("worker_engine_key_missing", worker_id=record.worker_id, model=record.model,
+                        effect="its engine refuses every request this router sends it (401)",
+                        hint="its engine was started with --api-key: give this router (or infera.server) the same "
+                             "key as --engine-api-key (env INFERA_ENGINE_API_KEY)")
 
     # --- load reports and releases ---------------------------------------------------------
     def _decoded(self, schema: type[T], msg: Msg, kind: str) -> T | None:

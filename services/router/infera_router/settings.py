@@ -7,7 +7,7 @@ import secrets
 import socket
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 
 from infera_common.settings import DrainSettings, InferaSettings, LogSettings, MetricsSettings, PlaneSettings
 from infera_common.subjects import TOKEN_RE
@@ -97,6 +97,13 @@ class RouterSettings(DrainSettings, PlaneSettings, LogSettings, MetricsSettings,
     )
     publish_timeout: float = Field(
         2.0, gt=0, description="Seconds to wait for JetStream to acknowledge a work envelope."
+    )
+    engine_api_key: SecretStr | None = Field(
+        None,
+        description="With --request-transport http the router calls the engines itself: the key engines started "
+        "with --api-key (or VLLM_API_KEY) ask for, sent to each of them. Prefer the environment variable: a "
+        "command line is visible to every user of the host. On the NATS request plane the worker-agents send "
+        "their engines' keys.",
     )
     router_id: str | None = Field(
         None, pattern=TOKEN_RE.pattern,

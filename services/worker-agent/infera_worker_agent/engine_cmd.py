@@ -13,7 +13,7 @@ vLLM's flags are read the way vLLM reads them (``--a_b`` is ``--a-b``).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from infera_common.engine_relay import ABORT_PATHS
@@ -64,6 +64,7 @@ class EnginePlan:
     engine: str = ""  # mock | sglang | vllm
     env_changes: tuple[tuple[str, str], ...] = ()  # set in the engine's environment (recipes: only unset names)
     notes: tuple[str, ...] = ()  # what the recipe rules did or skipped, and why
+    api_key: str | None = field(default=None, repr=False)  # the engine's --api-key (``engine_api_key``)
 
 
 def flag_value(args: Sequence[str], *names: str) -> str | None:
@@ -182,27 +183,37 @@ def plan_engine(
         kv_events=kv,
         pd=pd,
         engine=engine,
+        api_key=engine_api_key(engine, verbatim, {} if env is None else env),
     )
 
 
-def api_key_problem(engine: str, engine_args: Sequence[str], env: Mapping[str, str]) -> str | None:
-    """Why an engine that demands an API key cannot serve behind Infera, or None.
+def engine_api_key(engine: str, engine_args: Sequence[str], env: Mapping[str, str]) -> str | None:
+    """The API key the engine will ask every request for, or None.
 
-    SGLang's and vLLM's ``--api-key`` (vLLM also ``VLLM_API_KEY``) make the engine answer 401 to
-    every request that does not carry the key, and neither the worker-agent nor the router (which
-    calls the engines itself on ``--request-transport http``) sends one: every request would fail,
-    after the engine's whole cold start. The mock ignores the flag."""
-    if engine not in ("sglang", "vllm"):
-        return None
+    SGLang's and vLLM's ``--api-key`` (vLLM also ``VLLM_API_KEY`` in its environment; the mock as the
+    engine of its ``--engine-flavor``) make the engine answer 401 to every request without
+    ``Authorization: Bearer <key>``: the worker-agent sends it on each of its calls to the engine,
+    and a router that calls the engine itself (``--request-transport http``) needs it as its
+    ``--engine-api-key``."""
     args = vllm_flag_view(engine_args) if engine == "vllm" else engine_args
-    if has_flag(args, "--api-key"):
-        given = "the engine argument --api-key"
-    elif engine == "vllm" and env.get("VLLM_API_KEY"):
-        given = "VLLM_API_KEY in the engine's environment"
-    else:
-        return None
-    return (f"{given} makes the engine refuse (401) every request Infera sends it: neither the worker-agent nor the "
-            "router sends an API key. Remove it, and check client keys in front of Infera's frontend instead")
+    key = flag_value(args, "--api-key")
+    if key is not None:
+        return key
+    flavor = engine
+    if engine == "mock":
+        flavor = flag_value(engine_args, "--engine-flavor", "--engine-flavour") or "sglang"
+    return env.get("VLLM_API_KEY") or None if flavor == "vllm" else None
+
+
+def redacted(argv: Sequence[str]) -> list[str]:
+    """The command line as it may be logged: an ``--api-key``'s value hidden (``--api_key`` too)."""
+    out, hide = [], False
+    for arg in argv:
+        name, eq, _ = arg.partition("=")
+        secret = name.replace("_", "-") == "--api-key"
+        out.append("***" if hide else (name + "=***" if secret and eq else arg))
+        hide = secret and not eq
+    return out
 
 
 def stats_problem(engine: str, engine_args: Sequence[str]) -> str | None:
@@ -240,8 +251,7 @@ def health_generates(engine: str, engine_args: Sequence[str], env: Mapping[str, 
 
 def launch_problems(engine: str, engine_args: Sequence[str], env: Mapping[str, str]) -> list[str]:
     """Engine arguments that would leave the engine unusable behind Infera (refused before launch)."""
-    return [p for p in (api_key_problem(engine, engine_args, env), stats_problem(engine, engine_args))
-            if p is not None]
+    return [p for p in (stats_problem(engine, engine_args),) if p is not None]
 
 
 def _no_ports(n: int) -> int:

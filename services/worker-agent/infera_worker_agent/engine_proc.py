@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import BinaryIO
 
 from infera_common.logs import get_logger
+from infera_worker_agent.engine_cmd import redacted
 
 log = get_logger("worker_agent.engine")
 
@@ -94,7 +95,7 @@ class EngineProcess:
             raise
         finally:
             os.close(read_fd)
-        log.info("engine_spawned", pid=proc.pid, watchdog_pid=watchdog.pid, argv=list(argv))
+        log.info("engine_spawned", pid=proc.pid, watchdog_pid=watchdog.pid, argv=redacted(argv))
         return cls(proc, watchdog, write_fd, echo, tail_lines)
 
     @property

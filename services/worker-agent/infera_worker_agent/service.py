@@ -26,7 +26,7 @@ import aiohttp
 from nats.aio.client import Client as NATS
 
 from infera_common.discovery_select import FleetRegistrar, discovery_for
-from infera_common.engine_relay import EngineAborter, Relay
+from infera_common.engine_relay import EngineAborter, Relay, bearer_header
 from infera_common.logs import get_logger
 from infera_common.metrics import start_metrics_server
 from infera_common.nats_conn import (
@@ -38,7 +38,7 @@ from infera_common.runtime import freeze_startup_heap
 from infera_common.schemas import KvRelay, LoadReport, WorkerRecord, WorkerStatus, encode, encode_sparse
 from infera_common.subjects import kv_event_subject, load_subject
 from infera_common.worker_claim import WorkerIdTaken
-from infera_worker_agent.engine_cmd import EnginePlan, health_generates
+from infera_worker_agent.engine_cmd import EnginePlan, health_generates, redacted
 from infera_worker_agent.engine_proc import EngineProcess, exit_status
 from infera_worker_agent.engine_watch import EngineWatch, finds_hangs
 from infera_worker_agent.interpreter_probe import installed
@@ -138,7 +138,7 @@ class Agent:
             return 2
         self._metrics_port = port
         log.info("agent_starting", worker_id=self.worker_id, engine=self.s.engine, engine_url=self.plan.url,
-                 metrics_port=port, argv=list(self.plan.argv), role=self._pd.role.value)
+                 metrics_port=port, argv=redacted(self.plan.argv), role=self._pd.role.value)
         for note in self._pd_plan.notes:
             log.warning("pd_flags", note=note)
         for note in self.plan.notes:
@@ -148,9 +148,10 @@ class Agent:
         if (failed := await self._join_planes()) is not None:
             return failed
 
-        self._session = aiohttp.ClientSession(
+        self._session = aiohttp.ClientSession(  # every call of it goes to this engine (or its bootstrap server)
             connector=aiohttp.TCPConnector(limit=self.s.max_pending + 64),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+            headers=bearer_header(self.plan.api_key),
         )
         self._engine = await EngineProcess.spawn(
             self.plan.argv, grace=self.s.engine_stop_timeout, echo=sys.stdout.buffer,
@@ -288,6 +289,7 @@ class Agent:
             discovery_backend=self.s.discovery_backend, request_transport=self.s.request_transport,
             kv_event_transport=self.s.kv_event_transport, status=status, max_pending=self.s.max_pending,
             finds_hangs=self._finds_hangs(), context_length=self._context_length,
+            engine_api_key=self.plan.api_key is not None,
             clamps_max_tokens=self._pd_plan.family == "vllm",
             version=installed(["infera"]).get("infera", ""), ttl=self.s.discovery_ttl, started_at=self._started_at,
             **self._kv.record_fields(self.plan.advertise_host),
