@@ -135,11 +135,18 @@ class InFlight:
     started: bool = False  # its task has run: a task cancelled before that never runs a line of it
 
 
+#: The offset of this host's wall clock to the requester behind a reply subject (None: not known);
+#: ``requester_clocks.RequesterClocks.settled_offset``.
+RequesterClock = Callable[[str], Awaitable["float | None"]]
+
+
 class RequestRunner:
-    def __init__(self, publish: Publish, hooks: RunnerHooks, vouch: Callable[[str], bool]) -> None:
+    def __init__(self, publish: Publish, hooks: RunnerHooks, vouch: Callable[[str], bool],
+                 clock: RequesterClock | None = None) -> None:
         self._publish = publish
         self._hooks = hooks
         self._vouch = vouch  # worker id -> whether a hang of its engine would be found (then alive frames)
+        self._clock = clock  # an envelope's deadline is on its requester's clock: read with the offset to it
         self._inflight: dict[tuple[str, str], InFlight] = {}
         self._per_worker: Counter[str] = Counter()
         self._handlers: set[asyncio.Task] = set()
@@ -287,7 +294,10 @@ class RequestRunner:
 
     # --- submit --------------------------------------------------------------------------------
     async def submit(self, worker_id: str, env: WorkEnvelope, engine: Engine, on_done: Done | None = None) -> None:
-        """Run ``env`` on ``engine`` in its own task, or answer it at once when it must not run."""
+        """Run ``env`` on ``engine`` in its own task, or answer it at once when it must not run.
+        Its ``deadline`` is moved onto this host's clock first (``clock``)."""
+        if self._clock is not None and (offset := await self._clock(env.reply_subject)):
+            env.deadline += offset
         refused = self._refusal_for(worker_id, env)
         if refused is None:
             self._start(worker_id, env, engine, on_done)

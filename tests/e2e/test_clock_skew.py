@@ -7,6 +7,8 @@ import os
 import time
 import urllib.request
 
+import pytest
+
 from tests.e2e.manual_fleet import ManualFleet, active_workers, chat
 from tests.e2e.runbook import wait_for
 
@@ -62,6 +64,30 @@ def test_a_fleet_whose_clocks_disagree_by_more_than_a_ttl_serves_and_keeps_its_w
         wait_for(lambda: abs(_router_metric(fleet, "infera_router_requester_clock_offset_seconds") - 8) < 0.5,
                  10, "the router's measured offset to the frontend")
         assert _router_metric(fleet, "infera_router_route_expired_total") == 0
+    except BaseException:
+        print(fleet.logs())
+        raise
+    finally:
+        fleet.stop()
+
+
+@pytest.mark.parametrize("transport", ["nats", "http"])
+def test_request_deadlines_are_read_on_the_frontends_clock_where_the_engine_is_called(tmp_path, transport):
+    """The frontend gives each request 9 s (``--request-timeout`` 8, ``--route-timeout`` 5 plus
+    ``--upstream-timeout`` 4: the larger of the two); the hosts that call the engines
+    (the worker-agents on the NATS request plane, the router on ``--request-transport http``) run
+    20 s ahead of it. Before: every request was refused there as past its deadline (504), the first
+    of each frontend included; now each reads the deadline with its measured offset."""
+    fleet = ManualFleet(tmp_path)
+    ahead = shifted(tmp_path, 20)
+    callers = ["router"] if transport == "http" else ["worker-1", "worker-2"]
+    try:
+        fleet.start(request_transport=transport, service_env={"frontend": {"INFERA_REQUEST_TIMEOUT": "8",
+                                                                           "INFERA_UPSTREAM_TIMEOUT": "4"},
+                                                              **{name: ahead for name in callers}})
+        assert len(active_workers(fleet.url)) == 2
+        statuses = [chat(fleet.url, f"question {i}")[0] for i in range(6)]
+        assert statuses == [200] * 6
     except BaseException:
         print(fleet.logs())
         raise

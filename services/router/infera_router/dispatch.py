@@ -31,7 +31,9 @@ from infera_common.frames_answer import FramesAnswers
 from infera_common.logs import get_logger
 from infera_common.nats_conn import unsubscribe_quietly
 from infera_common.requester_watch import RequesterWatch
-from infera_common.request_runner import ENGINE_UNHEALTHY, Engine, RequestRunner, SeriesHooks, StopReason
+from infera_common.request_runner import (
+    ENGINE_UNHEALTHY, Engine, RequesterClock, RequestRunner, SeriesHooks, StopReason,
+)
 from infera_common.frames import encode_frame
 from infera_common.schemas import WorkEnvelope, WorkerRecord, encode
 from infera_common.subjects import (
@@ -111,7 +113,8 @@ class HttpDispatcher:
     frames_from = "router"
 
     def __init__(self, nc: Any, router_id: str, record_of: Callable[[str], WorkerRecord | None],
-                 metrics: RouterMetrics, drain_timeout: float, engine_api_key: str | None = None) -> None:
+                 metrics: RouterMetrics, drain_timeout: float, engine_api_key: str | None = None,
+                 clock: RequesterClock | None = None) -> None:
         self._nc = nc
         self._engine_api_key = engine_api_key  # --engine-api-key: sent to every engine
         self._router_id = router_id
@@ -119,7 +122,7 @@ class HttpDispatcher:
         self._record_of = record_of
         self._runner = RequestRunner(nc.publish, SeriesHooks(metrics.http_requests, metrics.http_in_flight,
                                                              metrics.http_cancels, metrics.bad_messages.labels("cancel")),
-                                     self._finds_hangs)
+                                     self._finds_hangs, clock)
         self._answers = FramesAnswers(self._runner, metrics.http_frames_queries, metrics.http_frames_replays)
         self._requesters = RequesterWatch(nc, self._runner, metrics.http_requester_gone)
         self._session: aiohttp.ClientSession | None = None

@@ -21,6 +21,7 @@ from nats.aio.subscription import Subscription
 from infera_common.answering import ping_answerer
 from infera_common.discovery_select import FleetWatcher, discovery_for
 from infera_common.fleet import Change
+from infera_common.requester_clocks import RequesterClocks
 from infera_common.kv_index.stream import request_resync
 from infera_common.logs import get_logger
 from infera_common.nats_conn import (
@@ -50,7 +51,6 @@ from infera_router.queue_reaper import QueueReaper
 from infera_router.pd_flow import PdFlow
 from infera_router.planes import plane_mismatches
 from infera_router.pd_pairs import PdPairs
-from infera_router.requester_clocks import RequesterClocks
 from infera_router.routing import RoutePath
 from infera_router.policies import create_policy
 from infera_router.sessions import SessionTable
@@ -125,6 +125,7 @@ class RouterService(RoutePath):
             await asyncio.wait_for(self._watcher.ready.wait(), DISCOVERY_READY_TIMEOUT)
         except TimeoutError:
             log.warning("discovery_snapshot_slow", waited=DISCOVERY_READY_TIMEOUT)
+        self._clocks = RequesterClocks(self.nc, self._spawn, self.metrics.requester_clock_offset.set)
         self._dispatcher = self._make_dispatcher()
         await self._dispatcher.start()
         if self._local_kv is not None:  # its history applied before the first request is routed
@@ -139,7 +140,6 @@ class RouterService(RoutePath):
         self._subs.append(await self.nc.subscribe(self.release_subject, cb=self._on_release))
         self._subs.append(await self.nc.subscribe(router_prefilled_subject(self.router_id), cb=self._on_prefilled))
         self._subs.append(await self.nc.subscribe(LOAD_SUBJECTS, cb=self._on_load))
-        self._clocks = RequesterClocks(self.nc, self._spawn, self.metrics.requester_clock_offset.set)
         self._route_subs = [
             await self.nc.subscribe(ROUTER_PING, cb=ping_answerer(self.router_id)),
             await self.nc.subscribe(router_route_subject(self.router_id), cb=self._on_route),
@@ -207,8 +207,9 @@ class RouterService(RoutePath):
                 return state.record if state is not None else None
 
             key = self.settings.engine_api_key
+            assert self._clocks is not None
             return HttpDispatcher(self.nc, self.router_id, record_of, self.metrics, self.settings.drain_timeout,
-                                  key.get_secret_value() if key is not None else None)
+                                  key.get_secret_value() if key is not None else None, self._clocks.settled_offset)
         return JetStreamDispatcher(self.nc)
 
     # --- discovery -------------------------------------------------------------------------

@@ -22,6 +22,12 @@ class AgentMetrics:
         )
         self.bad_cancels = Counter("infera_agent_bad_cancels", "Cancel messages that were not a valid Cancel.", registry=r)
         self.cancels = Counter("infera_agent_cancels", "Cancel messages received.", registry=r)
+        self.requester_clock_offset = Gauge(
+            "infera_agent_requester_clock_offset_seconds",
+            "The largest difference measured between this host's wall clock and a frontend's, in absolute seconds "
+            "(request deadlines are read with it; above a second, the hosts' time sync is off).",
+            registry=r,
+        )
         self.requesters_gone = Counter(
             "infera_agent_requester_gone_requests",
             "Requests stopped because their frontend left the message bus (requester_watch): the engine aborted them.",

@@ -22,6 +22,7 @@ and ``FramesReplay`` (``frames_replay_subject``): it sends the frames a frontend
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -31,6 +32,7 @@ from nats.js.errors import NotFoundError
 
 from infera_common.engine_relay import Abort, Relay
 from infera_common.frames_answer import FramesAnswers
+from infera_common.requester_clocks import RequesterClocks
 from infera_common.requester_watch import RequesterWatch
 from infera_common.logs import get_logger
 from infera_common.nats_conn import flush_all, seal_request_stream, unsubscribe_quietly
@@ -86,8 +88,11 @@ class RequestWorker:
         self._engine = Engine(relay, abort)
         self._metrics = metrics
         self._ack_wait = ack_wait
+        self._clock_questions: set[asyncio.Task] = set()  # frontends asked the time (``requester_clocks``)
+        clocks = RequesterClocks(nc, self._ask_clock, metrics.requester_clock_offset.set)
         self._runner = RequestRunner(nc.publish, SeriesHooks(metrics.requests, metrics.in_flight, metrics.cancels,
-                                                             metrics.bad_cancels), lambda _: finds_hangs)
+                                                             metrics.bad_cancels), lambda _: finds_hangs,
+                                     clocks.settled_offset)
         self._answers = FramesAnswers(self._runner, metrics.frames_queries, metrics.frames_replays)
         self._requesters = RequesterWatch(nc, self._runner, metrics.requesters_gone)
         self._work_sub = None
@@ -97,6 +102,11 @@ class RequestWorker:
         self._tasks: dict[str, asyncio.Task] = {}
         self._unacked: dict[int, Msg] = {}  # delivered envelopes whose answer is not complete (by id())
         self._sealed = False  # the queue takes no more work (the agent is on its way out)
+
+    def _ask_clock(self, question: Coroutine) -> None:
+        task = asyncio.create_task(question, name="requester-clock")
+        self._clock_questions.add(task)
+        task.add_done_callback(self._clock_questions.discard)
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -241,7 +251,7 @@ class RequestWorker:
         """
         self._runner.refuse_new(reason)
         await self._requesters.stop()
-        await stop_tasks(*self._tasks.values())
+        await stop_tasks(*self._tasks.values(), *self._clock_questions)
         self._tasks.clear()
         work_sub, self._work_sub = self._work_sub, None
         if work_sub is not None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from infera_common.nats_conn import connect, flush_all
 
 from infera_frontend.inbox import Inbox
-from infera_router.requester_clocks import RequesterClocks
+from infera_common.requester_clocks import RequesterClocks
 
 
 async def test_a_frontend_says_its_time_and_a_gone_or_older_one_gives_no_offset(nats_server):
@@ -47,3 +49,23 @@ async def test_a_frontend_says_its_time_and_a_gone_or_older_one_gives_no_offset(
         await router.close()
         await frontend.close()
 
+
+
+async def test_the_first_envelope_of_a_frontend_waits_for_its_time_and_the_next_ones_do_not(nats_server):
+    agent = await connect(nats_server, "agent")
+    frontend = await connect(nats_server, "frontend")
+    spawned = []
+    try:
+        inbox = Inbox(frontend, "fe-2")
+        await inbox.start()
+        await flush_all(frontend)
+        clocks = RequesterClocks(agent, lambda question: spawned.append(asyncio.ensure_future(question)))
+        first = await clocks.settled_offset(inbox.open()[0])  # the question asked, and its answer waited for
+        assert first == pytest.approx(0.0, abs=0.05) and len(spawned) == 1
+        assert await clocks.settled_offset(inbox.open()[0]) == first and len(spawned) == 1  # known: not asked again
+        assert await clocks.settled_offset("_INBOX.fe-nobody.1") is None  # no such frontend: no wait, no offset
+        assert await clocks.settled_offset("infera.router.pd.r1.lease-1") is None  # not a frontend's inbox
+        await inbox.stop()
+    finally:
+        await agent.close()
+        await frontend.close()
