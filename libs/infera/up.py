@@ -184,7 +184,8 @@ def main(argv: list[str]) -> int:
                     _tail(logs / f"{front}.log")
                     return 1
             running.append((spec.name, _spawn(spec, logs)))
-        active = _wait_ready(url, total, settings.ready_timeout, running, lambda: stopping, logs, keys[:1])
+        active = _wait_ready(url, total, settings.ready_timeout, running, lambda: stopping, logs,
+                             keys[0] if keys else None)
         if active is None:
             return 1
         where = [] if broker_free else [f"NATS {nats_url}"]
@@ -305,7 +306,7 @@ def _client_host(host: str) -> str:
 
 
 def _wait_ready(url: str, workers: int, timeout: float, running, stopping, logs: Path,
-                key: list[str] | None = None) -> list[dict] | None:
+                api_key: str | None = None) -> list[dict] | None:
     """The active worker records once ``workers`` of them are listed; None when the fleet failed, stops,
     or made no progress (one more worker listed, or turned active) for ``timeout`` seconds: a large
     fleet starting on few cores takes more than that in all, each worker ~1 s of CPU to start."""
@@ -319,7 +320,8 @@ def _wait_ready(url: str, workers: int, timeout: float, running, stopping, logs:
                 _tail(logs / f"{name}.log")
                 return None
         try:
-            ask = urllib.request.Request(f"{url}/v1/workers", headers={"Authorization": f"Bearer {k}" for k in key or ()})
+            ask = urllib.request.Request(f"{url}/v1/workers",
+                                         headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
             with urllib.request.urlopen(ask, timeout=1) as resp:
                 listed = json.load(resp).get("data", [])
             active = [w for w in listed if w.get("status") == "active"]

@@ -147,16 +147,7 @@ def worker_costs(candidates: list[WorkerState], tokens: int, kv: KvView, weight:
     worker, or each DP rank), so at hundreds of targets this loop is most of the router's work."""
     out = []
     append = out.append
-    if not kv.ok:
-        failure = kv.failure or "none"
-        for w in candidates:
-            bs = w.block_size or DEFAULT_BLOCK_SIZE
-            req_blocks = -(-tokens // bs)
-            load = (w.prefill_tokens + w.others_prefill + decode_weight * (w.decode_tokens + w.others_decode)) / bs
-            if w.load is not None:
-                load += unseen_requests(w) * req_blocks
-            append(WorkerCost(w.worker_id, load, 0, 0, req_blocks, load, bs, failure))
-        return out
+    ok, failure = kv.ok, kv.failure or "none"
     depth, unseen, held = kv.depth, kv.unseen, kv.held
     for w in candidates:
         wid = w.worker_id
@@ -166,6 +157,9 @@ def worker_costs(candidates: list[WorkerState], tokens: int, kv: KvView, weight:
         load = (w.prefill_tokens + w.others_prefill + decode_weight * (w.decode_tokens + w.others_decode)) / bs
         if w.load is not None:
             load += unseen_requests(w) * req_blocks
+        if not ok:  # no cache information for the request: load alone
+            append(WorkerCost(wid, load, 0, 0, req_blocks, load, bs, failure))
+            continue
         matched = 0
         if known_bs is None:
             info = "unknown_block_size"
