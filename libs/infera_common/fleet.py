@@ -89,17 +89,19 @@ class FleetView:
         return sorted(self._records.values(), key=lambda r: (r.model, r.worker_id))
 
     def active(self, model: str) -> list[WorkerRecord]:
+        """The active workers serving ``model`` (as their model or an alias)."""
         return [
-            r for r in self._records.values() if r.model == model and r.status == WorkerStatus.ACTIVE
+            r for r in self._records.values() if model in r.served_names and r.status == WorkerStatus.ACTIVE
         ]
 
     def models(self) -> list[str]:
-        """Models with at least one active worker."""
-        return sorted({r.model for r in self._records.values() if r.status == WorkerStatus.ACTIVE})
+        """Models (aliases included) with at least one active worker."""
+        return sorted({name for r in self._records.values() if r.status == WorkerStatus.ACTIVE
+                       for name in r.served_names})
 
     def known_model(self, model: str) -> bool:
         """True when any worker (in any status) serves ``model``."""
-        return any(r.model == model for r in self._records.values())
+        return any(model in r.served_names for r in self._records.values())
 
     def __len__(self) -> int:
         return len(self._records)

@@ -66,7 +66,10 @@ class WorkerRecord(_Msg):
     """What discovery holds for one worker (one engine behind one worker-agent)."""
 
     worker_id: str = Field(pattern=TOKEN_RE.pattern)
-    model: str  # the served model name clients ask for
+    model: str  # the served model name clients ask for (the engine's first /v1/models entry)
+    #: the engine's other served names, which clients may ask for as well (vLLM's ``--served-model-name
+    #: a b``: /v1/models entries without a ``parent``; LoRA adapters, which have one, are not among them)
+    aliases: list[str] = Field(default_factory=list)
     engine: EngineKind
     role: Role = Role.AGGREGATED
     url: str  # the engine's HTTP base URL, e.g. http://10.0.0.5:30000
@@ -111,6 +114,11 @@ class WorkerRecord(_Msg):
     started_at: float = Field(default_factory=time.time)
     ttl: float = DISCOVERY_TTL  # seconds without a heartbeat after which watchers drop this worker
     heartbeat_at: float = Field(default_factory=time.time)  # wall clock of the last heartbeat
+
+    @property
+    def served_names(self) -> list[str]:
+        """Every name a request may give to be served by this worker: ``model`` first, then the aliases."""
+        return [self.model, *(a for a in self.aliases if a != self.model)]
 
     @property
     def index_block_size(self) -> int | None:

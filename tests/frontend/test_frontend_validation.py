@@ -185,6 +185,23 @@ def test_model_table_follows_discovery():
     assert _status(table, "typo") == 404 and not table.is_known("typo")
 
 
+def test_a_workers_aliases_are_served_and_listed_as_its_model_is():
+    table, view = ModelTable(), FleetView()
+    for rec in (_rec("a", "m", WorkerStatus.ACTIVE).model_copy(update={"aliases": ["m-latest"]}),
+                _rec("b", "other", WorkerStatus.ACTIVE)):
+        table.apply(Change("join", rec))
+        view.put(rec, time.monotonic(), time.time())
+    assert _status(table, "m-latest") == _status(table, "m") == 200
+    assert [m["id"] for m in models_list(view)["data"]] == ["m", "m-latest", "other"]
+    assert model_entry(view, "m-latest")["id"] == "m-latest" and view.active("m-latest")[0].worker_id == "a"
+    # the engine restarted without the alias: requests for it are refused as for any model gone
+    rec = _rec("a", "m", WorkerStatus.ACTIVE)
+    table.apply(Change("update", rec))
+    view.put(rec, time.monotonic(), time.time())
+    assert _status(table, "m-latest") == 503 and _status(table, "m") == 200
+    assert "m-latest" not in [m["id"] for m in models_list(view)["data"]]
+
+
 def test_the_models_that_lost_their_workers_are_remembered_within_a_bound(monkeypatch):
     monkeypatch.setattr(prepare, "SERVED_MODELS_KEPT", 3)
     table = ModelTable()

@@ -58,6 +58,18 @@ def test_worker_moving_to_another_model_leaves_the_old_one():
     assert ids(c.plan(route_request("m2"))) == ["a"]
 
 
+def test_a_workers_aliases_route_to_it_and_follow_its_record():
+    c = core()
+    c.apply_change(join("a", model="m", aliases=["m-latest", "m"]))
+    c.apply_change(join("b", model="m"))
+    assert ids(c.plan(route_request("m-latest"))) == ["a"]
+    assert sorted(ids(c.plan(route_request("m")))) == ["a", "b"]
+    c.apply_change(join("a", model="m", aliases=["m-next"]))  # its engine restarted with another alias
+    assert c.plan(route_request("m-latest")).status == 404 and ids(c.plan(route_request("m-next"))) == ["a"]
+    c.apply_change(leave("a", model="m", aliases=["m-next"]))
+    assert c.plan(route_request("m-next")).status == 404 and ids(c.plan(route_request("m"))) == ["b"]
+
+
 def test_leases_count_on_the_worker_and_are_released():
     c = core()
     c.apply_change(join("a"))

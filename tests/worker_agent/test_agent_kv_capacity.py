@@ -3,7 +3,7 @@ the record (pure)."""
 
 import pytest
 
-from infera_worker_agent.health import ModelCard, refused_length
+from infera_worker_agent.health import ModelCard, refused_length, read_models
 from infera_worker_agent.kv_capacity import capacity_tokens
 
 #: vLLM 0.32's info gauge: every CacheConfig field as a label (a few of them here), per DP engine.
@@ -54,3 +54,11 @@ def test_vllm_without_the_gauge_or_with_garbage_is_unknown():
 ])
 def test_the_context_length_advertised_is_the_one_the_engine_refuses_at(card, info, expected):
     assert refused_length(card, info) == expected
+
+
+def test_the_engines_model_list_gives_the_served_name_and_its_aliases_but_not_adapters():
+    vllm = [{"id": "qwen", "parent": None, "max_model_len": 4096}, {"id": "qwen-latest", "parent": None},
+            {"id": "sql-lora", "parent": "qwen"}, {"id": "qwen"}, {"object": "model"}, "junk"]
+    assert read_models(vllm) == ModelCard("qwen", 4096, ("qwen-latest",))
+    assert read_models([{"id": "smol"}]) == ModelCard("smol", None, ())  # SGLang: one served name
+    assert read_models([]) is None and read_models([{"object": "model"}]) is None and read_models(None) is None

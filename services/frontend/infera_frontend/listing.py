@@ -12,17 +12,19 @@ OWNER = "infera"
 
 
 def _served(view: FleetView) -> dict[str, dict[str, Any]]:
-    """Each model with at least one active worker: its model object (``created``: when its earliest
+    """Each model (a worker's model or alias) with at least one active worker: its model object (``created``: when its earliest
     such worker started; ``max_model_len``, as vLLM lists it: the longest context length among them,
     when every one of them said)."""
     models: dict[str, dict[str, Any]] = {}
     lengths: dict[str, list[int | None]] = {}
     for rec in view.workers():
-        if rec.status == WorkerStatus.ACTIVE:
-            entry = models.setdefault(rec.model, {"id": rec.model, "object": "model", "created": int(rec.started_at),
-                                                  "owned_by": OWNER})
+        if rec.status != WorkerStatus.ACTIVE:
+            continue
+        for name in rec.served_names:  # an alias is listed as a model of its own, as vLLM lists it
+            entry = models.setdefault(name, {"id": name, "object": "model", "created": int(rec.started_at),
+                                             "owned_by": OWNER})
             entry["created"] = min(entry["created"], int(rec.started_at))
-            lengths.setdefault(rec.model, []).append(rec.context_length)
+            lengths.setdefault(name, []).append(rec.context_length)
     for model, said in lengths.items():
         if None not in said:
             models[model]["max_model_len"] = max(said)  # type: ignore[type-var]

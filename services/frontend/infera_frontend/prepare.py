@@ -42,7 +42,7 @@ class ModelTable:
 
     def __init__(self, discovery: str = "", unlisted: UnlistedWorkers | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._workers: dict[str, tuple[str, bool]] = {}  # worker_id -> (model, active)
+        self._workers: dict[str, tuple[tuple[str, ...], bool]] = {}  # worker_id -> (its served names, active)
         # model -> active worker_id -> (context length, whether its engine clamps max_tokens to fit)
         self._lengths: dict[str, dict[str, tuple[int | None, bool]]] = {}
         self._known: Counter[str] = Counter()
@@ -58,24 +58,28 @@ class ModelTable:
         rec = change.record
         old = self._workers.pop(rec.worker_id, None)
         if old is not None:
-            self._known[old[0]] -= 1
-            if old[1]:
-                self._active[old[0]] -= 1
-                lengths = self._lengths[old[0]]
-                lengths.pop(rec.worker_id, None)
-                if not lengths:
-                    del self._lengths[old[0]]
+            names, was_active = old
+            for name in names:
+                self._known[name] -= 1
+                if was_active:
+                    self._active[name] -= 1
+                    lengths = self._lengths[name]
+                    lengths.pop(rec.worker_id, None)
+                    if not lengths:
+                        del self._lengths[name]
         if change.kind != "leave":
             active = rec.status == WorkerStatus.ACTIVE
-            self._workers[rec.worker_id] = (rec.model, active)
-            self._known[rec.model] += 1
-            self._served.pop(rec.model, None)
-            self._served[rec.model] = None
-            if len(self._served) > SERVED_MODELS_KEPT:
-                del self._served[next(iter(self._served))]
-            if active:
-                self._active[rec.model] += 1
-                self._lengths.setdefault(rec.model, {})[rec.worker_id] = (rec.context_length, rec.clamps_max_tokens)
+            names = tuple(rec.served_names)  # its model and its aliases: a request may give any of them
+            self._workers[rec.worker_id] = (names, active)
+            for name in names:
+                self._known[name] += 1
+                self._served.pop(name, None)
+                self._served[name] = None
+                if len(self._served) > SERVED_MODELS_KEPT:
+                    del self._served[next(iter(self._served))]
+                if active:
+                    self._active[name] += 1
+                    self._lengths.setdefault(name, {})[rec.worker_id] = (rec.context_length, rec.clamps_max_tokens)
             self.unlisted.listed(rec.worker_id)
 
     def lists(self, worker_id: str) -> bool:

@@ -53,7 +53,7 @@ def kv_query(candidates: list[WorkerState], request: RouteRequest) -> OverlapQue
         return None
     ids = request.token_ids
     return OverlapQuery(
-        model=request.model,
+        model=candidates[0].record.model if candidates else request.model,  # (a request may name an alias)
         hashes={bs: block_hashes(ids, bs) for bs in sizes},
         workers=list(dict.fromkeys(w.base_id for w in candidates)),
     )

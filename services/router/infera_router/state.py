@@ -109,7 +109,8 @@ class _ModelFleet:
 
 
 class FleetState:
-    """Workers indexed by id and by model; the active list per model is kept sorted by id."""
+    """Workers indexed by id and by model (each name a worker serves: its model and aliases); the
+    active list per model is kept sorted by id."""
 
     def __init__(self) -> None:
         self._workers: dict[str, WorkerState] = {}
@@ -126,7 +127,7 @@ class FleetState:
             state = WorkerState(record)
             state.set_record(record)
             self._workers[record.worker_id] = state
-        elif state.record.model != record.model:
+        elif state.record.served_names != record.served_names:
             self._detach(state)
             state.set_record(record)
         elif state.record.status == record.status:  # a heartbeat: nothing to re-index
@@ -134,9 +135,10 @@ class FleetState:
             return state
         else:
             state.set_record(record)
-        fleet = self._models.setdefault(record.model, _ModelFleet())
-        fleet.workers[record.worker_id] = state
-        fleet.reindex()
+        for name in record.served_names:  # listed under each name a request may give (its aliases too)
+            fleet = self._models.setdefault(name, _ModelFleet())
+            fleet.workers[record.worker_id] = state
+            fleet.reindex()
         return state
 
     def _remove(self, worker_id: str) -> WorkerState | None:
@@ -146,14 +148,15 @@ class FleetState:
         return state
 
     def _detach(self, state: WorkerState) -> None:
-        fleet = self._models.get(state.model)
-        if fleet is None:
-            return
-        fleet.workers.pop(state.worker_id, None)
-        if fleet.workers:
-            fleet.reindex()
-        else:
-            del self._models[state.model]
+        for name in state.record.served_names:
+            fleet = self._models.get(name)
+            if fleet is None:
+                continue
+            fleet.workers.pop(state.worker_id, None)
+            if fleet.workers:
+                fleet.reindex()
+            else:
+                del self._models[name]
 
     # --- load --------------------------------------------------------------------------
     def set_load(self, report: LoadReport, now: float = 0.0) -> bool:

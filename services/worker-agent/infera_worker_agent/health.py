@@ -314,10 +314,26 @@ async def wait_healthy(
 @dataclass(frozen=True, slots=True)
 class ModelCard:
     """The first entry of the engine's ``/v1/models``: the served name and its ``max_model_len``
-    (SGLang and vLLM both give the model's context length there; None when absent)."""
+    (SGLang and vLLM both give the model's context length there; None when absent), and the ids of
+    the entries after it that name the same model (``aliases``: vLLM lists one entry per
+    ``--served-model-name``; a LoRA adapter's entry names its base in ``parent`` and is left out)."""
 
     id: str
     max_model_len: int | None = None
+    aliases: tuple[str, ...] = ()
+
+
+def read_models(data: object) -> ModelCard | None:
+    """The card of a ``/v1/models`` body's ``data`` list; None when its first entry has no id."""
+    if not isinstance(data, list) or not data or not isinstance(data[0], dict) or not data[0].get("id"):
+        return None
+    first = str(data[0]["id"])
+    length = data[0].get("max_model_len")
+    valid = isinstance(length, int) and not isinstance(length, bool) and length > 0
+    aliases = dict.fromkeys(str(e["id"]) for e in data[1:]
+                            if isinstance(e, dict) and e.get("id") and e.get("parent") is None)
+    aliases.pop(first, None)
+    return ModelCard(first, length if valid else None, tuple(aliases))
 
 
 def refused_length(card: ModelCard | None, server_info: dict[str, Any] | None) -> int | None:
@@ -330,16 +346,14 @@ def refused_length(card: ModelCard | None, server_info: dict[str, Any] | None) -
 
 
 async def served_model(session: aiohttp.ClientSession, base_url: str, attempts: int = 10) -> ModelCard | None:
-    """The model the engine serves, from its /v1/models (first entry)."""
+    """The model the engine serves, from its /v1/models (``read_models``)."""
     for attempt in range(attempts):
         try:
             async with session.get(f"{base_url}/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 if resp.status == 200:
-                    data = (await resp.json(content_type=None)).get("data") or []
-                    if data and isinstance(data[0], dict) and data[0].get("id"):
-                        length = data[0].get("max_model_len")
-                        valid = isinstance(length, int) and not isinstance(length, bool) and length > 0
-                        return ModelCard(str(data[0]["id"]), length if valid else None)
+                    card = read_models((await resp.json(content_type=None)).get("data"))
+                    if card is not None:
+                        return card
                 log.warning("engine_models_unusable", status=resp.status, attempt=attempt)
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError, AttributeError) as exc:
             log.warning("engine_models_failed", error=str(exc) or type(exc).__name__, attempt=attempt)

@@ -83,6 +83,7 @@ class Agent:
         self._registrar: FleetRegistrar | None = None
         self._model = self.plan.model_hint or "unknown"  # the served model, told in load reports
         self._context_length: int | None = None  # the engine's, once healthy (record: context_length)
+        self._aliases: list[str] = []  # the engine's other served names, once healthy (record: aliases)
         self._engine: EngineProcess | None = None
         self._session: aiohttp.ClientSession | None = None
         self._worker: RequestWorker | None = None
@@ -164,6 +165,7 @@ class Agent:
 
         card = await served_model(self._session, self.plan.local_url)
         model = card.id if card else self.plan.model_hint or "unknown"
+        self._aliases = list(card.aliases) if card else []
         info = await engine_json(self._session, f"{self.plan.local_url}/server_info")
         info = info if isinstance(info, dict) else None
         self._context_length = refused_length(card, info)
@@ -283,7 +285,8 @@ class Agent:
 
     def _record(self, model: str, status: WorkerStatus) -> WorkerRecord:
         return WorkerRecord(
-            worker_id=self.worker_id, model=model, engine=self.s.engine, role=self._pd.role, pd=self._pd.pd,
+            worker_id=self.worker_id, model=model, aliases=self._aliases, engine=self.s.engine, role=self._pd.role,
+            pd=self._pd.pd,
             dp_size=self._pd.dp_size,
             url=self.plan.url, advertise_host=self.plan.advertise_host,
             discovery_backend=self.s.discovery_backend, request_transport=self.s.request_transport,
