@@ -47,6 +47,9 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL_SRC = ROOT / "libs" / "infera_common" / "models" / "SmolLM2-135M-Instruct"
 VLLM_PYTHON = os.environ.get("INFERA_TEST_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
 MODEL_NAME = "tiny-llama"
+ALIAS = "tiny-llama-latest"  # a second --served-model-name: vLLM lists it in /v1/models, Infera routes it
+ENGINE_KEY = "sk-vllm-engine-7e1"  # the engine's --api-key: sent by the worker-agent, or the router (http)
+ENGINE_AUTH = {"Authorization": f"Bearer {ENGINE_KEY}"}
 WORKER_ID = "vllm-cpu-1"
 BLOCK_SIZE = 32
 START_TIMEOUT = 300.0  # the engine starts in ~30-60 s on 2 cores; generous for a loaded machine
@@ -136,9 +139,10 @@ class Procs:
             stop_process(self.procs[name], timeout=30)
 
 
-def http_json(url: str, body: dict | None = None, timeout: float = 120.0) -> tuple[int, dict]:
+def http_json(url: str, body: dict | None = None, timeout: float = 120.0,
+              headers: dict[str, str] | None = None) -> tuple[int, dict]:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.load(resp)
@@ -181,7 +185,7 @@ def wait_for(predicate, timeout: float, what: str, procs: Procs, watch: list[str
 
 
 async def canary(url: str) -> Canary:
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=ENGINE_AUTH) as session:
         return await send_canary(session, url, MODEL_NAME, 60, lambda: False)
 
 
@@ -210,7 +214,7 @@ def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cac
                       "--discovery-backend", "etcd", "--request-transport", "http", "--kv-event-transport", "zmq"]
             procs.start("server", [sys.executable, "-m", "infera.server", *common, "--host", "127.0.0.1",
                                    "--port", str(frontend_port), "--router-tokenizer-path", str(model),
-                                   "--router-policy", "kv-aware"])
+                                   "--router-policy", "kv-aware"], env={**env, "INFERA_ENGINE_API_KEY": ENGINE_KEY})
             indexer_port = router_port = frontend_port
             services = {"server": frontend_port}
         engine_env = {
@@ -223,7 +227,8 @@ def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cac
             "--engine-python", python, "--worker-id", WORKER_ID, "--metrics-port", str(agent_port),
             "--health-timeout", str(START_TIMEOUT), "--engine-stop-timeout", "15",
             "--",
-            "--model", str(model), "--served-model-name", MODEL_NAME, "--load-format", "dummy",
+            "--model", str(model), "--served-model-name", MODEL_NAME, ALIAS, "--api-key", ENGINE_KEY,
+            "--load-format", "dummy",
             "--host", "127.0.0.1", "--block-size", str(BLOCK_SIZE), "--max-model-len", "1024",
             "--max-num-seqs", "8", "--enable-prefix-caching", "--enable-prompt-tokens-details",
             *kv_cache_dtype_args(),
@@ -253,13 +258,27 @@ def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cac
         assert "api_server` is deprecated" not in agent_log and "DeprecationWarning" not in agent_log
         # the relay listens where the engine really publishes: vLLM's own report of its publishers
         # (0.32: a map {dp_rank: KVEventsConfig}; earlier: a list) names the registered port
-        status, sources = http_json(worker["url"] + "/kv_event_sources", timeout=10)
+        # the engine's --api-key: vLLM refuses a caller without it; its /v1/models lists both served
+        # names without a parent, which the agent registered as the model and its alias
+        assert worker["engine_api_key"] is True and worker["aliases"] == [ALIAS]
+        assert http_json(worker["url"] + "/v1/models", timeout=10)[0] == 401
+        status, listed = http_json(worker["url"] + "/v1/models", timeout=10, headers=ENGINE_AUTH)
+        print("vLLM /v1/models:", json.dumps(listed))
+        assert [(m["id"], m.get("parent")) for m in listed["data"]] == [(MODEL_NAME, None), (ALIAS, None)]
+        assert ENGINE_KEY not in procs.log_path("worker-agent").read_text(errors="replace")
+        status, sources = http_json(worker["url"] + "/kv_event_sources", timeout=10, headers=ENGINE_AUTH)
         assert status == 200
         print("vLLM /kv_event_sources:", json.dumps(sources))
         reported = [item["endpoint"] for item in (sources.values() if isinstance(sources, dict) else sources)]
         assert [e.rsplit(":", 1)[1] for e in worker["kv_events_endpoints"]] == [e.rsplit(":", 1)[1] for e in reported]
 
-        # 1. a chat completion through frontend -> router -> worker-agent -> vLLM
+        # 1. a chat completion through frontend -> router -> worker-agent -> vLLM (and by the alias)
+        status, body = http_json(frontend + "/v1/chat/completions", {
+            "model": ALIAS, "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+        })
+        assert status == 200, (body, procs.tails())
+        print("answered by the alias as", body["model"])
         status, body = http_json(frontend + "/v1/chat/completions", {
             "model": MODEL_NAME, "messages": [{"role": "user", "content": "Say hello."}],
             "max_tokens": 8, "temperature": 0, "ignore_eos": True,
@@ -331,7 +350,8 @@ def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cac
 
         # 4. what the worker-agent's stall check reads of a real vLLM: the token counters in its
         # /metrics, and its answer to the canary (a one-token completion)
-        with urllib.request.urlopen(worker["url"] + "/metrics", timeout=10) as r:
+        with urllib.request.urlopen(urllib.request.Request(worker["url"] + "/metrics", headers=ENGINE_AUTH),
+                                    timeout=10) as r:
             load = parse_engine_metrics(r.read().decode())
         assert load is not None and load.tokens is not None and load.tokens > 0, load
         assert asyncio.run(canary(worker["url"])) is Canary.ANSWERED

@@ -51,6 +51,19 @@ async def test_exit_is_seen_with_code_and_output_tail():
     assert exit_status(3) == 3 and exit_status(-9) == 137 and exit_status(0) == 1 and exit_status(None) == 1
 
 
+async def test_an_engine_printing_its_api_key_is_echoed_and_kept_without_it(tmp_path):
+    # as engines print their arguments at start; the key split over two writes, the last line unended
+    script = ("import sys, time; w = sys.stdout.write; w('args: api_key=sk-se'); sys.stdout.flush(); "
+              "time.sleep(0.3); w('cret-9 port=1\\nready sk-secret-9'); sys.stdout.flush()")
+    with open(tmp_path / "echo", "wb") as echo:
+        engine = await EngineProcess.spawn([sys.executable, "-c", script], grace=1.0, echo=echo,
+                                           secrets=["sk-secret-9"])
+        assert await engine.wait() == 0
+        await engine.close()
+    assert (tmp_path / "echo").read_bytes() == b"args: api_key=*** port=1\nready ***"
+    assert engine.tail() == ["args: api_key=*** port=1", "ready ***"]
+
+
 def test_watchdog_kills_the_group_when_the_agent_pipe_closes():
     family = subprocess.Popen([sys.executable, "-c", FAMILY], stdout=subprocess.PIPE, text=True,
                               start_new_session=True)

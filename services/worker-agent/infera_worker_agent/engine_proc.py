@@ -50,14 +50,28 @@ def _die_with_parent(parent_pid: int):
     return preexec
 
 
+#: Engine output held back while no newline ends it (a secret is only replaced within whole lines).
+LONGEST_LINE = 65536
+
+
+def hide_secrets(data: bytes, secrets: Sequence[bytes]) -> bytes:
+    for secret in secrets:
+        data = data.replace(secret, b"***")
+    return data
+
+
 class EngineProcess:
     def __init__(self, proc: asyncio.subprocess.Process, watchdog: subprocess.Popen, watchdog_fd: int,
-                 echo: BinaryIO | None, tail_lines: int) -> None:
+                 echo: BinaryIO | None, tail_lines: int, secrets: Sequence[str] = ()) -> None:
         self._proc = proc
         self._watchdog = watchdog
         self._watchdog_fd: int | None = watchdog_fd
         self._echo = echo
+        # engines print their arguments as they start (vLLM's non-default args, SGLang's server_args),
+        # an --api-key included: echoed and kept with it replaced
+        self._secrets = [s.encode() for s in secrets if s]
         self._tail: deque[str] = deque(maxlen=tail_lines)
+        self._last = b""  # the output's unfinished last line
         self._pump = asyncio.create_task(self._read_output(), name="engine-output")
 
     @classmethod
@@ -69,6 +83,7 @@ class EngineProcess:
         echo: BinaryIO | None = None,
         env: dict[str, str] | None = None,
         tail_lines: int = 40,
+        secrets: Sequence[str] = (),
     ) -> "EngineProcess":
         child_env = dict(os.environ if env is None else env)
         child_env.setdefault("PYTHONUNBUFFERED", "1")
@@ -96,7 +111,7 @@ class EngineProcess:
         finally:
             os.close(read_fd)
         log.info("engine_spawned", pid=proc.pid, watchdog_pid=watchdog.pid, argv=redacted(argv))
-        return cls(proc, watchdog, write_fd, echo, tail_lines)
+        return cls(proc, watchdog, write_fd, echo, tail_lines, secrets)
 
     @property
     def pid(self) -> int:
@@ -157,17 +172,31 @@ class EngineProcess:
             chunk = await self._proc.stdout.read(65536)
             if not chunk:
                 break
-            if self._echo is not None:
-                try:
-                    self._echo.write(chunk)
-                    self._echo.flush()
-                except (OSError, ValueError):
-                    self._echo = None
-            lines = (partial + chunk).split(b"\n")
-            partial = lines.pop()[-8192:]
-            self._tail.extend(line.decode("utf-8", "replace")[:2000] for line in lines)
-        if partial:
-            self._tail.append(partial.decode("utf-8", "replace")[:2000])
+            data = partial + chunk
+            cut = data.rfind(b"\n") + 1
+            if not self._secrets:
+                cut = len(data)
+            elif not cut and len(data) > LONGEST_LINE:  # no line end for that long: let it through
+                cut = len(data)
+            self._emit(hide_secrets(data[:cut], self._secrets))
+            partial = data[cut:]
+        self._emit(hide_secrets(partial, self._secrets))
+        if self._last:
+            self._tail.append(self._last.decode("utf-8", "replace")[:2000])
+
+    def _emit(self, data: bytes) -> None:
+        """Echo the output, and keep its last lines (``tail``)."""
+        if not data:
+            return
+        if self._echo is not None:
+            try:
+                self._echo.write(data)
+                self._echo.flush()
+            except (OSError, ValueError):
+                self._echo = None
+        lines = (self._last + data).split(b"\n")
+        self._last = lines.pop()[-8192:]
+        self._tail.extend(line.decode("utf-8", "replace")[:2000] for line in lines)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -156,7 +156,7 @@ class Agent:
         )
         self._engine = await EngineProcess.spawn(
             self.plan.argv, grace=self.s.engine_stop_timeout, echo=sys.stdout.buffer,
-            env=engine_env(os.environ, self.plan),
+            env=engine_env(os.environ, self.plan), secrets=[self.plan.api_key] if self.plan.api_key else [],
         )
         startup = await wait_healthy(self._session, self.plan.local_url, self._engine, self.s.health_timeout,
                                      self._stop)
