@@ -352,7 +352,7 @@ def _print_banner(url: str, model: str, where: str, logs: Path, keyed: bool = Fa
     with ``--api-key`` the line sends ``$INFERA_API_KEY`` (the key itself is not printed)."""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}],
                        "max_tokens": 16})
-    auth = ' -H "Authorization: Bearer $INFERA_API_KEY"' if keyed else ""
+    auth = ' -H "Authorization: Bearer ${INFERA_API_KEY%%,*}"' if keyed else ""  # (the first of the keys)
     print(f"Infera is up: OpenAI endpoint {url}/v1  ({where}; logs in {logs})")
     print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
     print("Ctrl-C stops the fleet.", flush=True)

@@ -135,9 +135,16 @@ class InFlight:
     started: bool = False  # its task has run: a task cancelled before that never runs a line of it
 
 
-#: The offset of this host's wall clock to the requester behind a reply subject (None: not known);
-#: ``requester_clocks.RequesterClocks.settled_offset``.
-RequesterClock = Callable[[str], Awaitable["float | None"]]
+class RequesterClock(Protocol):
+    """This host's wall clock against the requester behind a reply subject (``requester_clocks``)."""
+
+    def offset_for(self, reply_subject: str) -> float | None: ...
+
+    def waiting(self, reply_subject: str) -> asyncio.Future[float | None] | None: ...
+
+
+#: How long an envelope waits for its requester's first clock answer (``RequesterClock.waiting``).
+CLOCK_WAIT = 0.25
 
 
 class RequestRunner:
@@ -295,9 +302,34 @@ class RequestRunner:
     # --- submit --------------------------------------------------------------------------------
     async def submit(self, worker_id: str, env: WorkEnvelope, engine: Engine, on_done: Done | None = None) -> None:
         """Run ``env`` on ``engine`` in its own task, or answer it at once when it must not run.
-        Its ``deadline`` is moved onto this host's clock first (``clock``)."""
-        if self._clock is not None and (offset := await self._clock(env.reply_subject)):
+        Its ``deadline`` is moved onto this host's clock first (``clock``): while the first question to
+        its requester is under way, in a task of its own, so that the envelopes behind it do not wait."""
+        if self._clock is not None:
+            subject = env.clock_of or env.reply_subject
+            offset = self._clock.offset_for(subject)
+            answer = self._clock.waiting(subject) if offset is None else None
+            if answer is not None:
+                task = asyncio.create_task(self._submit_on_answer(answer, worker_id, env, engine, on_done),
+                                           name=f"request-clock-{env.request_id}")
+                self._handlers.add(task)
+                self._idle.clear()
+                task.add_done_callback(self._handler_done)
+                return
+            if offset:
+                env.deadline += offset
+        await self._submit(worker_id, env, engine, on_done)
+
+    async def _submit_on_answer(self, answer: asyncio.Future[float | None], worker_id: str, env: WorkEnvelope,
+                                engine: Engine, on_done: Done | None) -> None:
+        try:
+            offset = await asyncio.wait_for(asyncio.shield(answer), CLOCK_WAIT)
+        except TimeoutError:
+            offset = None
+        if offset:
             env.deadline += offset
+        await self._submit(worker_id, env, engine, on_done)
+
+    async def _submit(self, worker_id: str, env: WorkEnvelope, engine: Engine, on_done: Done | None) -> None:
         refused = self._refusal_for(worker_id, env)
         if refused is None:
             self._start(worker_id, env, engine, on_done)

@@ -6,8 +6,9 @@ request from a frontend, and any that comes ``clock_offsets.RESYNC_AFTER`` secon
 question, has the frontend asked the time on its ``alive`` subject
 (``subjects.requester_alive_subject``, the subject the worker-agents ask whether it is still
 there), in a task. ``offset_for`` does not wait for it (a router's route deadlines are not checked
-until an answer arrives); ``settled_offset`` waits for the first answer (a worker-agent, or a router
-calling engines: an envelope's deadline is read once, when it arrives). A frontend that
+until an answer arrives); ``waiting`` gives the first question, which the first envelopes of a
+frontend wait for (a worker-agent, or a router calling engines: an envelope's deadline is read once,
+when it arrives). A frontend that
 predates the question answers nothing but an empty message, and its deadlines are read as they
 are. A frontend gone from the bus ("no responders") is forgotten.
 
@@ -29,9 +30,8 @@ from infera_common.subjects import requester_alive_subject
 log = get_logger("requester_clocks")
 
 ASK_TIMEOUT = 1.0
-#: How long ``settled_offset`` waits for a frontend's first answer (~1 ms on a working bus): the
-#: envelopes behind it wait too. Past it the deadline is read as it is (the answer still counts
-#: for the envelopes after it).
+#: How long an envelope waits for its frontend's first answer (``waiting``; ~1 ms on a working
+#: bus). Past it the deadline is read as it is (the answer still counts for the envelopes after it).
 FIRST_ASK_TIMEOUT = 0.25
 #: An offset this large (seconds) is logged once per frontend: the hosts' time sync is off.
 WARN_OFFSET = 1.0
@@ -45,6 +45,7 @@ class RequesterClocks:
         self._largest = largest  # told the largest offset known, in absolute seconds, at each change (a gauge)
         self._offsets = ClockOffsets()
         self._answers: dict[str, asyncio.Future[float | None]] = {}  # questions under way: their offsets
+        self._settled: set[str] = set()  # frontends asked once already (``waiting``)
         self._warned: set[str] = set()
 
     def offset_for(self, reply_subject: str) -> float | None:
@@ -56,23 +57,20 @@ class RequesterClocks:
         now = time.monotonic()
         if self._offsets.due(key, now):
             self._offsets.asked(key, now)
-            self._answers[key] = asyncio.get_running_loop().create_future()  # (for ``settled_offset``)
+            self._answers[key] = asyncio.get_running_loop().create_future()  # (for ``waiting``)
             self._spawn(self.ask(key))
         return self._offsets.offset(key)
 
-    async def settled_offset(self, reply_subject: str) -> float | None:
-        """``offset_for``, but while none is known the question under way is waited for (at most
-        ``FIRST_ASK_TIMEOUT``): the first envelope of a frontend, on a host whose clock runs ahead of
-        its own by more than the request's timeout, would otherwise be refused as expired."""
-        known = self.offset_for(reply_subject)
+    def waiting(self, reply_subject: str) -> asyncio.Future[float | None] | None:
+        """The first question to the frontend behind ``reply_subject``, while it is under way (its
+        result: the offset, or None); None once any question to it has ended. An envelope's deadline
+        is read once, when it arrives: the first ones of a frontend wait for this (each in its own
+        task, ``RequestRunner``), or a host whose clock runs ahead would refuse them as expired; a
+        frontend that never answers makes requests wait only once."""
         key = requester_alive_subject(reply_subject)
-        answer = self._answers.get(key) if known is None and key is not None else None
-        if answer is None:
-            return known
-        try:
-            return await asyncio.wait_for(asyncio.shield(answer), FIRST_ASK_TIMEOUT)
-        except TimeoutError:
+        if key is None or key in self._settled:
             return None
+        return self._answers.get(key)
 
     async def ask(self, key: str) -> float | None:
         """Ask the frontend at ``key`` the time; the offset measured (None: no usable answer)."""
@@ -81,6 +79,9 @@ class RequesterClocks:
             offset = await self._ask(key)
             return offset
         finally:
+            if len(self._settled) >= MAX_PEERS:  # (each start of a frontend is a new key)
+                self._settled.clear()
+            self._settled.add(key)
             answer = self._answers.pop(key, None)
             if answer is not None and not answer.done():
                 answer.set_result(offset)

@@ -254,7 +254,10 @@ class WorkEnvelope(_Msg):
     body: bytes
     stream: bool = False
     reply_subject: str
-    deadline: float
+    deadline: float  # unix time on the clock of the requester at ``clock_of`` (else ``reply_subject``)
+    #: the requester whose wall clock ``deadline`` is on, when its frames go elsewhere (a prefill
+    #: leg's go to its router; the deadline is its frontend's): read with the offset to that one
+    clock_of: str = ""
     lease_id: str
     router_id: str
     headers: dict[str, str] = Field(default_factory=dict)  # extra HTTP headers for the engine (e.g. a DP rank)

@@ -51,7 +51,7 @@ async def test_a_frontend_says_its_time_and_a_gone_or_older_one_gives_no_offset(
 
 
 
-async def test_the_first_envelope_of_a_frontend_waits_for_its_time_and_the_next_ones_do_not(nats_server):
+async def test_the_first_question_to_a_frontend_is_there_to_wait_for_and_only_the_first(nats_server):
     agent = await connect(nats_server, "agent")
     frontend = await connect(nats_server, "frontend")
     spawned = []
@@ -60,11 +60,17 @@ async def test_the_first_envelope_of_a_frontend_waits_for_its_time_and_the_next_
         await inbox.start()
         await flush_all(frontend)
         clocks = RequesterClocks(agent, lambda question: spawned.append(asyncio.ensure_future(question)))
-        first = await clocks.settled_offset(inbox.open()[0])  # the question asked, and its answer waited for
-        assert first == pytest.approx(0.0, abs=0.05) and len(spawned) == 1
-        assert await clocks.settled_offset(inbox.open()[0]) == first and len(spawned) == 1  # known: not asked again
-        assert await clocks.settled_offset("_INBOX.fe-nobody.1") is None  # no such frontend: no wait, no offset
-        assert await clocks.settled_offset("infera.router.pd.r1.lease-1") is None  # not a frontend's inbox
+        subject = inbox.open()[0]
+        assert clocks.offset_for(subject) is None  # the first question goes out ...
+        answer = clocks.waiting(subject)
+        assert answer is not None and len(spawned) == 1
+        first = await answer  # ... and its answer is what the first envelopes wait for
+        assert first == pytest.approx(0.0, abs=0.05) and clocks.offset_for(subject) == first
+        assert clocks.waiting(subject) is None and len(spawned) == 1  # known: nothing to wait for
+        clocks.offset_for("_INBOX.fe-nobody.1")  # no such frontend: one question, one wait at most
+        assert await clocks.waiting("_INBOX.fe-nobody.1") is None
+        assert clocks.waiting("_INBOX.fe-nobody.2") is None  # never waited for again
+        assert clocks.waiting("infera.router.pd.r1.lease-1") is None  # not a frontend's inbox
         await inbox.stop()
     finally:
         await agent.close()

@@ -19,8 +19,17 @@ def test_keys_come_from_repeated_flags_or_one_comma_separated_variable(monkeypat
     assert settings.api_keys() == ["sk-a", "sk-b"] and "sk-a" not in repr(settings)
     settings, _ = parse_cli(FrontendSettings, ["--api-key", "k1", "--api-key", "k2"], prog="infera-frontend")
     assert settings.api_keys() == ["k1", "k2"]
+    monkeypatch.setenv("INFERA_API_KEY", "")  # set but empty (compose's default): no key asked
+    assert parse_cli(FrontendSettings, [], prog="infera-frontend")[0].api_keys() == []
     monkeypatch.delenv("INFERA_API_KEY")
     assert parse_cli(FrontendSettings, [], prog="infera-frontend")[0].api_keys() == []
+    # an empty key (an unset shell variable) would leave the API open: refused, as is a comma in one
+    for argv in (["--api-key", ""], ["--api-key", "k1", "--api-key", " "], ["--api-key", "a,b"]):
+        with pytest.raises(SystemExit):
+            parse_cli(FrontendSettings, argv, prog="infera-frontend")
+    monkeypatch.setenv("INFERA_API_KEY", " , ")
+    with pytest.raises(SystemExit):
+        parse_cli(FrontendSettings, [], prog="infera-frontend")
 
 
 def test_a_key_is_a_bearer_token_of_the_ones_given():
@@ -30,6 +39,7 @@ def test_a_key_is_a_bearer_token_of_the_ones_given():
     assert refusal("sk-old-1", accepted).startswith("The Authorization header")
     assert refusal("Basic sk-old-1", accepted).startswith("The Authorization header")
     assert refusal("Bearer sk-old", accepted) == "Incorrect API key provided."
+    assert refusal("Bearer sk-\udcff\udcfe", accepted) == "Incorrect API key provided."  # bytes not UTF-8
 
 
 async def get(fe, path: str, headers: dict | None = None) -> tuple[int, dict, dict | str]:
@@ -50,6 +60,10 @@ async def test_requests_without_a_key_are_refused_before_they_reach_the_router(m
                 assert "sk-guess" not in err["message"]
         for path in ("/v1/models", "/v1/workers", "/v1/no-such-route"):  # listings too; no route is told apart
             assert (await get(fe, path))[0] == 401
+        async with s.options(url(fe, "/v1/chat/completions")) as r:  # nor its methods
+            assert r.status == 401
+        async with s.get(url(fe, "/v1/models"), headers={"Authorization": "Bearer sk-\xff\xfe"}) as r:
+            assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
         assert fleet.routed == []
         for key in KEYS:  # either key: one can be replaced while clients move to the other
             async with s.post(url(fe, "/v1/chat/completions"), json=chat_body(),
@@ -59,7 +73,7 @@ async def test_requests_without_a_key_are_refused_before_they_reach_the_router(m
     for path in ("/health", "/ready", "/metrics"):  # probes and Prometheus carry no secret
         assert (await get(fe, path))[0] == 200
     status, _, text = await get(fe, "/metrics")
-    assert "infera_frontend_unauthorized_requests_total 5.0" in text
+    assert "infera_frontend_unauthorized_requests_total 7.0" in text
 
 
 async def test_the_openai_sdk_sends_its_key(make_frontend, fleet):

@@ -2,9 +2,10 @@
 
 As the OpenAI API and the engines do it: the scheme is read case-insensitively, keys are compared
 by their SHA-256 digests in constant time, and a refusal is HTTP 401 with an OpenAI error body
-(``code`` ``invalid_api_key``) and ``WWW-Authenticate: Bearer``. Every route needs the key except
-the probes that carry no secret: ``/health``, ``/ready`` and ``/metrics`` (Kubernetes probes and
-Prometheus), and ``OPTIONS``. Several keys are accepted at once so that a key can be replaced
+(``code`` ``invalid_api_key``) and ``WWW-Authenticate: Bearer``. Every route and method needs the key
+except the probes that carry no secret: ``/health``, ``/ready`` and ``/metrics`` (Kubernetes probes
+and Prometheus). ``OPTIONS`` too: the frontend serves no CORS preflight, and a keyless caller would
+learn from its 405 or 404 which routes exist. Several keys are accepted at once so that a key can be replaced
 without a window in which clients are refused. NATS clients are authenticated by the NATS server
 (its users and permissions), not here.
 """
@@ -34,7 +35,8 @@ def refusal(header: str | None, accepted: Sequence[bytes]) -> str | None:
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token:
         return "The Authorization header must read 'Bearer <key>'."
-    digest = hashlib.sha256(token.strip().encode()).digest()
+    # (aiohttp keeps bytes that are not UTF-8 as surrogates: encoded back, they simply do not match)
+    digest = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
     matched = False
     for key in accepted:  # every key compared, so the time does not tell which one nearly matched
         matched |= hmac.compare_digest(digest, key)
@@ -46,7 +48,7 @@ def make_auth_middleware(keys: Sequence[str], on_refused: Callable[[], None]):  
 
     @web.middleware
     async def check_api_key(request: web.Request, handler) -> web.StreamResponse:  # noqa: ANN001
-        if request.method != "OPTIONS" and request.path not in OPEN_PATHS:
+        if request.path not in OPEN_PATHS:
             why = refusal(request.headers.get("Authorization"), accepted)
             if why is not None:
                 on_refused()

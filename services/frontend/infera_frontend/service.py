@@ -122,7 +122,7 @@ class Frontend:
             self.nats_api = NatsApi(self.nc, pipeline, self.watcher.view, self.metrics)
             await self.nats_api.start()
         log.info("frontend_started", frontend_id=self.frontend_id, host=s.host, port=self.port,
-                 model_path=s.model_path, nats_api=s.enable_nats_api)
+                 model_path=s.model_path, nats_api=s.enable_nats_api, api_keys=len(s.api_key))  # (how many, not which)
 
     def fleet_info(self) -> dict:
         """Added to the /v1/workers body: this frontend's discovery, and running workers it does not list."""

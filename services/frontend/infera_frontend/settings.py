@@ -36,10 +36,17 @@ class ApiKeySettings(InferaSettings):
     @classmethod
     def _key_list(cls, value: object) -> object:
         if isinstance(value, str):  # the environment variable: one key, or several separated by commas
-            value = value.split(",")
+            if not value.strip():
+                return []  # set but empty (compose's ${INFERA_API_KEY:-}): no key asked
+            value = [v for v in value.split(",") if v.strip()]
+            if not value:
+                raise ValueError("no key among the commas: give the keys, or leave the variable empty")
         if isinstance(value, list):
             value = [v.strip() if isinstance(v, str) else v for v in value]
-            value = [v for v in value if v != ""]
+            if "" in value:  # (an unset shell variable: --api-key "$KEY") would leave the API open
+                raise ValueError("an empty key asks no key at all: give the key, or leave the flag out")
+            if any(isinstance(v, str) and "," in v for v in value):
+                raise ValueError("a key may not hold a comma (the environment variable separates keys with them)")
         return value
 
     def api_keys(self) -> list[str]:

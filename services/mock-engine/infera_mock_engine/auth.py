@@ -33,7 +33,7 @@ def bearer_matches(header: str | None, digest: bytes) -> bool:
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer":
         return False
-    return hmac.compare_digest(hashlib.sha256(token.encode()).digest(), digest)
+    return hmac.compare_digest(hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest(), digest)
 
 
 def make_auth_middleware(flavor: str, api_key: str):  # noqa: ANN201 - an aiohttp middleware

@@ -57,8 +57,10 @@ class Drained:
 
 class PdFlow:
     def __init__(self, nc: NATS, router_id: str, core: RouterCore, pairs: PdPairs, dispatcher: Dispatcher,
-                 metrics: RouterMetrics, publish_timeout: float, on_lease_change: Callable[[Lease], None]) -> None:
+                 metrics: RouterMetrics, publish_timeout: float, on_lease_change: Callable[[Lease], None],
+                 offset: Callable[[str], float | None] = lambda _: None) -> None:
         self._nc, self._router_id, self._core, self.pairs = nc, router_id, core, pairs
+        self._offset = offset  # this host's clock against the requester's (``requester_clocks``): deadlines
         self._dispatcher, self._metrics, self._publish_timeout = dispatcher, metrics, publish_timeout
         self._on_lease_change = on_lease_change  # the service's bookkeeping after a lease is taken or dropped
         self._waiters: dict[str, asyncio.Future[Drained]] = {}
@@ -111,6 +113,7 @@ class PdFlow:
                 request_id=request.request_id, endpoint=request.endpoint, stream=False,
                 body=json.dumps(protocol.prefill_body(body, prefill, ctx)).encode(),
                 reply_subject=router_pd_subject(self._router_id, lease.lease_id), deadline=request.deadline,
+                clock_of=request.reply_subject,
                 lease_id=lease.lease_id, router_id=self._router_id, prefill_tokens=lease.prefill_tokens,
                 decode_tokens=lease.decode_tokens,
                 headers={**rank_headers(prefill.rank), **engine_headers(request.traceparent)},
@@ -197,7 +200,7 @@ class PdFlow:
         hears ``alive`` frames meanwhile (when it asked for them), so that its route timeout, meant for
         a router that does not answer, does not end a long prefill; the wait is then its upstream
         timeout, as for any answer the requester waits for."""
-        wait = max(0.0, request.deadline - time.time())
+        wait = max(0.0, request.deadline + (self._offset(request.reply_subject) or 0.0) - time.time())
         if request.upstream_timeout is not None:
             wait = min(wait, request.upstream_timeout)
         alive = None

@@ -135,7 +135,7 @@ class RouterService(RoutePath):
         else:
             self._kv = KvClient(self.nc, self.settings.kv_query_timeout, self.metrics)
         self._pd = PdFlow(self.nc, self.router_id, self.core, self.pairs, self._dispatcher, self.metrics,
-                          self.settings.publish_timeout, self._lease_gauge)
+                          self.settings.publish_timeout, self._lease_gauge, self._clocks.offset_for)
         await self._pd.start()
         self._subs.append(await self.nc.subscribe(self.release_subject, cb=self._on_release))
         self._subs.append(await self.nc.subscribe(router_prefilled_subject(self.router_id), cb=self._on_prefilled))
@@ -209,7 +209,7 @@ class RouterService(RoutePath):
             key = self.settings.engine_api_key
             assert self._clocks is not None
             return HttpDispatcher(self.nc, self.router_id, record_of, self.metrics, self.settings.drain_timeout,
-                                  key.get_secret_value() if key is not None else None, self._clocks.settled_offset)
+                                  key.get_secret_value() if key is not None else None, self._clocks)
         return JetStreamDispatcher(self.nc)
 
     # --- discovery -------------------------------------------------------------------------

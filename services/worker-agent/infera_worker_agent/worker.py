@@ -92,7 +92,7 @@ class RequestWorker:
         clocks = RequesterClocks(nc, self._ask_clock, metrics.requester_clock_offset.set)
         self._runner = RequestRunner(nc.publish, SeriesHooks(metrics.requests, metrics.in_flight, metrics.cancels,
                                                              metrics.bad_cancels), lambda _: finds_hangs,
-                                     clocks.settled_offset)
+                                     clocks)
         self._answers = FramesAnswers(self._runner, metrics.frames_queries, metrics.frames_replays)
         self._requesters = RequesterWatch(nc, self._runner, metrics.requesters_gone)
         self._work_sub = None
