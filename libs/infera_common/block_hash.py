@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 
 from xxhash import xxh3_64_intdigest
 
-#: The parent of a sequence's first block.
+#: The parent of a sequence's first block (computed by the base model).
 ROOT = 0
 
 _TOKEN = "I" if array("I").itemsize == 4 else "L"  # a C unsigned 32-bit integer
@@ -103,6 +103,16 @@ def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT) 
         parent = out[i] = xxh3_64_intdigest(data[start:end], parent)
         start = end
     return out
+
+
+def adapter_root(adapter: str | None) -> int:
+    """The parent of a sequence's first block when a LoRA adapter computed it (``ROOT`` for None: the
+    base model). An adapter's KV differs from the base model's for the same tokens (vLLM hashes the
+    adapter into every block), so its chains start from a root of their own and never match the
+    base model's, nor another adapter's; the name alone identifies it, as a request names it."""
+    if adapter is None:
+        return ROOT
+    return xxh3_64_intdigest(b"infera-lora\x00" + adapter.encode("utf-8", "surrogatepass"))
 
 
 def chain(parent: int, block_tokens: Sequence[int]) -> int:

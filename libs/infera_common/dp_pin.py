@@ -18,15 +18,21 @@ def pin_body(body: dict[str, Any], rank: int | None) -> dict[str, Any]:
     return body if rank is None else {**body, RANK_FIELD: rank}
 
 
-def pin_bytes(body: bytes, rank: int | None) -> bytes:
-    """The JSON body with the rank field (unchanged when no rank, or when it is not a JSON object)."""
-    if rank is None:
+def pin_bytes(body: bytes, rank: int | None, model: str | None = None) -> bytes:
+    """The JSON body with the rank field, and ``model`` in place of the client's when given (an
+    engine's own name for a LoRA adapter: ``WorkerRecord.engine_model``). Unchanged when there is
+    neither, or when it is not a JSON object."""
+    if rank is None and model is None:
         return body
     try:
         data = json.loads(body)
     except ValueError:
         return body
-    return json.dumps(pin_body(data, rank)).encode() if isinstance(data, dict) else body
+    if not isinstance(data, dict):
+        return body
+    if model is not None:
+        data["model"] = model
+    return json.dumps(pin_body(data, rank)).encode()
 
 
 def rank_headers(rank: int | None) -> dict[str, str]:

@@ -65,11 +65,12 @@ class CoarsePages:
         self._k = index_size // page_size  # pages per index block
         self._page_bytes = page_size * 4
 
-    def start(self, parent_engine_hash: int | None) -> tuple[int, bytes] | None:
-        """Where a stored run continues from: (index parent, tokens of its block so far); None when
-        the parent page is unknown (the run is an orphan)."""
+    def start(self, parent_engine_hash: int | None, root: int = ROOT) -> tuple[int, bytes] | None:
+        """Where a stored run continues from: (index parent, tokens of its block so far; ``root``, the
+        chain's own root, for a run without a parent page); None when the parent page is unknown
+        (the run is an orphan)."""
         if parent_engine_hash is None:
-            return ROOT, b""
+            return root, b""
         key = self.pages.get(parent_engine_hash)
         if key is None:
             return None

@@ -41,7 +41,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from infera_common.block_hash import ROOT, block_hashes, pack_hashes
+from infera_common.block_hash import ROOT, adapter_root, block_hashes, pack_hashes
 from infera_common.int_columns import pack_map, unpack_map
 from infera_common.kv_coarse import CoarsePages, dump_pages, load_pages
 from infera_common.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
@@ -211,7 +211,7 @@ class BlockTranslator:
                 return where != PRIMARY or self._store_coarse(coarse, ev, delta)
         blocks = self._sizes.get(size)
         if ev.parent_block_hash is None:
-            parent: int | None = ROOT
+            parent: int | None = event_root(ev)
         else:
             parent = blocks.engine.get(ev.parent_block_hash) if blocks is not None else None
         if parent is None:
@@ -258,7 +258,7 @@ class BlockTranslator:
 
     @staticmethod
     def _store_coarse(coarse: CoarsePages, ev: BlockStored, delta: BlockDelta) -> bool:
-        at = coarse.start(ev.parent_block_hash)
+        at = coarse.start(ev.parent_block_hash, event_root(ev))
         if at is None:
             delta.orphaned += len(ev.block_hashes)
             return False
@@ -394,6 +394,18 @@ def _chained(events: Iterable[KvEvent], folds: Callable[[int], bool]) -> Iterato
         yield _joined(run), run
 
 
+def event_root(ev: BlockStored) -> int:
+    """The index parent of a ``BlockStored`` whose first block has no parent: the root of the adapter
+    that computed it (``adapter_root``: vLLM names it in ``lora_name``), else the base model's. An
+    engine that gives only the adapter's number (``lora_id``) gets a root no request's name gives:
+    its blocks stay apart from the base model's, found by no request."""
+    if ev.lora_name is not None:
+        return adapter_root(ev.lora_name)
+    if ev.lora_id is not None:
+        return adapter_root(f"\x00lora_id {ev.lora_id}")
+    return ROOT
+
+
 def _continues(event: BlockStored, last: BlockStored) -> bool:
     """Whether ``event`` stores the pages right after ``last``'s, at the same page size."""
     return (event.parent_block_hash == last.block_hashes[-1] and event.block_size == last.block_size
@@ -408,7 +420,7 @@ def _joined(run: list) -> KvEvent:
         return BlockRemoved([h for e in run for h in e.block_hashes], first.medium, first.group_idx)
     return BlockStored([h for e in run for h in e.block_hashes], first.parent_block_hash,
                        [t for e in run for t in e.token_ids], first.block_size, first.lora_id, first.medium,
-                       group_idx=first.group_idx)
+                       first.lora_name, group_idx=first.group_idx)
 
 
 def delta_relay(worker_id: str, dp_rank: int, seq: int, delta: BlockDelta, block_size: int | None,

@@ -55,7 +55,7 @@ class BlockStored(msgspec.Struct, array_like=True, tag=True, gc=False):
     block_size: Annotated[int, msgspec.Meta(ge=0)]  # 0: a placeholder (no token ids)
     lora_id: int | None = None
     medium: str | None = None
-    lora_name: Any = None  # (not read)
+    lora_name: str | None = None  # the adapter that computed the blocks (vLLM; lora_id is its older number)
     extra_keys: Any = None  # (not read)
     group_idx: int | None = None
 
@@ -230,7 +230,8 @@ def _stored(hashes: object, parent: object, tokens: object, size: object, lora: 
     if parent is not None and type(parent) is not int:
         raise KvWireError("BlockStored parent_block_hash is not an integer")
     return BlockStored(hashes, parent, tokens, size, lora if type(lora) is int else None,
-                       medium if type(medium) is str else None, lora_name, extra_keys,
+                       medium if type(medium) is str else None, lora_name if type(lora_name) is str else None,
+                       extra_keys,
                        group if type(group) is int else None)
 
 

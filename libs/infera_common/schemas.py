@@ -1,4 +1,4 @@
-"""Typed messages that cross a service boundary, and their msgpack encoding.
+"""Typed messages that cross a service boundary (their msgpack encoding is ``codec``'s, re-exported here).
 
 Every message on the bus is one of these models, msgpack-encoded with ``encode`` and read
 back with ``decode``. Request bodies travel as the client's raw JSON bytes so that no hop
@@ -10,12 +10,12 @@ from __future__ import annotations
 import time
 from array import array
 from enum import StrEnum
-from typing import Literal, TypeVar, get_args
+from typing import Literal
 
-import msgpack
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from infera_common.block_hash import unpack_tokens
+from infera_common.codec import M, decode, encode, encode_sparse  # noqa: F401 - re-exported: the messages' codec
 from infera_common.subjects import TOKEN_RE
 
 EngineKind = Literal["sglang", "vllm", "mock"]
@@ -70,6 +70,14 @@ class WorkerRecord(_Msg):
     #: the engine's other served names, which clients may ask for as well (vLLM's ``--served-model-name
     #: a b``: /v1/models entries without a ``parent``; LoRA adapters, which have one, are not among them)
     aliases: list[str] = Field(default_factory=list)
+    #: the LoRA adapters the engine serves, which clients may ask for too (its /v1/models entries that
+    #: name a ``parent``: vLLM's ``--lora-modules``, SGLang's ``--lora-paths``); the KV blocks an
+    #: adapter computes chain from its own root (``block_hash.adapter_root``), apart from the model's
+    adapters: list[str] = Field(default_factory=list)
+    #: how the engine takes a request for one of its adapters: by its name (vLLM: ``"model": "sql"``)
+    #: or after its served name (SGLang: ``"model": "<model>:sql"``; a bare adapter name there is not an
+    #: adapter, and SGLang would run the base model): see ``engine_model``
+    adapter_naming: Literal["name", "model:name"] = "name"
     engine: EngineKind
     role: Role = Role.AGGREGATED
     url: str  # the engine's HTTP base URL, e.g. http://10.0.0.5:30000
@@ -117,8 +125,23 @@ class WorkerRecord(_Msg):
 
     @property
     def served_names(self) -> list[str]:
-        """Every name a request may give to be served by this worker: ``model`` first, then the aliases."""
-        return [self.model, *(a for a in self.aliases if a != self.model)]
+        """Every name a request may give to be served by this worker: ``model`` first, then the
+        aliases, then the adapters."""
+        return list(dict.fromkeys([self.model, *self.aliases, *self.adapters]))
+
+    def adapter(self, name: str) -> str | None:
+        """The LoRA adapter a request for ``name`` runs under here (None: the model itself, by one of
+        its names)."""
+        if name in self.adapters and name != self.model and name not in self.aliases:
+            return name
+        return None
+
+    def engine_model(self, name: str) -> str | None:
+        """The ``model`` this worker's engine must be sent for a request naming ``name`` (None: ``name``
+        as it is): an adapter after the served name, for an engine that names adapters so."""
+        if self.adapter_naming == "model:name" and self.adapter(name) is not None:
+            return f"{self.model}:{name}"
+        return None
 
     @property
     def index_block_size(self) -> int | None:
@@ -454,40 +477,3 @@ class OverlapReply(_Msg):
     #: whole holding): with the record's ``kv_capacity_tokens``, how full its cache is (older
     #: indexers send none: nothing is known)
     held: list[WorkerOverlap] = Field(default_factory=list)
-
-
-M = TypeVar("M", bound=BaseModel)
-
-
-def encode(msg: BaseModel) -> bytes:
-    cls = type(msg)
-    flat = _FLAT.get(cls)
-    if flat is None:
-        flat = _FLAT[cls] = not any(_holds_model(f.annotation) for f in cls.model_fields.values())
-    # a model without nested models dumps to exactly its field dict: skip model_dump (hot path)
-    return msgpack.packb(msg.__dict__ if flat else msg.model_dump(mode="python"), use_bin_type=True)
-
-
-_FLAT: dict[type, bool] = {}
-
-
-def encode_sparse(msg: BaseModel) -> bytes:
-    """``encode`` without the fields left at their defaults, which ``decode`` fills back in: for
-    high-rate messages whose optional fields are mostly empty (``KvRelay``: ~20 % fewer bytes, and
-    the kv-indexer reads fewer keys per message)."""
-    return msgpack.packb(msg.model_dump(exclude_defaults=True), use_bin_type=True)
-
-
-def _holds_model(annotation: object) -> bool:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return True
-    return any(_holds_model(arg) for arg in get_args(annotation))
-
-
-def decode(cls: type[M], data: bytes) -> M:
-    """Decode a bus message; raises ``ValueError`` (pydantic's or msgpack's) when malformed."""
-    try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise ValueError(f"not msgpack: {exc}") from exc
-    return cls.model_validate(raw)

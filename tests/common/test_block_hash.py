@@ -6,7 +6,7 @@ from array import array
 import pytest
 from xxhash import xxh3_64_intdigest
 
-from infera_common.block_hash import ROOT, block_hashes, chain, pack_tokens, token_array, unpack_tokens
+from infera_common.block_hash import ROOT, adapter_root, block_hashes, chain, pack_tokens, token_array, unpack_tokens
 
 
 def test_the_definition_and_its_pinned_values():
@@ -17,6 +17,18 @@ def test_the_definition_and_its_pinned_values():
     # pinned: a router and an indexer of different releases must agree, or every query misses
     assert block_hashes(tokens, 4) == [16799746667763160996, 12319338517275567270]
     assert block_hashes([0, 2**32 - 1, 128255, 7], 2) == [8875325589831069942, 387019999641581226]
+
+
+def test_an_adapters_chains_start_from_a_root_of_their_own():
+    tokens = list(range(100, 108))
+    assert adapter_root(None) == ROOT
+    sql = adapter_root("sql-lora")
+    assert sql == xxh3_64_intdigest(b"infera-lora\x00sql-lora")
+    assert sql == 14285212072467619117  # pinned, as the base model's chains are
+    assert len({ROOT, sql, adapter_root("sql-lora2"), adapter_root("SQL-lora")}) == 4
+    under_sql = block_hashes(tokens, 4, sql)
+    assert under_sql[1] == chain(under_sql[0], tokens[4:])  # the chain goes on as the base model's does
+    assert not set(under_sql) & set(block_hashes(tokens, 4))
 
 
 def test_full_blocks_only_and_a_prefix_identity():

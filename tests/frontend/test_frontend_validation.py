@@ -202,6 +202,19 @@ def test_a_workers_aliases_are_served_and_listed_as_its_model_is():
     assert "m-latest" not in [m["id"] for m in models_list(view)["data"]]
 
 
+def test_a_workers_adapters_are_served_and_listed_with_their_base_model():
+    table, view = ModelTable(), FleetView()
+    for rec in (_rec("a", "m", WorkerStatus.ACTIVE).model_copy(update={"adapters": ["sql"]}),
+                _rec("b", "m", WorkerStatus.ACTIVE)):
+        table.apply(Change("join", rec))
+        view.put(rec, time.monotonic(), time.time())
+    assert _status(table, "sql") == _status(table, "m") == 200
+    listed = {m["id"]: m for m in models_list(view)["data"]}
+    assert listed["sql"]["parent"] == "m" and "parent" not in listed["m"]
+    assert model_entry(view, "sql")["parent"] == "m"
+    assert [w.worker_id for w in view.active("sql")] == ["a"]  # only the worker that serves it
+
+
 def test_the_models_that_lost_their_workers_are_remembered_within_a_bound(monkeypatch):
     monkeypatch.setattr(prepare, "SERVED_MODELS_KEPT", 3)
     table = ModelTable()

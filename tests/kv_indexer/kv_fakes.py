@@ -15,7 +15,7 @@ from typing import Literal
 
 import msgpack
 
-from infera_common.block_hash import block_hashes
+from infera_common.block_hash import adapter_root, block_hashes
 from infera_common.kv_translate import BlockTranslator, delta_relay
 from infera_common.kv_wire import decode_batch
 from infera_common.schemas import KvRelay, OverlapQuery, WorkerRecord, WorkerStatus, encode, encode_sparse
@@ -110,9 +110,13 @@ def cleared_relay(worker_id: str, dp_rank: int | None = None) -> bytes:
     return encode(KvRelay(worker_id=worker_id, kind="cleared", dp_rank=dp_rank))
 
 
-def query(tokens: list[int], block_sizes=(4,), model: str = MODEL, workers: list[str] | None = None) -> OverlapQuery:
-    """The router's query for a request of ``tokens``: its chained hashes at every block size."""
-    return OverlapQuery(model=model, hashes={bs: block_hashes(tokens, bs) for bs in block_sizes}, workers=workers)
+def query(tokens: list[int], block_sizes=(4,), model: str = MODEL, workers: list[str] | None = None,
+          adapter: str | None = None) -> OverlapQuery:
+    """The router's query for a request of ``tokens`` (under LoRA ``adapter``): its chained hashes at
+    every block size."""
+    root = adapter_root(adapter)
+    return OverlapQuery(model=model, hashes={bs: block_hashes(tokens, bs, root) for bs in block_sizes},
+                        workers=workers)
 
 
 def record(worker_id: str, model: str = MODEL, block_size: int = 4, dp_size: int = 1,

@@ -304,11 +304,30 @@ def test_two_engine_hashes_of_one_chain_keep_the_block_until_both_are_removed():
     index, engine = indexed("w1"), FakeEngine("w1")
     block = tokens(4)
     stored = {"type": "BlockStored", "parent_block_hash": None, "token_ids": block, "block_size": 4}
-    feed(index, engine, {**stored, "block_hashes": [111]}, {**stored, "block_hashes": [222], "lora_id": 1})
+    feed(index, engine, {**stored, "block_hashes": [111]}, {**stored, "block_hashes": [222]})
     feed(index, engine, {"type": "BlockRemoved", "block_hashes": [111]})
     assert depths(index.overlap(query(block))) == {("w1", 0): 1}
     feed(index, engine, {"type": "BlockRemoved", "block_hashes": [222]})
     assert depths(index.overlap(query(block))) == {}
+
+
+def test_blocks_an_adapter_computed_match_only_requests_for_that_adapter():
+    index, engine = indexed("w1"), FakeEngine("w1")
+    prompt = tokens(8)
+    stored = {"type": "BlockStored", "parent_block_hash": None, "token_ids": prompt[:4], "block_size": 4,
+              "lora_id": 1, "lora_name": "sql"}
+    feed(index, engine, {**stored, "block_hashes": [111]},
+         {**stored, "block_hashes": [112], "parent_block_hash": 111, "token_ids": prompt[4:]},
+         {**stored, "block_hashes": [211], "lora_id": 2, "lora_name": "chat"})
+    assert depths(index.overlap(query(prompt, adapter="sql"))) == {("w1", 0): 2}
+    assert depths(index.overlap(query(prompt, adapter="chat"))) == {("w1", 0): 1}
+    assert depths(index.overlap(query(prompt))) == {}  # the base model holds none of it
+    feed(index, engine, {**stored, "block_hashes": [311], "lora_id": 9, "lora_name": None})  # a number alone
+    assert depths(index.overlap(query(prompt))) == {}
+    feed(index, engine, {**stored, "block_hashes": [411], "lora_id": None, "lora_name": None})
+    assert depths(index.overlap(query(prompt))) == {("w1", 0): 1}
+    feed(index, engine, {"type": "BlockRemoved", "block_hashes": [112]})
+    assert depths(index.overlap(query(prompt, adapter="sql"))) == {("w1", 0): 1}
 
 
 def test_prefix_match_stops_at_the_first_missing_block():

@@ -89,3 +89,21 @@ async def start_engine(model_dir):
 async def engine(start_engine) -> EngineClient:
     """An SGLang-flavoured engine, 10x faster than the modelled GPU."""
     return await start_engine("--speedup", "10")
+
+
+KV_PAGE = 16  # the KV-event tests' page size
+
+
+async def post_raw(client, path: str) -> tuple[int, str]:
+    async with client.session.post(path) as r:
+        return r.status, await r.text()
+
+
+@pytest.fixture
+async def kv_engine(start_engine):
+    async def _start(flavor: str, *flags: str):
+        client = await start_engine("--engine-flavor", flavor, "--page-size", str(KV_PAGE), "--num-kv-blocks", "8",
+                                    "--speedup", "100", "--served-model-name", "smol", *flags)
+        client.post_raw = lambda path: post_raw(client, path)
+        return client
+    return _start

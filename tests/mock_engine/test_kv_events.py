@@ -14,9 +14,9 @@ from infera.procs import free_port
 from infera_common.kv_wire import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, decode_seq
 from infera_mock_engine.kv_publisher import PublisherError
 
-from .conftest import metric_value
+from .conftest import KV_PAGE, metric_value
 
-PAGE = 16
+PAGE = KV_PAGE
 PROMPT_A = list(range(1000, 1060))  # 60 tokens: 3 full blocks
 PROMPT_B = list(range(2000, 2100))  # 100 tokens: 7 blocks with its first output token
 
@@ -78,21 +78,6 @@ class Subscriber:
     def close(self) -> None:
         self.sock.close(linger=0)
         self.ctx.term()
-
-
-async def post_raw(client, path: str) -> tuple[int, str]:
-    async with client.session.post(path) as r:
-        return r.status, await r.text()
-
-
-@pytest.fixture
-async def kv_engine(start_engine):
-    async def _start(flavor: str, *flags: str):
-        client = await start_engine("--engine-flavor", flavor, "--page-size", str(PAGE), "--num-kv-blocks", "8",
-                                    "--speedup", "100", "--served-model-name", "smol", *flags)
-        client.post_raw = lambda path: post_raw(client, path)
-        return client
-    return _start
 
 
 async def complete(client, prompt: list[int]) -> dict:

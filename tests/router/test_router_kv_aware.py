@@ -8,6 +8,7 @@ from collections import Counter
 import msgpack
 import pytest
 
+from infera_common.block_hash import adapter_root, block_hashes
 from infera_common.schemas import LoadReport, OverlapReply, WorkerOverlap, encode
 
 from infera_router.core import RouterCore
@@ -132,6 +133,18 @@ def test_different_block_sizes_compare_in_their_own_blocks():
     query = kv_query(ws, request())
     assert query is not None and sorted(query.hashes) == [32, 64]
     assert (len(query.hashes[32]), len(query.hashes[64])) == (20, 10) and query.workers == ["small", "big"]
+
+
+def test_a_request_naming_an_adapter_asks_for_the_blocks_that_adapter_computed():
+    ws = [worker("a", aliases=["m-latest"], adapters=["sql", "m-old"]), worker("b", adapters=["sql"])]
+    base = kv_query(ws, request())
+    for model in ("m", "m-latest"):  # the model by any of its names: the base model's chains
+        asked = kv_query(ws, route_request(model=model, token_ids=TOKENS, prompt_tokens=len(TOKENS)))
+        assert asked.hashes == base.hashes == {64: block_hashes(TOKENS, 64)}
+    sql = kv_query(ws, route_request(model="sql", token_ids=TOKENS, prompt_tokens=len(TOKENS)))
+    assert sql.model == "m" and sql.hashes == {64: block_hashes(TOKENS, 64, adapter_root("sql"))}
+    assert not set(sql.hashes[64]) & set(base.hashes[64])
+    assert ws[0].record.served_names == ["m", "m-latest", "sql", "m-old"]
 
 
 def test_failed_query_falls_back_to_load_only():

@@ -56,9 +56,10 @@ def test_the_context_length_advertised_is_the_one_the_engine_refuses_at(card, in
     assert refused_length(card, info) == expected
 
 
-def test_the_engines_model_list_gives_the_served_name_and_its_aliases_but_not_adapters():
+def test_the_engines_model_list_gives_the_served_name_its_aliases_and_its_adapters():
     vllm = [{"id": "qwen", "parent": None, "max_model_len": 4096}, {"id": "qwen-latest", "parent": None},
-            {"id": "sql-lora", "parent": "qwen"}, {"id": "qwen"}, {"object": "model"}, "junk"]
-    assert read_models(vllm) == ModelCard("qwen", 4096, ("qwen-latest",))
+            {"id": "sql-lora", "parent": "qwen"}, {"id": "qwen"}, {"object": "model"}, "junk",
+            {"id": "chat-lora", "parent": "qwen", "root": "/adapters/chat"}, {"id": "qwen-latest", "parent": "qwen"}]
+    assert read_models(vllm) == ModelCard("qwen", 4096, ("qwen-latest",), ("sql-lora", "chat-lora"))
     assert read_models([{"id": "smol"}]) == ModelCard("smol", None, ())  # SGLang: one served name
     assert read_models([]) is None and read_models([{"object": "model"}]) is None and read_models(None) is None

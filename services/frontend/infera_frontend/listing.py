@@ -12,7 +12,7 @@ OWNER = "infera"
 
 
 def _served(view: FleetView) -> dict[str, dict[str, Any]]:
-    """Each model (a worker's model or alias) with at least one active worker: its model object (``created``: when its earliest
+    """Each model (a worker's model, alias or LoRA adapter) with at least one active worker: its model object (``created``: when its earliest
     such worker started; ``max_model_len``, as vLLM lists it: the longest context length among them,
     when every one of them said)."""
     models: dict[str, dict[str, Any]] = {}
@@ -23,6 +23,8 @@ def _served(view: FleetView) -> dict[str, dict[str, Any]]:
         for name in rec.served_names:  # an alias is listed as a model of its own, as vLLM lists it
             entry = models.setdefault(name, {"id": name, "object": "model", "created": int(rec.started_at),
                                              "owned_by": OWNER})
+            if rec.adapter(name):  # a LoRA adapter names its base model, as vLLM lists it
+                entry["parent"] = rec.model
             entry["created"] = min(entry["created"], int(rec.started_at))
             lengths.setdefault(name, []).append(rec.context_length)
     for model, said in lengths.items():

@@ -150,7 +150,8 @@ async def server_info(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    cfg = engine_of(request).config
+    engine = engine_of(request)
+    cfg = engine.config
     owner = "vllm" if cfg.engine_flavor == "vllm" else "sglang"
     created = int(time.time())
     data = [
@@ -158,6 +159,9 @@ async def models(request: web.Request) -> web.Response:
          "parent": None, "max_model_len": cfg.context_length}
         for name in cfg.served_model_names
     ]
+    data += [{"id": m.name, "object": "model", "created": created, "owned_by": owner, "root": m.path,
+              "parent": m.base_model_name or cfg.served_model_name, "max_model_len": None}
+             for m in engine.lora.modules()]
     return json_response({"object": "list", "data": data})
 
 

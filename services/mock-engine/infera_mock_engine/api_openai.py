@@ -22,6 +22,8 @@ from aiohttp import web
 
 from infera_mock_engine.engine import Engine, GenerationFailed, GenerationParams, GenerationStream, Output, RequestError
 from infera_mock_engine.errors import stream_error_event
+from infera_mock_engine.kv_events import Adapter
+from infera_mock_engine.lora import requested
 from infera_mock_engine.logprobs import LogprobBuilder
 from infera_mock_engine.http_common import (
     SseWriter, dumps, engine_of, json_response, parse_body, request_id, require_ready,
@@ -71,7 +73,7 @@ VLLM_MAX_STOP = 4
 def _check_common(engine: Engine, body: _OpenAIRequest) -> None:
     if engine.config.engine_flavor != "vllm":
         return
-    if body.model and body.model not in engine.config.served_model_names:
+    if body.model and body.model not in engine.config.served_model_names and engine.lora.get(body.model) is None:
         raise RequestError(f"The model `{body.model}` does not exist.", status=404, param="model")
     max_n = int(os.environ.get(VLLM_MAX_N_ENV, VLLM_MAX_N_DEFAULT))
     if body.n > max_n:
@@ -95,7 +97,19 @@ def _check_common(engine: Engine, body: _OpenAIRequest) -> None:
                            f"{len(body.stop)}", param="stop")
 
 
-def _params(rid: str, prompt_ids: list[int], body: _OpenAIRequest, limit: int | None) -> GenerationParams:
+def _lora(engine: Engine, body: _OpenAIRequest) -> Adapter | None:
+    """The LoRA adapter the request's ``model`` names, in the flavour's syntax (None: the base model);
+    SGLang refuses one it has not loaded (vLLM's unknown names are refused by ``_check_common``)."""
+    cfg = engine.config
+    name, asked = requested(cfg.engine_flavor, body.model, cfg.served_model_names)
+    adapter = engine.lora.get(name)
+    if asked and adapter is None and cfg.engine_flavor == "sglang":
+        raise RequestError(f"LoRA adapter {name!r} is not loaded", param="model")
+    return adapter
+
+
+def _params(rid: str, prompt_ids: list[int], body: _OpenAIRequest, limit: int | None,
+            lora: Adapter | None = None) -> GenerationParams:
     return GenerationParams(
         rid=rid,
         prompt_ids=prompt_ids,
@@ -105,6 +119,7 @@ def _params(rid: str, prompt_ids: list[int], body: _OpenAIRequest, limit: int | 
         temperature=1.0 if body.temperature is None else body.temperature,
         seed=body.seed,
         ignore_eos=body.ignore_eos,
+        lora=lora,
     )
 
 
@@ -169,7 +184,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools, extra=body.chat_template_kwargs
     )
     rid = request_id(request, body.rid, body.request_id)
-    params = _params(rid, prompt_ids, body, body.token_limit)
+    params = _params(rid, prompt_ids, body, body.token_limit, _lora(engine, body))
     params.prompt_param = "messages"
     return await _respond(request, engine, body, [params], CHAT, [""])
 
@@ -184,7 +199,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     rid = request_id(request, body.rid, body.request_id)
     prompts = _batch(body)
     batch = [_prompt_ids(engine, p) for p in prompts]
-    params = [_params(rid, ids, body, body.token_limit) for ids in batch]
+    lora = _lora(engine, body)
+    params = [_params(rid, ids, body, body.token_limit, lora) for ids in batch]
     echoes = [_echo(engine, p, ids) if body.echo else "" for p, ids in zip(prompts, batch)]
     return await _respond(request, engine, body, params, COMPLETION, echoes)
 

@@ -37,6 +37,13 @@ class BlockHasher:
         h.update(self._packer(len(tokens)).pack(*tokens))
         return h.digest()
 
+    def root(self, adapter: str) -> bytes:
+        """The key a LoRA adapter's chains start from (the base model's start from none): its blocks
+        never share a key with the same tokens computed by the base model or another adapter."""
+        h = self._keyed.copy()
+        h.update(b"lora\x00" + adapter.encode())
+        return h.digest()
+
     def _packer(self, n: int) -> struct.Struct:
         """n native int64s (the bytes of array("q", tokens), packed 3x faster)."""
         packer = self._packers.get(n)

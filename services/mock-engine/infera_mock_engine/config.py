@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from infera_mock_engine.kv_events_config import KvEventsConfig
+from infera_mock_engine.lora import LoraModule
 from infera_mock_engine.pd_config import DisaggConfig
 
 FLAVORS = ("sglang", "vllm")
@@ -41,6 +42,8 @@ class EngineConfig:
     ignored_args: tuple[str, ...] = ()
     model_config: dict[str, Any] = field(default_factory=dict, compare=False)
     api_key: str | None = field(default=None, repr=False)  # --api-key (vLLM: or VLLM_API_KEY): auth.py
+    enable_lora: bool = False
+    lora_modules: tuple[LoraModule, ...] = ()  # the LoRA adapters of the command line (lora.py)
 
     @property
     def served_model_name(self) -> str:

@@ -13,6 +13,8 @@ from infera_mock_engine.block_hasher import BlockHasher, random_seed
 from infera_mock_engine.config import EngineConfig
 from infera_mock_engine.engine_errors import GenerationFailed, RequestError  # noqa: F401 - re-exported
 from infera_mock_engine.kv_publisher import KvEventPublisher
+from infera_mock_engine.kv_events import Adapter
+from infera_mock_engine.lora import LoraRegistry
 from infera_mock_engine.pd_engine import Disaggregation
 from infera_mock_engine.pd_request import Routing
 from infera_mock_engine.pd_session import PdSession
@@ -39,6 +41,7 @@ class GenerationParams:
     routing: Routing | None = None  # DP rank pin and PD half (pd_request.routing)
     prompt_param: str = "prompt"  # the body field a refused prompt is blamed on ("messages" for chat)
     sample: int = 0  # which of the request's n samples of this prompt (OpenAI `n`)
+    lora: Adapter | None = None  # the LoRA adapter the request names (None: the base model)
 
 
 @dataclass
@@ -152,6 +155,7 @@ class GenerationStream:
 class Engine:
     def __init__(self, config: EngineConfig, tokenizer: ModelTokenizer) -> None:
         self.config = config
+        self.lora = LoraRegistry(config.lora_modules, config.served_model_names, config.enable_lora)
         self.tokenizer = tokenizer
         self.vocab = WordVocab(tokenizer.vocab, tokenizer.decode)
         eos = tokenizer.special.get("eos_token")
@@ -318,6 +322,7 @@ class Engine:
             limit_reason=reason,
             next_token=TokenStream(self.vocab, seed),
             internal=params.internal,
+            lora=params.lora,
         )
         pd = params.routing.pd if params.routing is not None else None
         session = None

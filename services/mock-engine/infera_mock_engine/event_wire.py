@@ -7,7 +7,7 @@ publisher, payload one msgpack batch per scheduler step:
   tagged "type" (its structs have `tag=True, omit_defaults=True`):
   `{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size",
   "lora_id", "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"}` (extra keys
-  one null per block, group 0, "full_attention"), `{"type": "BlockRemoved", "block_hashes",
+  one null per block, or `[adapter name]` under a LoRA adapter, group 0, "full_attention"), `{"type": "BlockRemoved", "block_hashes",
   "medium", "group_idx"}`, `{"type": "AllBlocksCleared"}`. One BlockStored per run of blocks a
   sequence stored in the step. (As a real vLLM 0.32 sent them, captured in session 26; the mock
   had sent a map batch, which no engine does.)
@@ -15,9 +15,11 @@ publisher, payload one msgpack batch per scheduler step:
   element (msgspec `array_like=True, tag=True`): `["BlockStored", block_hashes, parent_block_hash,
   token_ids, block_size, lora_id, medium]`, `["BlockRemoved", block_hashes, medium]`,
   `["AllBlocksCleared"]`. One BlockStored per block (page), parent-chained, as SGLang's radix
-  cache records them.
+  cache records them. A block a LoRA adapter computed goes as SGLang 0.5.23 sends every event, a
+  tagged map without its None fields: `{"type": "BlockStored", ..., "lora_id": None, "medium",
+  "lora_name"}` (SGLang names the adapter; its number is always None).
 
-Medium is "GPU", lora_id None. Replay end marker: seq -1 (8 bytes, signed) with an empty payload.
+Medium is "GPU"; lora_id None but under a vLLM LoRA adapter (its number, from 1). Replay end marker: seq -1 (8 bytes, signed) with an empty payload.
 """
 
 from __future__ import annotations
@@ -47,10 +49,11 @@ def encode_batch(flavor: str, ts: float, events: list[KvEvent], dp_rank: int) ->
 
 def _vllm(e: KvEvent) -> dict[str, Any]:
     if isinstance(e, BlockStored):
+        lora = e.lora
         return {"type": "BlockStored", "block_hashes": e.block_hashes, "parent_block_hash": e.parent_block_hash,
-                "token_ids": e.token_ids, "block_size": e.block_size, "lora_id": None, "medium": MEDIUM,
-                "lora_name": None, "extra_keys": [None] * len(e.block_hashes), "group_idx": 0,
-                "kv_cache_spec_kind": "full_attention"}
+                "token_ids": e.token_ids, "block_size": e.block_size, "lora_id": lora and lora.id, "medium": MEDIUM,
+                "lora_name": lora and lora.name, "extra_keys": [lora and [lora.name]] * len(e.block_hashes),
+                "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
     if isinstance(e, BlockRemoved):
         return {"type": "BlockRemoved", "block_hashes": e.block_hashes, "medium": MEDIUM, "group_idx": 0}
     if isinstance(e, AllBlocksCleared):
@@ -58,13 +61,19 @@ def _vllm(e: KvEvent) -> dict[str, Any]:
     raise TypeError(f"not a KV event: {e!r}")
 
 
-def _sglang(e: KvEvent) -> list[list[Any]]:
+def _sglang(e: KvEvent) -> list[Any]:
     if isinstance(e, BlockStored):
         bs = e.block_size
-        out = []
+        out: list[Any] = []
         parent = e.parent_block_hash
         for i, h in enumerate(e.block_hashes):
-            out.append(["BlockStored", [h], parent, e.token_ids[i * bs:(i + 1) * bs], bs, None, MEDIUM])
+            tokens = e.token_ids[i * bs:(i + 1) * bs]
+            if e.lora is None:
+                out.append(["BlockStored", [h], parent, tokens, bs, None, MEDIUM])
+            else:  # SGLang 0.5.23's tagged map, None fields left out: lora_id None, the adapter by name
+                out.append({"type": "BlockStored", "block_hashes": [h], "parent_block_hash": parent,
+                            "token_ids": tokens, "block_size": bs, "lora_id": None, "medium": MEDIUM,
+                            "lora_name": e.lora.name})
             parent = h
         return out
     if isinstance(e, BlockRemoved):

@@ -10,6 +10,14 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class Adapter:
+    """A LoRA adapter the engine serves: its number (vLLM's ``lora_int_id``, from 1) and its name."""
+
+    id: int
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
 class BlockStored:
     """`n` consecutive full blocks of one sequence entered the cache."""
 
@@ -17,6 +25,7 @@ class BlockStored:
     parent_block_hash: int | None  # the block before the first of these; None for a sequence's first block
     token_ids: list[int]  # n * block_size ids
     block_size: int
+    lora: Adapter | None = None  # the LoRA adapter that computed them (None: the base model)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from infera_mock_engine.config import DEFAULT_PORTS, FLAVORS, EngineConfig, default_context_length, read_model_config
 from infera_mock_engine.kv_events_config import KvEventsConfigError, parse_kv_events_config
+from infera_mock_engine.lora import LoraConfigError, parse_sglang_paths, parse_vllm_modules
+from infera_mock_engine.lora import check as lora_check
 from infera_mock_engine.pd_config import SGLANG_MODES, TRANSFER_BACKENDS, DisaggConfigError, build_disagg_config
 
 log = logging.getLogger("infera_mock_engine")
@@ -149,6 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' as the engine of --engine-flavor does (vLLM: also "
                    "from VLLM_API_KEY); health and metrics stay open")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (vLLM and SGLang)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="SPEC",
+                   help="vLLM: LoRA adapters, each name=path or '{\"name\": ..., \"path\": ..., "
+                   "\"base_model_name\": ...}'; a request names one as its model (weights are not read)")
+    p.add_argument("--lora-paths", nargs="+", default=None, metavar="SPEC",
+                   help="SGLang: LoRA adapters, each PATH, NAME=PATH or '{\"lora_name\": ..., \"lora_path\": ...}' "
+                   "(implies --enable-lora); a request names one as model 'SERVED:NAME'")
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=["debug", "info", "warning", "error", "critical"], help="log level (default info)")
     return p
@@ -200,13 +209,21 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, str]:
         )
     except DisaggConfigError as e:
         parser.error(str(e))
+    served = tuple(ns.served_model_name or [model])
+    try:
+        lora_modules = parse_vllm_modules(ns.lora_modules or [])
+        lora_check(lora_modules, ns.enable_lora or bool(ns.lora_paths), served, "--lora-modules")
+        lora_modules += parse_sglang_paths(ns.lora_paths or [])
+        lora_check(lora_modules, True, served, "--lora-paths")
+    except LoraConfigError as e:
+        parser.error(str(e))
     num_blocks = ns.num_kv_blocks
     if num_blocks is None:
         num_blocks = max(1, ns.max_total_tokens // ns.page_size) if ns.max_total_tokens else EngineConfig.num_kv_blocks
     config = EngineConfig(
         model_path=model,
         tokenizer_path=str(ns.tokenizer_path or model),
-        served_model_names=tuple(ns.served_model_name or [model]),
+        served_model_names=served,
         host=ns.host,
         port=DEFAULT_PORTS[ns.engine_flavor] if ns.port is None else ns.port,
         engine_flavor=ns.engine_flavor,
@@ -229,6 +246,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, str]:
         ignored_args=tuple(unknown),
         model_config=model_config,
         api_key=ns.api_key or (os.environ.get("VLLM_API_KEY") or None if ns.engine_flavor == "vllm" else None),
+        enable_lora=ns.enable_lora or bool(ns.lora_paths),
+        lora_modules=lora_modules,
     )
     return config, ns.log_level
 

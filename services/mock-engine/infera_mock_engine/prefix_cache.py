@@ -31,15 +31,18 @@ from dataclasses import dataclass, field
 
 from infera_mock_engine.block_hasher import BlockHasher
 from infera_mock_engine.kv_blocks import blocks_for
-from infera_mock_engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from infera_mock_engine.kv_events import Adapter, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 
 @dataclass
 class _Held:
-    """One sequence's blocks, in order; `keys[i]` is the chain key of block i for the cached prefix."""
+    """One sequence's blocks, in order; `keys[i]` is the chain key of block i for the cached prefix;
+    `lora` the adapter that computes them and `root` the key its chain starts from (None: the base model)."""
 
     blocks: list[int]
     keys: list[bytes] = field(default_factory=list)
+    lora: Adapter | None = None
+    root: bytes | None = None
 
 
 class PrefixCache:
@@ -128,11 +131,14 @@ class PrefixCache:
         return events
 
     # ---- lookups -------------------------------------------------------------
-    def _prefix_hits(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
+    def _root(self, lora: Adapter | None) -> bytes | None:
+        return None if lora is None else self.hasher.root(lora.name)
+
+    def _prefix_hits(self, token_ids: Sequence[int], root: bytes | None = None) -> tuple[list[int], list[bytes]]:
         bs = self.block_size
         blocks: list[int] = []
         keys: list[bytes] = []
-        parent: bytes | None = None
+        parent = root
         for i in range(max(0, len(token_ids) - 1) // bs):  # the last token is always recomputed
             key = self.hasher.digest(parent, token_ids[i * bs:(i + 1) * bs])
             block = self._by_key.get(key)
@@ -143,25 +149,28 @@ class PrefixCache:
             parent = key
         return blocks, keys
 
-    def match(self, token_ids: Sequence[int]) -> int:
-        """Prompt tokens a new sequence with these tokens would reuse now (no change to the cache)."""
-        return len(self._prefix_hits(token_ids)[0]) * self.block_size
+    def match(self, token_ids: Sequence[int], lora: Adapter | None = None) -> int:
+        """Prompt tokens a new sequence with these tokens (computed by ``lora``) would reuse now (no
+        change to the cache)."""
+        return len(self._prefix_hits(token_ids, self._root(lora))[0]) * self.block_size
 
     # ---- sequences -----------------------------------------------------------
-    def admit(self, seq_id: Hashable, token_ids: Sequence[int], tokens: int) -> int | None:
-        """Give a new sequence blocks for `tokens` tokens, reusing the cached prefix of `token_ids`.
+    def admit(self, seq_id: Hashable, token_ids: Sequence[int], tokens: int, lora: Adapter | None = None) -> int | None:
+        """Give a new sequence blocks for `tokens` tokens, reusing the cached prefix of `token_ids`
+        (one the same LoRA adapter, or the base model, computed: `lora`).
 
         Returns the number of reused (cached) tokens, or None — and no change — if there are not
         enough free blocks."""
         if seq_id in self._held:
             raise ValueError(f"sequence {seq_id!r} already holds blocks")
-        hits, keys = self._prefix_hits(token_ids)
+        root = self._root(lora)
+        hits, keys = self._prefix_hits(token_ids, root)
         need = max(0, self.blocks_for(tokens) - len(hits))
         if need > len(self._free) - sum(1 for b in hits if self._ref[b] == 0):
             return None
         for b in hits:
             self._reference(b)
-        self._held[seq_id] = _Held(hits + [self._take_free() for _ in range(need)], keys)
+        self._held[seq_id] = _Held(hits + [self._take_free() for _ in range(need)], keys, lora, root)
         return len(hits) * self.block_size
 
     def grow(self, seq_id: Hashable, tokens: int) -> bool:
@@ -190,7 +199,7 @@ class PrefixCache:
             return
         run: list[int] = []  # consecutive newly cached blocks -> one BlockStored
         run_start = len(held.keys)
-        parent = held.keys[-1] if held.keys else None
+        parent = held.keys[-1] if held.keys else held.root
         for i in range(len(held.keys), full):
             key = self.hasher.digest(parent, token_ids[i * bs:(i + 1) * bs])
             mine = held.blocks[i]
@@ -241,6 +250,7 @@ class PrefixCache:
             parent_block_hash=parent,
             token_ids=list(token_ids[start * bs:(start + len(run)) * bs]),
             block_size=bs,
+            lora=held.lora,
         ))
 
     def _ext_of_key(self, key: bytes) -> int:

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from infera_mock_engine.kv_events import KvEvent
+from infera_mock_engine.kv_events import Adapter, KvEvent
 from infera_mock_engine.prefix_cache import PrefixCache
 from infera_mock_engine.timing import TimingModel, step_start
 
@@ -50,6 +50,7 @@ class Sequence:
     next_token: Callable[[], int]
     internal: bool = False  # health probes: not counted in the token counters
     preloaded: int = 0  # prompt tokens whose KV arrived from a prefill engine (PD decode): not computed here
+    lora: Adapter | None = None  # the LoRA adapter it runs under (None: the base model)
     key: int = field(default_factory=lambda: next(_ids))
     state: str = WAITING
     prefill_target: int = 0  # tokens to (re)compute before decoding: prompt (+ generated after preemption)
@@ -267,7 +268,7 @@ class Scheduler:
                 budget -= chunk
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             seq = self.waiting[0]
-            hit = self.kv.admit(seq.key, seq.tokens, seq.prefill_target + 1)
+            hit = self.kv.admit(seq.key, seq.tokens, seq.prefill_target + 1, seq.lora)
             if hit is None:
                 break  # FIFO: the head waits for blocks, nobody overtakes it
             self.waiting.popleft()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from infera_mock_engine import api_cache, api_misc, api_openai, api_sglang
+from infera_mock_engine import api_cache, api_lora, api_misc, api_openai, api_sglang
 from infera_mock_engine.auth import make_auth_middleware
 from infera_mock_engine.config import EngineConfig
 from infera_mock_engine.engine import Engine
@@ -39,6 +39,7 @@ def create_app(engine: Engine) -> web.Application:
     api_openai.add_routes(app)
     api_sglang.add_routes(app)
     api_cache.add_routes(app)
+    api_lora.add_routes(app, config.engine_flavor)
 
     async def start_engine(_app: web.Application) -> None:
         await engine.start()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from infera_common.block_hash import block_hashes
+from infera_common.block_hash import adapter_root, block_hashes
 from infera_common.schemas import OverlapQuery, OverlapReply, RouteRequest
 
 from infera_router.state import WorkerState
@@ -52,9 +52,11 @@ def kv_query(candidates: list[WorkerState], request: RouteRequest) -> OverlapQue
     if not sizes:
         return None
     ids = request.token_ids
+    record = candidates[0].record
+    root = adapter_root(record.adapter(request.model))  # a LoRA adapter's blocks chain from its own root
     return OverlapQuery(
-        model=candidates[0].record.model if candidates else request.model,  # (a request may name an alias)
-        hashes={bs: block_hashes(ids, bs) for bs in sizes},
+        model=record.model,  # (a request may name an alias, or an adapter of the model)
+        hashes={bs: block_hashes(ids, bs, root) for bs in sizes},
         workers=list(dict.fromkeys(w.base_id for w in candidates)),
     )
 

@@ -111,7 +111,7 @@ class PdFlow:
                 self._waiters[lease.lease_id] = waiter
             env = WorkEnvelope(
                 request_id=request.request_id, endpoint=request.endpoint, stream=False,
-                body=json.dumps(protocol.prefill_body(body, prefill, ctx)).encode(),
+                body=json.dumps(protocol.prefill_body(for_engine(body, prefill), prefill, ctx)).encode(),
                 reply_subject=router_pd_subject(self._router_id, lease.lease_id), deadline=request.deadline,
                 clock_of=request.reply_subject,
                 lease_id=lease.lease_id, router_id=self._router_id, prefill_tokens=lease.prefill_tokens,
@@ -136,7 +136,7 @@ class PdFlow:
                     await reply(*failed, None, None)
                     return
             def decode_body(decode: WorkerState) -> bytes:
-                return json.dumps(protocol.decode_body(body, prefill, decode, ctx)).encode()
+                return json.dumps(protocol.decode_body(for_engine(body, decode), prefill, decode, ctx)).encode()
 
             await self._send_decode(request, plan, lease, decode_body, reply)
             return
@@ -273,3 +273,10 @@ class PdFlow:
                     await self._nc.publish(cancel_subject(action.worker_id), encode(cancel))
                 except Exception as exc:  # connection gone: the leg ends by its deadline
                     log.warning("pd_cancel_failed", worker_id=action.worker_id, error=str(exc))
+
+
+def for_engine(body: dict, worker: WorkerState) -> dict:
+    """``body`` with the ``model`` the worker's engine takes for it (an SGLang engine's name for an adapter)."""
+    model = body.get("model")
+    named = worker.record.engine_model(model) if isinstance(model, str) else None
+    return body if named is None else {**body, "model": named}

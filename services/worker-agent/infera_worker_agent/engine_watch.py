@@ -1,5 +1,6 @@
 """Watching the engine while the worker serves: its load reports and its health probes, with
-the stall check that tests an engine holding work and counting no token (``health.HealthWatch``).
+the stall check that tests an engine holding work and counting no token (``health.HealthWatch``),
+and its served names (``names_watch``).
 Started once the worker is active; the health probes stop first on the way out (their verdicts
 would overwrite ``draining``), the load reports last."""
 
@@ -10,9 +11,10 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from infera_common.schemas import LoadReport, Role
-from infera_worker_agent.health import HealthWatch, ProbeFailRule, StallProbe, engine_stall_probe
+from infera_worker_agent.health import HealthWatch, ModelCard, ProbeFailRule, StallProbe, engine_stall_probe
 from infera_worker_agent.load import EngineLoad, LoadReporter
 from infera_worker_agent.metrics import AgentMetrics
+from infera_worker_agent.names_watch import NamesWatch
 from infera_worker_agent.pd_role import Family
 from infera_worker_agent.settings import AgentSettings
 
@@ -43,8 +45,11 @@ class EngineWatch:
                  work_by_router: Callable[[], dict[str, tuple[int, int]]],
                  by_rank: Callable[[], dict[int, tuple[int, int]]],
                  publish_load: Callable[[LoadReport], Awaitable[None]], on_health: Callable[[bool], Awaitable[None]],
-                 health_generates: bool = False, dp_size: int = 1) -> None:
+                 health_generates: bool = False, dp_size: int = 1, names: ModelCard | None = None,
+                 on_names: Callable[[ModelCard], Awaitable[None]] | None = None) -> None:
         self._metrics = metrics
+        self.names = None if names is None or on_names is None else NamesWatch(
+            session, local_url, settings.models_interval, names, on_names)
         self.reporter: LoadReporter | None = LoadReporter(
             worker_id=settings.worker_id or "", session=session, metrics_url=f"{local_url}/metrics",
             interval=settings.load_interval, in_flight=in_flight, sequences=sequences, by_router=by_router,
@@ -73,6 +78,8 @@ class EngineWatch:
             )
 
     def start(self) -> None:
+        if self.names is not None:
+            self.names.start()
         if self.reporter is not None:
             self.reporter.start()
         if self.health is not None:
@@ -84,6 +91,9 @@ class EngineWatch:
             await health.stop()
 
     async def stop(self) -> None:
+        names, self.names = self.names, None
+        if names is not None:
+            await names.stop()
         await self.stop_health()
         reporter, self.reporter = self.reporter, None
         if reporter is not None:

@@ -316,11 +316,13 @@ class ModelCard:
     """The first entry of the engine's ``/v1/models``: the served name and its ``max_model_len``
     (SGLang and vLLM both give the model's context length there; None when absent), and the ids of
     the entries after it that name the same model (``aliases``: vLLM lists one entry per
-    ``--served-model-name``; a LoRA adapter's entry names its base in ``parent`` and is left out)."""
+    ``--served-model-name``), and those of its LoRA adapters (``adapters``: an adapter's entry names
+    its base model in ``parent``)."""
 
     id: str
     max_model_len: int | None = None
     aliases: tuple[str, ...] = ()
+    adapters: tuple[str, ...] = ()
 
 
 def read_models(data: object) -> ModelCard | None:
@@ -330,10 +332,13 @@ def read_models(data: object) -> ModelCard | None:
     first = str(data[0]["id"])
     length = data[0].get("max_model_len")
     valid = isinstance(length, int) and not isinstance(length, bool) and length > 0
-    aliases = dict.fromkeys(str(e["id"]) for e in data[1:]
-                            if isinstance(e, dict) and e.get("id") and e.get("parent") is None)
+    entries = [e for e in data[1:] if isinstance(e, dict) and e.get("id")]
+    aliases = dict.fromkeys(str(e["id"]) for e in entries if e.get("parent") is None)
     aliases.pop(first, None)
-    return ModelCard(first, length if valid else None, tuple(aliases))
+    adapters = dict.fromkeys(str(e["id"]) for e in entries if e.get("parent") is not None)
+    for name in (first, *aliases):
+        adapters.pop(name, None)
+    return ModelCard(first, length if valid else None, tuple(aliases), tuple(adapters))
 
 
 def refused_length(card: ModelCard | None, server_info: dict[str, Any] | None) -> int | None:

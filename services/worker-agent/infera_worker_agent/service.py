@@ -30,8 +30,8 @@ from infera_common.engine_relay import EngineAborter, Relay, bearer_header
 from infera_common.logs import get_logger
 from infera_common.metrics import start_metrics_server
 from infera_common.nats_conn import (
-    NO_JETSTREAM, Reconnects, close_connection, connect, delete_stream_quietly, ensure_kv_event_stream,
-    ensure_request_stream, flush_all, nats_log_fields, no_jetstream,
+    NO_JETSTREAM, Reconnects, connect, ensure_kv_event_stream,
+    ensure_request_stream, nats_log_fields, no_jetstream,
 )
 from infera_common.request_runner import ENGINE_UNHEALTHY
 from infera_common.runtime import freeze_startup_heap
@@ -39,18 +39,16 @@ from infera_common.schemas import KvRelay, LoadReport, WorkerRecord, WorkerStatu
 from infera_common.subjects import kv_event_subject, load_subject
 from infera_common.worker_claim import WorkerIdTaken
 from infera_worker_agent.engine_cmd import EnginePlan, health_generates, redacted
-from infera_worker_agent.engine_proc import EngineProcess, exit_status
+from infera_worker_agent.engine_proc import EngineProcess
 from infera_worker_agent.engine_watch import EngineWatch, finds_hangs
 from infera_worker_agent.interpreter_probe import installed
 from infera_worker_agent.health import (
-    Startup, bootstrap_ranks, engine_json, refused_length, served_model, wait_healthy,
+    ModelCard, Startup, bootstrap_ranks, engine_json, refused_length, served_model, wait_healthy,
 )
-from infera_worker_agent.engine_drain import drain_engine
 from infera_worker_agent.kv_learn import EngineKv
 from infera_worker_agent.kv_follow import STATE_PATH, KvFollower, serve_state, state_url
 from infera_worker_agent.kv_relay import KvRelayer
 from infera_worker_agent.kv_resync import ResyncListener
-from infera_worker_agent.load import scrape_engine
 from infera_worker_agent.metrics import AgentMetrics
 from infera_worker_agent.pd_report import (
     PdState, bootstrap_query_url, needs_bootstrap_query, planned_state, reported_state,
@@ -58,18 +56,14 @@ from infera_worker_agent.pd_report import (
 from infera_worker_agent.pd_role import PdPlan
 from infera_worker_agent.planes import plane_warnings
 from infera_worker_agent.recipes import engine_env
+from infera_worker_agent.service_endings import Endings
 from infera_worker_agent.settings import AgentSettings
-from infera_worker_agent.worker import RequestWorker, StopReason
+from infera_worker_agent.worker import RequestWorker
 
 log = get_logger("worker_agent")
 
-DRAIN_REFUSAL = StopReason("cancelled", 503, "worker is draining; retry on another worker", abort_engine=False)
-DRAIN_CANCEL = StopReason("cancelled", 503, "worker stopped: drain timeout reached")
-ENGINE_GONE_REFUSAL = StopReason("error", 503, "worker's engine exited; retry on another worker", abort_engine=False)
-ENGINE_GONE = StopReason("error", 502, "engine exited while answering", abort_engine=False)
 
-
-class Agent:
+class Agent(Endings):
     def __init__(self, settings: AgentSettings, plan: EnginePlan) -> None:
         self.s = settings
         self.plan = plan
@@ -83,7 +77,7 @@ class Agent:
         self._registrar: FleetRegistrar | None = None
         self._model = self.plan.model_hint or "unknown"  # the served model, told in load reports
         self._context_length: int | None = None  # the engine's, once healthy (record: context_length)
-        self._aliases: list[str] = []  # the engine's other served names, once healthy (record: aliases)
+        self._names = ModelCard("")  # the engine's other served names and adapters, once healthy (record)
         self._engine: EngineProcess | None = None
         self._session: aiohttp.ClientSession | None = None
         self._worker: RequestWorker | None = None
@@ -165,7 +159,7 @@ class Agent:
 
         card = await served_model(self._session, self.plan.local_url)
         model = card.id if card else self.plan.model_hint or "unknown"
-        self._aliases = list(card.aliases) if card else []
+        self._names = card or ModelCard(model)
         info = await engine_json(self._session, f"{self.plan.local_url}/server_info")
         info = info if isinstance(info, dict) else None
         self._context_length = refused_length(card, info)
@@ -189,7 +183,7 @@ class Agent:
             work_by_router=lambda: self._worker.work_by_router() if self._worker else {},
             by_rank=lambda: self._worker.in_flight_by_rank() if self._worker else {},
             publish_load=self._publish_load, on_health=self._on_health, health_generates=self._health_generates,
-            dp_size=self._pd.dp_size,
+            dp_size=self._pd.dp_size, names=self._names, on_names=self._on_names,
         )
         self._watch.start()
         log.info("worker_active", worker_id=self.worker_id, model=model, url=self.plan.url, frozen_objects=frozen)
@@ -285,7 +279,9 @@ class Agent:
 
     def _record(self, model: str, status: WorkerStatus) -> WorkerRecord:
         return WorkerRecord(
-            worker_id=self.worker_id, model=model, aliases=self._aliases, engine=self.s.engine, role=self._pd.role,
+            worker_id=self.worker_id, model=model, aliases=list(self._names.aliases),
+            adapters=list(self._names.adapters), engine=self.s.engine, role=self._pd.role,
+            adapter_naming="model:name" if self._pd_plan.family == "sglang" else "name",
             pd=self._pd.pd,
             dp_size=self._pd.dp_size,
             url=self.plan.url, advertise_host=self.plan.advertise_host,
@@ -343,6 +339,15 @@ class Agent:
         (the router hashes requests at the registered size; a wrong one would never match)."""
         self._kv.set_block_size(size)
         self._kv.note_block_size()
+        await self._reregister()
+
+    async def _on_names(self, card: ModelCard) -> None:
+        """The engine serves other names now (a LoRA adapter loaded or unloaded): register them."""
+        self._names = card
+        await self._reregister()
+
+    async def _reregister(self) -> None:
+        """Publish the record again, as it is now, with the status it has."""
         if self._registrar is not None:
             status = self._registrar.record.status
             self._registrar.record = self._record(self._model, status)
@@ -363,133 +368,6 @@ class Agent:
         if self._kv_relayer is not None:
             relayer, self._kv_relayer = self._kv_relayer, None
             await relayer.close()
-
-    # --- endings -------------------------------------------------------------------------------
-    async def _startup_failed(self, startup: Startup) -> int:
-        assert self._engine is not None and self._registrar is not None
-        await self._deregister()
-        if startup is Startup.STOPPED:
-            log.info("stopped_during_startup", worker_id=self.worker_id)
-            await self._stop_engine()
-            return 0
-        if startup is Startup.EXITED:
-            code = self._engine.returncode if self._engine.returncode is not None else await self._engine.wait()
-            await self._engine.close()
-            self.metrics.engine_exit_code.set(exit_status(code))
-            log.error("engine_exited_during_startup", exit_code=code, output_tail=self._engine.tail())
-            return exit_status(code)
-        log.error("engine_health_timeout", timeout_s=self.s.health_timeout, url=self.plan.local_url,
-                  output_tail=self._engine.tail()[-10:])
-        await self._stop_engine()
-        return 1
-
-    async def _engine_died(self) -> int:
-        assert self._engine is not None and self._registrar is not None
-        await self._stop_health()
-        code = self._engine.returncode
-        self.metrics.engine_up.set(0)
-        self.metrics.engine_exit_code.set(exit_status(code))
-        log.error("engine_exited", exit_code=code, output_tail=self._engine.tail())
-        await self._deregister()
-        if self._worker is not None:  # NATS request plane: answer what was in flight or queued
-            await self._worker.abandon(ENGINE_GONE_REFUSAL, ENGINE_GONE)
-        await self._close_worker()
-        await self._delete_stream()
-        await self._engine.stop(self.s.engine_stop_timeout)  # its children, if any are left
-        return exit_status(code)
-
-    async def _drain_and_stop(self) -> int:
-        assert self._registrar is not None
-        await self._stop_health()  # (its verdicts would overwrite 'draining')
-        # on http the agent sees no requests: the engine's own count says what there is to drain
-        held = ({"in_flight": self._worker.in_flight} if self._worker is not None
-                else {"engine_requests": self._watch.engine_work()} if self._watch is not None else {})
-        log.info("draining", worker_id=self.worker_id, drain_timeout_s=self.s.drain_timeout, **held)
-        if self._discovery_unreachable():
-            log.warning("draining_status_not_published", error="NATS unreachable")
-        else:
-            try:
-                await self._registrar.set_status(WorkerStatus.DRAINING)
-            except Exception as exc:
-                log.warning("draining_status_not_published", error=str(exc))
-        if self._worker is not None:  # NATS request plane
-            await self._worker.drain(DRAIN_REFUSAL, DRAIN_CANCEL, self.s.drain_timeout, self._force)
-        else:
-            assert self._session is not None and self._engine is not None
-            await drain_engine(lambda: scrape_engine(self._session, f"{self.plan.local_url}/metrics", 2.0),
-                               self.s.drain_timeout, self._force, self._engine)
-        await self._deregister()
-        await self._close_worker()
-        await self._delete_stream()
-        if self._watch is not None:  # no load scrape of an engine being stopped (a warning per worker)
-            await self._watch.stop()
-        await self._stop_engine()
-        log.info("stopped", worker_id=self.worker_id)
-        return 0
-
-    async def _stop_health(self) -> None:
-        if self._watch is not None:
-            await self._watch.stop_health()
-
-    def _broker_unreachable(self) -> bool:
-        """NATS is in use and its connection is down (reconnecting): a broker call now would only wait
-        out its timeout, so the stop path skips them (a SIGTERM during an outage still stops in
-        seconds; what the broker holds ages out or goes with it)."""
-        return self._nc is not None and not self._nc.is_connected
-
-    def _discovery_unreachable(self) -> bool:
-        return self.s.discovery_backend == "nats" and self._broker_unreachable()
-
-    async def _deregister(self) -> None:
-        if self._registrar is not None:
-            registrar, self._registrar = self._registrar, None
-            # every frame and Release sent so far is on the broker before the leave
-            if self._nc is not None and not self._broker_unreachable():
-                try:
-                    await flush_all(self._nc, timeout=2)
-                except Exception as exc:  # broker gone: nothing sent now would arrive anyway
-                    log.info("flush_before_leave_failed", error=str(exc) or type(exc).__name__)
-            leave = not self._discovery_unreachable()
-            if not leave:
-                log.warning("deregister_skipped", worker_id=self.worker_id, error="NATS unreachable",
-                            entry_expires_within_s=registrar.record.ttl)
-            await registrar.stop(leave=leave)
-
-    async def _close_worker(self) -> None:
-        if self._worker is not None:
-            await self._worker.close()
-
-    async def _stop_engine(self) -> None:
-        if self._engine is not None:
-            code = await self._engine.stop(self.s.engine_stop_timeout)
-            self.metrics.engine_up.set(0)
-            self.metrics.engine_exit_code.set(exit_status(code) if code else 0)
-
-    async def _delete_stream(self) -> None:
-        if self._nc is not None and self._stream is not None and not self._broker_unreachable():
-            await delete_stream_quietly(self._nc.jetstream(), self._stream)
-            self._stream = None
-
-    async def _cleanup(self) -> None:
-        """Whatever the path out: nothing left running, the engine stopped, the entry gone."""
-        steps = [
-            ("restore", self._reconnects.close),
-            ("engine_watch", self._watch.stop if self._watch else None),
-            ("worker", self._close_worker),
-            ("kv_relay", self._close_kv_relay),
-            ("deregister", self._deregister),
-            ("engine", self._stop_engine if self._engine else None),
-            ("http_session", self._session.close if self._session else None),
-            ("nats", (lambda: close_connection(self._nc, timeout=2)) if self._nc else None),
-            ("metrics_server", self._metrics_runner.cleanup if self._metrics_runner else None),
-        ]
-        for name, step in steps:
-            if step is None:
-                continue
-            try:
-                await step()
-            except Exception as exc:
-                log.warning("cleanup_step_failed", step=name, error=str(exc) or type(exc).__name__)
 
     # --- load ----------------------------------------------------------------------------------
     async def _publish_load(self, report: LoadReport) -> None:

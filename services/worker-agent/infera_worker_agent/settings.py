@@ -116,6 +116,11 @@ class AgentSettings(DrainSettings, PlaneSettings, LogSettings, MetricsSettings, 
     load_interval: float = Field(
         1.0, gt=0, le=60, description="Seconds between load reports (engine /metrics scrape + publish)."
     )
+    models_interval: float = Field(
+        10.0, ge=0, description="Seconds between reads of the engine's /v1/models while serving: LoRA adapters "
+        "loaded or unloaded at run time (vLLM's /v1/load_lora_adapter, SGLang's /load_lora_adapter) join or leave "
+        "the worker's record, and requests naming them are routed here or no longer. 0 = read once, at start.",
+    )
     enable_kv_events: bool = Field(
         True,
         description="Turn on the engine's ZMQ KV events (--kv-events-config on free ports, one per DP rank) "
