@@ -115,6 +115,22 @@ def adapter_root(adapter: str | None) -> int:
     return xxh3_64_intdigest(b"infera-lora\x00" + adapter.encode("utf-8", "surrogatepass"))
 
 
+def salted_root(root: int, salt: str | None) -> int:
+    """The root of a chain computed under a cache salt (vLLM's and SGLang's ``cache_salt`` request
+    field: a tenant's prefix cache, which requests without the same salt never reuse), from the
+    root it would have had unsalted (``ROOT`` or an adapter's)."""
+    if salt is None:
+        return root
+    return xxh3_64_intdigest(b"infera-salt\x00" + salt.encode("utf-8", "surrogatepass"), root)
+
+
+def opaque(parent: int) -> int:
+    """The parent of a block whose KV depends on more than its tokens, its adapter and its salt (an
+    image, prompt embeddings: vLLM's extra keys), and of every block after it: a chain no request's
+    tokens give, so the index never claims those blocks for one."""
+    return xxh3_64_intdigest(b"infera-opaque", parent)
+
+
 def chain(parent: int, block_tokens: Sequence[int]) -> int:
     """The hash of one block given its parent's hash (``block_hashes`` of one full block)."""
     return block_hashes(block_tokens, len(block_tokens), parent)[0]

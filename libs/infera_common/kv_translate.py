@@ -41,7 +41,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from infera_common.block_hash import ROOT, adapter_root, block_hashes, pack_hashes
+from infera_common.block_hash import ROOT, adapter_root, block_hashes, opaque, pack_hashes, salted_root
 from infera_common.int_columns import pack_map, unpack_map
 from infera_common.kv_coarse import CoarsePages, dump_pages, load_pages
 from infera_common.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
@@ -217,7 +217,11 @@ class BlockTranslator:
         if parent is None:
             delta.orphaned += len(ev.block_hashes)
             return False
-        hashes = block_hashes(ev.token_ids, size, parent)  # raises on bad token ids: nothing changed yet
+        keys = ev.extra_keys
+        if type(keys) is list and any(k is not None for k in keys):  # (vLLM sends one entry per block)
+            hashes = keyed_hashes(ev, size, parent)
+        else:
+            hashes = block_hashes(ev.token_ids, size, parent)  # raises on bad token ids: nothing changed yet
         if blocks is None:
             blocks = self._sizes[size] = _Blocks()
         engine, refs, tiers = blocks.engine, blocks.refs, blocks.tiers
@@ -396,14 +400,45 @@ def _chained(events: Iterable[KvEvent], folds: Callable[[int], bool]) -> Iterato
 
 def event_root(ev: BlockStored) -> int:
     """The index parent of a ``BlockStored`` whose first block has no parent: the root of the adapter
-    that computed it (``adapter_root``: vLLM names it in ``lora_name``), else the base model's. An
-    engine that gives only the adapter's number (``lora_id``) gets a root no request's name gives:
-    its blocks stay apart from the base model's, found by no request."""
+    that computed it (``adapter_root``: vLLM and SGLang name it in ``lora_name``), else the base
+    model's, salted by the request's cache salt (``salted_root``; ``event_salt``). An engine that
+    gives only the adapter's number (``lora_id``) gets a root no request's name gives: its blocks
+    stay apart from the base model's, found by no request."""
     if ev.lora_name is not None:
-        return adapter_root(ev.lora_name)
-    if ev.lora_id is not None:
-        return adapter_root(f"\x00lora_id {ev.lora_id}")
-    return ROOT
+        root = adapter_root(ev.lora_name)
+    elif ev.lora_id is not None:
+        root = adapter_root(f"\x00lora_id {ev.lora_id}")
+    else:
+        root = ROOT
+    return salted_root(root, event_salt(ev))
+
+
+def event_salt(ev: BlockStored) -> str | None:
+    """The cache salt a sequence's first block was computed under: vLLM puts it in that block's extra
+    keys, after the adapter's name (the keys' only strings; ``kv_wire`` puts SGLang's own
+    ``cache_salt`` field there too)."""
+    keys = ev.extra_keys
+    if type(keys) is not list or not keys or type(keys[0]) is not list:
+        return None
+    strings = [k for k in keys[0] if type(k) is str]
+    if ev.lora_name is not None and strings and strings[0] == ev.lora_name:
+        strings = strings[1:]
+    return strings[0] if strings else None
+
+
+def keyed_hashes(ev: BlockStored, size: int, parent: int) -> list[int]:
+    """The index hashes of a ``BlockStored`` whose blocks carry extra keys (vLLM's ``extra_keys``, one
+    entry per block: the adapter's name, an image's identifier and offset, the cache salt, a prompt
+    embedding's digest). From the first block whose KV depends on more than its tokens, adapter and
+    salt (an entry that is not a string), the chain goes on from ``opaque``: the router hashes tokens
+    alone, so it never matches that block or any after it, as the engine would not."""
+    keys = ev.extra_keys
+    tokens = ev.token_ids
+    for i, key in enumerate(keys[:len(ev.block_hashes)]):
+        if type(key) is list and any(type(item) is not str for item in key):
+            head = block_hashes(tokens[:i * size], size, parent)
+            return head + block_hashes(tokens[i * size:], size, opaque(head[-1] if head else parent))
+    return block_hashes(tokens, size, parent)
 
 
 def _continues(event: BlockStored, last: BlockStored) -> bool:
@@ -420,7 +455,7 @@ def _joined(run: list) -> KvEvent:
         return BlockRemoved([h for e in run for h in e.block_hashes], first.medium, first.group_idx)
     return BlockStored([h for e in run for h in e.block_hashes], first.parent_block_hash,
                        [t for e in run for t in e.token_ids], first.block_size, first.lora_id, first.medium,
-                       first.lora_name, group_idx=first.group_idx)
+                       first.lora_name, first.extra_keys, group_idx=first.group_idx)
 
 
 def delta_relay(worker_id: str, dp_rank: int, seq: int, delta: BlockDelta, block_size: int | None,

@@ -56,7 +56,7 @@ class BlockStored(msgspec.Struct, array_like=True, tag=True, gc=False):
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None  # the adapter that computed the blocks (vLLM; lora_id is its older number)
-    extra_keys: Any = None  # (not read)
+    extra_keys: Any = None  # vLLM: one entry per block, what its hash took besides tokens (kv_translate.keyed_hashes)
     group_idx: int | None = None
 
     @property
@@ -200,7 +200,8 @@ def decode_event(event: object) -> KvEvent:
         get = event.get
         if tag == "BlockStored":
             return _stored(get("block_hashes"), get("parent_block_hash"), get("token_ids"), get("block_size"),
-                           get("lora_id"), get("medium"), get("lora_name"), get("extra_keys"), get("group_idx"))
+                           get("lora_id"), get("medium"), get("lora_name"), get("extra_keys"), get("group_idx"),
+                           get("cache_salt"))
         if tag == "BlockRemoved":
             return _removed(get("block_hashes"), get("medium"), get("group_idx"))
     elif type(event) is list and event and type(event[0]) is str:
@@ -219,8 +220,10 @@ def decode_event(event: object) -> KvEvent:
 
 
 def _stored(hashes: object, parent: object, tokens: object, size: object, lora: object, medium: object,
-            lora_name: object, extra_keys: object, group: object) -> BlockStored:
+            lora_name: object, extra_keys: object, group: object, salt: object = None) -> BlockStored:
     hashes = _int_list(hashes, "block_hashes")
+    if type(salt) is str and extra_keys is None and hashes:  # SGLang's own field: read as vLLM sends it,
+        extra_keys = [[salt]] + [None] * (len(hashes) - 1)  # the first block's extra key (``event_salt``)
     if type(tokens) is not list:
         raise KvWireError("token_ids is not a list of integers")
     if type(size) is not int or size < 0:

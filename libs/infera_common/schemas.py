@@ -205,6 +205,9 @@ class RouteRequest(_Msg):
     #: could not reproduce the engine's ids). Bytes, not a list: as a list, a 16k-token prompt cost
     #: ~0.5 ms of validation on each side of the bus. Read them as ``token_ids``.
     tokens: bytes | None = None
+    #: the body's ``cache_salt`` (vLLM, SGLang: a prefix cache of its own, which only requests with
+    #: the same salt reuse), for the router to hash the prompt as the engine will; see ``validation.cache_salt``
+    cache_salt: str | None = None
     deadline: float  # unix time after which nobody waits for the answer
     #: unix time after which the requester no longer waits for the route reply (its --route-timeout;
     #: it tries another router then): a router that gets to the request later (it was stalled, or

@@ -15,7 +15,7 @@ from infera_frontend.prepare import (
     ContextLimit, ModelTable, Tokens, check_context, check_context_floor, longest_prompt_chars,
 )
 from infera_frontend.prepare import sequences
-from infera_frontend.validation import ApiError, parse_body, request_ids
+from infera_frontend.validation import UNKNOWN_SALT, ApiError, cache_salt, parse_body, request_ids
 
 CHAT = Endpoint.CHAT
 OK_MSG = [{"role": "user", "content": "hi"}]
@@ -213,6 +213,12 @@ def test_a_workers_adapters_are_served_and_listed_with_their_base_model():
     assert listed["sql"]["parent"] == "m" and "parent" not in listed["m"]
     assert model_entry(view, "sql")["parent"] == "m"
     assert [w.worker_id for w in view.active("sql")] == ["a"]  # only the worker that serves it
+    with pytest.raises(ApiError) as err:  # SGLang's own form, which Infera's clients do not use
+        table.check("m:sql")
+    assert err.value.status == 404 and "named alone, as /v1/models lists it: `sql`" in err.value.message
+    with pytest.raises(ApiError) as err:
+        table.check("m:nope")
+    assert "named alone" not in err.value.message
 
 
 def test_the_models_that_lost_their_workers_are_remembered_within_a_bound(monkeypatch):
@@ -333,3 +339,11 @@ def test_the_model_list_gives_the_context_length_when_every_active_worker_said_i
     listed = {m["id"]: m for m in models_list(view)["data"]}
     assert listed["m"]["max_model_len"] == 8192 and "max_model_len" not in listed["other"]
     assert model_entry(view, "m") == listed["m"] and model_entry(view, "gone") is None
+
+
+@pytest.mark.parametrize("salt, expected", [
+    (None, None), ("tenant-a", "tenant-a"), (["a", "b"], UNKNOWN_SALT), (7, UNKNOWN_SALT),
+])
+def test_the_cache_salt_the_router_hashes_a_prompt_under(salt, expected):
+    body = {"model": "m", "prompt": "x", **({} if salt is None else {"cache_salt": salt})}
+    assert cache_salt(parse_body(Endpoint.COMPLETIONS, json.dumps(body).encode())) == expected

@@ -15,7 +15,7 @@ from typing import Literal
 
 import msgpack
 
-from infera_common.block_hash import adapter_root, block_hashes
+from infera_common.block_hash import adapter_root, salted_root, block_hashes
 from infera_common.kv_translate import BlockTranslator, delta_relay
 from infera_common.kv_wire import decode_batch
 from infera_common.schemas import KvRelay, OverlapQuery, WorkerRecord, WorkerStatus, encode, encode_sparse
@@ -111,10 +111,10 @@ def cleared_relay(worker_id: str, dp_rank: int | None = None) -> bytes:
 
 
 def query(tokens: list[int], block_sizes=(4,), model: str = MODEL, workers: list[str] | None = None,
-          adapter: str | None = None) -> OverlapQuery:
-    """The router's query for a request of ``tokens`` (under LoRA ``adapter``): its chained hashes at
-    every block size."""
-    root = adapter_root(adapter)
+          adapter: str | None = None, salt: str | None = None) -> OverlapQuery:
+    """The router's query for a request of ``tokens`` (under LoRA ``adapter``, with ``cache_salt``
+    ``salt``): its chained hashes at every block size."""
+    root = salted_root(adapter_root(adapter), salt)
     return OverlapQuery(model=model, hashes={bs: block_hashes(tokens, bs, root) for bs in block_sizes},
                         workers=workers)
 

@@ -330,6 +330,33 @@ def test_blocks_an_adapter_computed_match_only_requests_for_that_adapter():
     assert depths(index.overlap(query(prompt, adapter="sql"))) == {("w1", 0): 1}
 
 
+def test_a_salted_prompts_blocks_match_only_its_salt_and_an_images_none_after_it():
+    index, engine = indexed("w1"), FakeEngine("w1")
+    prompt = tokens(12)
+    stored = {"type": "BlockStored", "parent_block_hash": None, "token_ids": prompt, "block_size": 4}
+    # vLLM 0.32: the salt in the first block's extra keys (after the adapter's name), the adapter's on every block
+    feed(index, engine, {**stored, "block_hashes": [11, 12, 13], "extra_keys": [["tenant-a"], None, None]},
+         {**stored, "block_hashes": [21, 22, 23], "lora_name": "sql", "lora_id": 1,
+          "extra_keys": [["sql", "tenant-a"], ["sql"], ["sql"]]})
+    assert depths(index.overlap(query(prompt, salt="tenant-a"))) == {("w1", 0): 3}
+    assert depths(index.overlap(query(prompt, adapter="sql", salt="tenant-a"))) == {("w1", 0): 3}
+    assert depths(index.overlap(query(prompt))) == {}  # unsalted: none of it
+    assert depths(index.overlap(query(prompt, salt="tenant-b"))) == {}
+    assert depths(index.overlap(query(prompt, adapter="sql"))) == {}
+    # an image in the second block ([identifier, offset]) or prompt embeddings (bytes): the tokens
+    # there do not say what the engine computed, so that block and every one after it match nothing
+    feed(index, engine, {**stored, "block_hashes": [31, 32, 33], "extra_keys": [None, [["img-1", 0]], None]},
+         {**stored, "block_hashes": [41, 42, 43], "lora_name": "chat", "lora_id": 2,
+          "extra_keys": [["chat"], ["chat"], ["chat", b"\x01digest"]]})
+    assert depths(index.overlap(query(prompt))) == {("w1", 0): 1}
+    assert depths(index.overlap(query(prompt, adapter="chat"))) == {("w1", 0): 2}
+    # SGLang 0.5.23 names the salt in a field of its own, on every event of the chain
+    feed(index, engine, {**stored, "block_hashes": [51], "token_ids": prompt[:4], "cache_salt": "tenant-c"},
+         {**stored, "block_hashes": [52], "token_ids": prompt[4:8], "parent_block_hash": 51,
+          "cache_salt": "tenant-c"})
+    assert depths(index.overlap(query(prompt, salt="tenant-c"))) == {("w1", 0): 2}
+
+
 def test_prefix_match_stops_at_the_first_missing_block():
     prefix = PrefixIndex()
     chain = block_hashes(tokens(20), 4)

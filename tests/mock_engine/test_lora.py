@@ -9,7 +9,7 @@ import pytest
 
 from infera_common.kv_translate import BlockTranslator
 from infera_common.kv_wire import BlockStored, decode_batch
-from infera_common.block_hash import adapter_root, block_hashes
+from infera_common.block_hash import ROOT, adapter_root, block_hashes, salted_root
 from infera_mock_engine.lora import LoraRegistry
 from infera_mock_engine.main import parse_args
 
@@ -146,3 +146,34 @@ async def test_the_sglang_flavour_names_an_adapter_after_its_served_name_as_sgla
         assert r.status == 200 and answer["success"] and answer["loaded_adapters"]["late"] == "/l"
     async with client.session.post("/unload_lora_adapter", json={"lora_name": "nope"}) as r:
         assert r.status == 400 and not (await r.json())["success"]
+
+
+@pytest.mark.parametrize("flavor", ["vllm", "sglang"])
+async def test_a_salted_prompt_keeps_a_cache_of_its_own_and_its_events_say_the_salt(kv_engine, flavor):
+    client = await kv_engine(flavor, "--kv-events-config", kv_config())
+
+    async def run(salt: str | None) -> int:
+        body = {"model": "smol", "prompt": PROMPT_A, "max_tokens": 2, **({"cache_salt": salt} if salt else {})}
+        status, answer = await client.post("/v1/completions", body)
+        assert status == 200, answer
+        return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    sub = Subscriber(local((await client.get_json("/kv_event_sources"))[1]["0"]["endpoint"]))
+    try:
+        await sub.sync(client)
+        assert [await run("t1"), await run("t1"), await run(None), await run("t2")] == [0, 48, 0, 0]
+        messages = await sub.collect()
+    finally:
+        sub.close()
+    raw = [e for _, _, payload in messages for e in msgpack.unpackb(payload)[1]]
+    if flavor == "vllm":
+        assert [e["extra_keys"] for e in raw if e["type"] == "BlockStored"] == [
+            [["t1"], None, None], [None] * 3, [["t2"], None, None]]
+    else:  # SGLang 0.5.23: the salt on every event of the chain, in its tagged map
+        assert [e.get("cache_salt") for e in raw if isinstance(e, dict)] == ["t1"] * 3 + ["t2"] * 3
+    translator = BlockTranslator()
+    held = set()
+    for _, _, payload in messages:
+        held |= translator.apply(decode_batch(payload).events).stored.get(PAGE, set())
+    for salt in ("t1", None, "t2"):
+        assert set(block_hashes(PROMPT_A[:48], PAGE, salted_root(ROOT, salt))) <= held

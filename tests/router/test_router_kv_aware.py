@@ -8,7 +8,7 @@ from collections import Counter
 import msgpack
 import pytest
 
-from infera_common.block_hash import adapter_root, block_hashes
+from infera_common.block_hash import adapter_root, block_hashes, salted_root
 from infera_common.schemas import LoadReport, OverlapReply, WorkerOverlap, encode
 
 from infera_router.core import RouterCore
@@ -145,6 +145,9 @@ def test_a_request_naming_an_adapter_asks_for_the_blocks_that_adapter_computed()
     assert sql.model == "m" and sql.hashes == {64: block_hashes(TOKENS, 64, adapter_root("sql"))}
     assert not set(sql.hashes[64]) & set(base.hashes[64])
     assert ws[0].record.served_names == ["m", "m-latest", "sql", "m-old"]
+    salted = kv_query(ws, route_request(model="sql", token_ids=TOKENS, prompt_tokens=len(TOKENS), cache_salt="t1"))
+    assert salted.hashes == {64: block_hashes(TOKENS, 64, salted_root(adapter_root("sql"), "t1"))}
+    assert not set(salted.hashes[64]) & set(sql.hashes[64])
 
 
 def test_failed_query_falls_back_to_load_only():

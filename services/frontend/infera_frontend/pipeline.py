@@ -25,7 +25,7 @@ from infera_frontend.prepare import (
     prompt_chars, samples, sequences, tokenize,
 )
 from infera_frontend.relay import Relay
-from infera_frontend.validation import ApiError, Parsed, parse_body, request_ids
+from infera_frontend.validation import ApiError, Parsed, cache_salt, parse_body, request_ids
 
 log = get_logger("frontend.pipeline")
 #: Seconds between two ``request_failed_upstream`` lines of one status (an outage fails every request).
@@ -115,6 +115,7 @@ class Pipeline:
                     stream=parsed.stream, token_ids=tokens.token_ids, prompt_tokens=tokens.prompt_tokens,
                     exclude=attempts.tried, session_ids=session_ids, traceparent=traceparent,
                     sequences=sequences(parsed), samples=samples(parsed), after_silence=silence,
+                    cache_salt=cache_salt(parsed),
                 )
             except ApiError as err:
                 if failed is not None:

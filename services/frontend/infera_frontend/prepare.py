@@ -82,6 +82,13 @@ class ModelTable:
                     self._lengths.setdefault(name, {})[rec.worker_id] = (rec.context_length, rec.clamps_max_tokens)
             self.unlisted.listed(rec.worker_id)
 
+    def _adapter_hint(self, model: str) -> str:
+        """For SGLang's ``<model>:<adapter>`` form: the name to give instead (adapters are named alone here)."""
+        base, sep, name = model.partition(":")
+        if sep and self._known[base] > 0 and self._known[name] > 0:
+            return f" A LoRA adapter is named alone, as /v1/models lists it: `{name}`."
+        return ""
+
     def lists(self, worker_id: str) -> bool:
         """Whether discovery lists this worker."""
         return worker_id in self._workers
@@ -115,8 +122,8 @@ class ModelTable:
         if self._known[model] <= 0 and model not in self._served:
             registered = f" in {self.discovery}" if self.discovery else ""
             raise ApiError(
-                404, f"The model `{model}` does not exist: no worker serving it is registered{registered}.",
-                type="invalid_request_error", param="model", code="model_not_found",
+                404, f"The model `{model}` does not exist: no worker serving it is registered{registered}."
+                + self._adapter_hint(model), type="invalid_request_error", param="model", code="model_not_found",
             )
         if self._known[model] <= 0:
             raise ApiError(503, f"No worker serves the model `{model}` right now: every worker that served it "

@@ -185,6 +185,7 @@ class Relay:
         sequences: int = 1,
         samples: int = 1,
         after_silence: bool = False,
+        cache_salt: str | None = None,
     ) -> Exchange:
         """Ask the router to place the request (on none of ``exclude``); ``ApiError`` when it is not placed.
 
@@ -196,7 +197,7 @@ class Relay:
         data = encode(RouteRequest(
             request_id=request_id, model=model, endpoint=endpoint, body=body, stream=stream,
             reply_subject=subject, prompt_tokens=prompt_tokens,
-            tokens=None if token_ids is None else pack_tokens(token_ids),
+            tokens=None if token_ids is None else pack_tokens(token_ids), cache_salt=cache_salt,
             deadline=time.time() + self.deadline_in(), route_deadline=time.time() + self.route_timeout,
             exclude=list(exclude or ()),
             session_ids=list(session_ids or ()), discovery_backend=self.discovery_backend, traceparent=traceparent,

@@ -161,6 +161,20 @@ class Parsed:
     prompt_ids: array | None = None  # a completions prompt of token ids, as a C array (validated)
 
 
+#: The salt of a request whose ``cache_salt`` is not one string (SGLang takes a list, one per prompt
+#: of a batch): no engine's blocks are under it, so the router claims no cache hit for the request.
+UNKNOWN_SALT = "\x00 not one salt"
+
+
+def cache_salt(parsed: Parsed) -> str | None:
+    """The request's ``cache_salt`` (vLLM and SGLang keep a salted prompt's KV apart from everyone
+    else's), as the router hashes the prompt under it."""
+    salt = parsed.data.get("cache_salt")
+    if salt is None or type(salt) is str:
+        return salt
+    return UNKNOWN_SALT
+
+
 def _param(loc: tuple[Any, ...], data: Any) -> str:
     """The client's field path of an error location (pydantic's union branch tags dropped)."""
     out = ""

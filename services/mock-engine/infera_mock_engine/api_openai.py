@@ -120,6 +120,7 @@ def _params(rid: str, prompt_ids: list[int], body: _OpenAIRequest, limit: int | 
         seed=body.seed,
         ignore_eos=body.ignore_eos,
         lora=lora,
+        cache_salt=body.cache_salt,
     )
 
 

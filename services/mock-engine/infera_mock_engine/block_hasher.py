@@ -37,11 +37,17 @@ class BlockHasher:
         h.update(self._packer(len(tokens)).pack(*tokens))
         return h.digest()
 
-    def root(self, adapter: str) -> bytes:
-        """The key a LoRA adapter's chains start from (the base model's start from none): its blocks
-        never share a key with the same tokens computed by the base model or another adapter."""
+    def root(self, adapter: str | None, salt: str | None = None) -> bytes | None:
+        """The key the chains a LoRA adapter computes, or a request's cache salt, start from (None:
+        the base model's, unsalted): their blocks never share a key with the same tokens computed
+        otherwise."""
+        if adapter is None and salt is None:
+            return None
         h = self._keyed.copy()
-        h.update(b"lora\x00" + adapter.encode())
+        if adapter is not None:
+            h.update(b"lora\x00" + adapter.encode() + b"\x00")
+        if salt is not None:
+            h.update(b"salt\x00" + salt.encode())
         return h.digest()
 
     def _packer(self, n: int) -> struct.Struct:

@@ -42,6 +42,7 @@ class GenerationParams:
     prompt_param: str = "prompt"  # the body field a refused prompt is blamed on ("messages" for chat)
     sample: int = 0  # which of the request's n samples of this prompt (OpenAI `n`)
     lora: Adapter | None = None  # the LoRA adapter the request names (None: the base model)
+    cache_salt: str | None = None  # the request's cache_salt (vLLM, SGLang)
 
 
 @dataclass
@@ -323,6 +324,7 @@ class Engine:
             next_token=TokenStream(self.vocab, seed),
             internal=params.internal,
             lora=params.lora,
+            salt=params.cache_salt,
         )
         pd = params.routing.pd if params.routing is not None else None
         session = None

@@ -26,6 +26,7 @@ class BlockStored:
     token_ids: list[int]  # n * block_size ids
     block_size: int
     lora: Adapter | None = None  # the LoRA adapter that computed them (None: the base model)
+    cache_salt: str | None = None  # the salt of the request that computed them
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,11 +37,13 @@ from infera_mock_engine.kv_events import Adapter, AllBlocksCleared, BlockRemoved
 @dataclass
 class _Held:
     """One sequence's blocks, in order; `keys[i]` is the chain key of block i for the cached prefix;
-    `lora` the adapter that computes them and `root` the key its chain starts from (None: the base model)."""
+    `lora` the adapter that computes them, `salt` its request's cache salt, and `root` the key its
+    chain starts from (None: the base model's, unsalted)."""
 
     blocks: list[int]
     keys: list[bytes] = field(default_factory=list)
     lora: Adapter | None = None
+    salt: str | None = None
     root: bytes | None = None
 
 
@@ -131,8 +133,8 @@ class PrefixCache:
         return events
 
     # ---- lookups -------------------------------------------------------------
-    def _root(self, lora: Adapter | None) -> bytes | None:
-        return None if lora is None else self.hasher.root(lora.name)
+    def _root(self, lora: Adapter | None, salt: str | None = None) -> bytes | None:
+        return self.hasher.root(None if lora is None else lora.name, salt)
 
     def _prefix_hits(self, token_ids: Sequence[int], root: bytes | None = None) -> tuple[list[int], list[bytes]]:
         bs = self.block_size
@@ -149,28 +151,29 @@ class PrefixCache:
             parent = key
         return blocks, keys
 
-    def match(self, token_ids: Sequence[int], lora: Adapter | None = None) -> int:
-        """Prompt tokens a new sequence with these tokens (computed by ``lora``) would reuse now (no
-        change to the cache)."""
-        return len(self._prefix_hits(token_ids, self._root(lora))[0]) * self.block_size
+    def match(self, token_ids: Sequence[int], lora: Adapter | None = None, salt: str | None = None) -> int:
+        """Prompt tokens a new sequence with these tokens (computed by ``lora``, under ``salt``) would
+        reuse now (no change to the cache)."""
+        return len(self._prefix_hits(token_ids, self._root(lora, salt))[0]) * self.block_size
 
     # ---- sequences -----------------------------------------------------------
-    def admit(self, seq_id: Hashable, token_ids: Sequence[int], tokens: int, lora: Adapter | None = None) -> int | None:
+    def admit(self, seq_id: Hashable, token_ids: Sequence[int], tokens: int, lora: Adapter | None = None,
+              salt: str | None = None) -> int | None:
         """Give a new sequence blocks for `tokens` tokens, reusing the cached prefix of `token_ids`
-        (one the same LoRA adapter, or the base model, computed: `lora`).
+        (one the same LoRA adapter, or the base model, computed: `lora`, under the same cache salt).
 
         Returns the number of reused (cached) tokens, or None — and no change — if there are not
         enough free blocks."""
         if seq_id in self._held:
             raise ValueError(f"sequence {seq_id!r} already holds blocks")
-        root = self._root(lora)
+        root = self._root(lora, salt)
         hits, keys = self._prefix_hits(token_ids, root)
         need = max(0, self.blocks_for(tokens) - len(hits))
         if need > len(self._free) - sum(1 for b in hits if self._ref[b] == 0):
             return None
         for b in hits:
             self._reference(b)
-        self._held[seq_id] = _Held(hits + [self._take_free() for _ in range(need)], keys, lora, root)
+        self._held[seq_id] = _Held(hits + [self._take_free() for _ in range(need)], keys, lora, salt, root)
         return len(hits) * self.block_size
 
     def grow(self, seq_id: Hashable, tokens: int) -> bool:
@@ -251,6 +254,7 @@ class PrefixCache:
             token_ids=list(token_ids[start * bs:(start + len(run)) * bs]),
             block_size=bs,
             lora=held.lora,
+            cache_salt=held.salt,
         ))
 
     def _ext_of_key(self, key: bytes) -> int:

@@ -38,6 +38,7 @@ class ChatMessage(_Body):
 
 class _OpenAIRequest(PdFields):
     model: str | None = None
+    cache_salt: str | None = None  # vLLM and SGLang: a prefix cache of its own (SGLang's list form is not simulated)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
     seed: int | None = None

@@ -51,6 +51,7 @@ class Sequence:
     internal: bool = False  # health probes: not counted in the token counters
     preloaded: int = 0  # prompt tokens whose KV arrived from a prefill engine (PD decode): not computed here
     lora: Adapter | None = None  # the LoRA adapter it runs under (None: the base model)
+    salt: str | None = None  # its request's cache_salt: a prefix cache only the same salt reuses
     key: int = field(default_factory=lambda: next(_ids))
     state: str = WAITING
     prefill_target: int = 0  # tokens to (re)compute before decoding: prompt (+ generated after preemption)
@@ -268,7 +269,7 @@ class Scheduler:
                 budget -= chunk
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             seq = self.waiting[0]
-            hit = self.kv.admit(seq.key, seq.tokens, seq.prefill_target + 1, seq.lora)
+            hit = self.kv.admit(seq.key, seq.tokens, seq.prefill_target + 1, seq.lora, seq.salt)
             if hit is None:
                 break  # FIFO: the head waits for blocks, nobody overtakes it
             self.waiting.popleft()

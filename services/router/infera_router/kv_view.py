@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from infera_common.block_hash import adapter_root, block_hashes
+from infera_common.block_hash import adapter_root, block_hashes, salted_root
 from infera_common.schemas import OverlapQuery, OverlapReply, RouteRequest
 
 from infera_router.state import WorkerState
@@ -53,7 +53,8 @@ def kv_query(candidates: list[WorkerState], request: RouteRequest) -> OverlapQue
         return None
     ids = request.token_ids
     record = candidates[0].record
-    root = adapter_root(record.adapter(request.model))  # a LoRA adapter's blocks chain from its own root
+    # a LoRA adapter's blocks chain from its own root, and a salted prompt's from its salt's
+    root = salted_root(adapter_root(record.adapter(request.model)), request.cache_salt)
     return OverlapQuery(
         model=record.model,  # (a request may name an alias, or an adapter of the model)
         hashes={bs: block_hashes(ids, bs, root) for bs in sizes},
