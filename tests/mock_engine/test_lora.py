@@ -132,7 +132,7 @@ async def test_the_sglang_flavour_names_an_adapter_after_its_served_name_as_sgla
     finally:
         sub.close()
     status, body = await client.post("/v1/completions", {"model": "smol:nope", "prompt": PROMPT_A, "max_tokens": 2})
-    assert status == 400 and "'nope' is not loaded" in body["message"]  # SGLang's error shape
+    assert status == 400 and "'nope' has never been loaded" in body["message"]  # SGLang's error shape
     raw = [e for _, _, payload in messages for e in msgpack.unpackb(payload)[1]]
     mapped = [e for e in raw if isinstance(e, dict)]
     assert len(mapped) == 3 and {(e["lora_id"], e["lora_name"]) for e in mapped} == {(None, "sql")}
@@ -146,6 +146,14 @@ async def test_the_sglang_flavour_names_an_adapter_after_its_served_name_as_sgla
         assert r.status == 200 and answer["success"] and answer["loaded_adapters"]["late"] == "/l"
     async with client.session.post("/unload_lora_adapter", json={"lora_name": "nope"}) as r:
         assert r.status == 400 and not (await r.json())["success"]
+    async with client.session.post("/unload_lora_adapter", json={"lora_name": "sql"}) as r:
+        assert r.status == 200 and "sql" not in (await r.json())["loaded_adapters"]
+    _, models = await client.get_json("/v1/models")
+    assert "sql" not in [m["id"] for m in models["data"]]
+    # SGLang loads it again, under a fresh id: the blocks it computed before are not reused
+    assert await cached(client, "smol:sql", PROMPT_A) == 0
+    _, models = await client.get_json("/v1/models")
+    assert "sql" in [m["id"] for m in models["data"]]
 
 
 @pytest.mark.parametrize("flavor", ["vllm", "sglang"])

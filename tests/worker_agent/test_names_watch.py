@@ -6,9 +6,10 @@ import asyncio
 
 import aiohttp
 from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from infera_worker_agent.health import ModelCard
-from infera_worker_agent.names_watch import NamesWatch, changed
+from infera_worker_agent.names_watch import NamesWatch, changed, merged
 
 
 def test_only_a_change_of_aliases_or_adapters_of_the_same_model_is_registered():
@@ -22,6 +23,13 @@ def test_only_a_change_of_aliases_or_adapters_of_the_same_model_is_registered():
     assert changed(card, ModelCard("other", 4096, (), ("x",))) == {}  # another model: not this record's
 
 
+def test_an_engine_that_reloads_what_it_evicted_keeps_every_adapter_it_listed():
+    old = ModelCard("m", 4096, (), ("sql", "chat"))
+    assert merged(old, ModelCard("m", 4096, (), ("chat", "new"))) == ModelCard("m", 4096, (), ("sql", "chat", "new"))
+    assert merged(old, ModelCard("m", 4096, ("sql",), ())) == ModelCard("m", 4096, ("sql",), ("chat",))
+    assert changed(old, merged(old, ModelCard("m", 4096, (), ()))) == {}  # an eviction changes nothing
+
+
 async def test_the_watch_registers_what_the_engine_lists_now_and_survives_a_bad_answer():
     listed: list[object] = [[{"id": "m"}]]
 
@@ -31,11 +39,9 @@ async def test_the_watch_registers_what_the_engine_lists_now_and_survives_a_bad_
 
     app = web.Application()
     app.router.add_get("/v1/models", models)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    url = str(server.make_url("")).rstrip("/")
     seen: list[ModelCard] = []
 
     async def on_change(card: ModelCard) -> None:
@@ -59,4 +65,4 @@ async def test_the_watch_registers_what_the_engine_lists_now_and_survives_a_bad_
             await asyncio.sleep(0.05)
         await watch.stop()
         assert seen[-1].adapters == ("late",)
-    await runner.cleanup()
+    await server.close()

@@ -104,7 +104,9 @@ def _lora(engine: Engine, body: _OpenAIRequest) -> Adapter | None:
     name, asked = requested(cfg.engine_flavor, body.model, cfg.served_model_names)
     adapter = engine.lora.get(name)
     if asked and adapter is None and cfg.engine_flavor == "sglang":
-        raise RequestError(f"LoRA adapter {name!r} is not loaded", param="model")
+        adapter = engine.lora.reload(name)  # SGLang loads again one it loaded before
+        if adapter is None:
+            raise RequestError(f"LoRA adapter {name!r} has never been loaded", param="model")
     return adapter
 
 

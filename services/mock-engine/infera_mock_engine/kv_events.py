@@ -11,10 +11,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Adapter:
-    """A LoRA adapter the engine serves: its number (vLLM's ``lora_int_id``, from 1) and its name."""
+    """A LoRA adapter the engine serves: its number (vLLM's ``lora_int_id``, from 1), its name, and
+    what its KV blocks are keyed by in the cache besides their tokens (``cache_key``: vLLM hashes the
+    name and path; SGLang a fresh id each time it loads an adapter again)."""
 
     id: int
     name: str
+    cache_key: str = ""
 
 
 @dataclass(frozen=True, slots=True)

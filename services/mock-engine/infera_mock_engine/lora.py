@@ -15,7 +15,7 @@ SGLang 0.5.23: ``--lora-paths PATH | NAME=PATH | '{"lora_name": ..., "lora_path"
 (``--enable-lora`` is implied); an OpenAI request names an adapter after a served name (``"model":
 "<served>:<adapter>"``; a bare adapter name is not one, and the base model runs it); its KV events
 carry ``lora_name`` with ``lora_id`` None. ``POST /load_lora_adapter`` and ``/unload_lora_adapter``
-are always served.
+are always served; a request naming an adapter loaded before and unloaded since loads it again.
 """
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ class LoraRegistry:
         self._served = served
         self.enabled = enabled
         self._loaded: dict[str, tuple[LoraModule, Adapter]] = {}
+        self._seen: dict[str, LoraModule] = {}  # every adapter ever loaded (SGLang's reference cache)
         self._next = 1
         for m in modules:
             self.load(m.name, m.path, m.base_model_name)
@@ -130,8 +131,9 @@ class LoraRegistry:
         """The adapters served, in the order they were loaded."""
         return [m for m, _ in self._loaded.values()]
 
-    def load(self, name: str, path: str, base_model_name: str | None = None) -> None:
-        """Serve one more adapter (``LoraConfigError``: what vLLM refuses, with its message)."""
+    def load(self, name: str, path: str, base_model_name: str | None = None, again: bool = False) -> None:
+        """Serve one more adapter (``LoraConfigError``: what vLLM refuses, with its message); ``again``:
+        SGLang loading one it evicted or unloaded, whose KV is keyed afresh (a new id per load)."""
         if not self.enabled:
             raise LoraConfigError("LoRA is not enabled: start the engine with --enable-lora")
         if not name or not path:
@@ -140,8 +142,20 @@ class LoraRegistry:
             raise LoraConfigError(f"The lora adapter '{name}' conflicts with a served base model.")
         if name in self._loaded:
             raise LoraConfigError(f"The lora adapter '{name}' has already been loaded.")
-        self._loaded[name] = (LoraModule(name, path, base_model_name), Adapter(self._next, name))
+        module = self._seen[name] = LoraModule(name, path, base_model_name)
+        key = f"{name}\x00{path}" + (f"\x00{self._next}" if again else "")
+        self._loaded[name] = (module, Adapter(self._next, name, key))
         self._next += 1
+
+    def reload(self, name: str) -> Adapter | None:
+        """Load again an adapter loaded before (SGLang does so for a request that names one it evicted
+        or unloaded); None when it never was."""
+        module = self._seen.get(name)
+        if module is None:
+            return None
+        if name not in self._loaded:
+            self.load(module.name, module.path, module.base_model_name, again=True)
+        return self.get(name)
 
     def unload(self, name: str) -> bool:
         """Stop serving an adapter; False when none has that name."""

@@ -134,7 +134,7 @@ class PrefixCache:
 
     # ---- lookups -------------------------------------------------------------
     def _root(self, lora: Adapter | None, salt: str | None = None) -> bytes | None:
-        return self.hasher.root(None if lora is None else lora.name, salt)
+        return self.hasher.root(None if lora is None else lora.cache_key or lora.name, salt)
 
     def _prefix_hits(self, token_ids: Sequence[int], root: bytes | None = None) -> tuple[list[int], list[bytes]]:
         bs = self.block_size

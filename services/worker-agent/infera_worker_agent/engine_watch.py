@@ -49,7 +49,7 @@ class EngineWatch:
                  on_names: Callable[[ModelCard], Awaitable[None]] | None = None) -> None:
         self._metrics = metrics
         self.names = None if names is None or on_names is None else NamesWatch(
-            session, local_url, settings.models_interval, names, on_names)
+            session, local_url, settings.models_interval, names, on_names, sticky=family == "sglang")
         self.reporter: LoadReporter | None = LoadReporter(
             worker_id=settings.worker_id or "", session=session, metrics_url=f"{local_url}/metrics",
             interval=settings.load_interval, in_flight=in_flight, sequences=sequences, by_router=by_router,

@@ -1,7 +1,10 @@
 """The engine's served names while it serves: its ``/v1/models`` read again every ``--models-interval``
 seconds, so that LoRA adapters loaded or unloaded at run time (vLLM's ``/v1/load_lora_adapter``,
 SGLang's ``/load_lora_adapter``) join or leave the worker's record, and requests for them are routed
-here or no longer. ``changed`` is the pure part."""
+here or no longer. SGLang reloads any adapter it ever loaded when a request names it (its LoRA
+reference cache: one evicted by ``--max-loaded-loras`` or unloaded leaves its ``/v1/models`` but is
+still served), so for it an adapter once seen stays in the record (``sticky``). ``changed`` and
+``merged`` are the pure part."""
 
 from __future__ import annotations
 
@@ -29,14 +32,22 @@ def changed(old: ModelCard, new: ModelCard) -> dict[str, list[str]]:
     return {"added": sorted(after - before), "removed": sorted(before - after)}
 
 
+def merged(old: ModelCard, new: ModelCard) -> ModelCard:
+    """``new`` with every adapter of ``old`` kept (those first, in their order): an engine that still
+    serves what it no longer lists (SGLang)."""
+    adapters = tuple(dict.fromkeys([*old.adapters, *new.adapters]))
+    return ModelCard(new.id, new.max_model_len, new.aliases, tuple(a for a in adapters if a not in new.aliases))
+
+
 class NamesWatch:
     def __init__(self, session: aiohttp.ClientSession, base_url: str, interval: float, current: ModelCard,
-                 on_change: Callable[[ModelCard], Awaitable[None]]) -> None:
+                 on_change: Callable[[ModelCard], Awaitable[None]], sticky: bool = False) -> None:
         self._session = session
         self._url = base_url
         self.interval = interval
         self.current = current
         self._on_change = on_change
+        self._sticky = sticky
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -53,6 +64,8 @@ class NamesWatch:
     async def check_once(self) -> bool:
         """Read the card once; register what changed. True when something did."""
         card = await served_model(self._session, self._url, attempts=1)
+        if card is not None and self._sticky:
+            card = merged(self.current, card)
         diff = changed(self.current, card) if card is not None else {}
         if not diff:
             return False
