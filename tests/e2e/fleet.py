@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -38,6 +39,7 @@ class Fleet:
         self.env = env
         self.proc: subprocess.Popen | None = None
         self.banner = ""
+        self.output: list[str] = []  # its lines after the banner
 
     def start(self, timeout: float = 90.0) -> "Fleet":
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -51,12 +53,20 @@ class Fleet:
             lines.append(line)
             if line.startswith("Ctrl-C stops"):
                 self.banner = "".join(lines)
+                # what `infera up` says from now on (restarts, exits): read, so that its pipe never
+                # fills and blocks it, and kept for ``logs``
+                threading.Thread(target=self._read_output, daemon=True).start()
                 return self
         self.stop()
         raise RuntimeError("infera up did not come up:\n" + "".join(lines) + self.logs())
 
+    def _read_output(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line)
+
     def logs(self) -> str:
-        out = []
+        out = [f"--- infera up\n{''.join(self.output[-30:])}"]
         for f in sorted((self.state_dir / "logs").glob("*.log")):
             out.append(f"--- {f.name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-30:]))
         return "\n".join(out)

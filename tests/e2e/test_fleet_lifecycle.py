@@ -212,8 +212,8 @@ def test_infera_up_starts_its_nats_server_and_control_services_again_and_the_fle
             while time.monotonic() < deadline and not (with_marker() and old not in with_marker()
                                                        and _chat_or_down(fleet.url) == 200):
                 time.sleep(0.2)
-            assert len(with_marker()) == 1 and old not in with_marker(), marker  # started again
-            assert _chat_or_down(fleet.url) == 200 and fleet.proc.poll() is None, marker
+            assert len(with_marker()) == 1 and old not in with_marker(), (marker, fleet.logs())  # started again
+            assert _chat_or_down(fleet.url) == 200 and fleet.proc.poll() is None, (marker, fleet.logs())
         assert len([w for w in fleet.workers_list() if w["status"] == "active"]) == 2
         long_prompt = {"model": BUNDLED_MODEL_NAME, "max_tokens": 2,  # several KV blocks: the index is asked
                        "messages": [{"role": "user", "content": "word " * 300}]}
