@@ -10,6 +10,10 @@ engine's, and that its real KV events reach the kv-indexer so that a repeated pr
 cache hit (router ``infera_router_kv_hit_blocks``) and served from vLLM's prefix cache
 (``usage.prompt_tokens_details.cached_tokens``).
 
+A LoRA adapter (``--enable-lora --lora-modules``, a rank-8 adapter the test writes:
+``tiny_model.py``) is listed with its base model, a prompt under it is routed to the cache it
+computed, and the same tokens asked of the base model get no hit from it.
+
 The same runs on the no-broker plane: etcd, one ``python -m infera.server`` whose router calls vLLM's
 HTTP API itself and whose index reads vLLM's ZMQ publisher directly (no nats-server at all).
 
@@ -23,7 +27,6 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -32,7 +35,6 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
-import jinja2
 import pytest
 from tokenizers import Tokenizer
 
@@ -40,11 +42,11 @@ from infera.procs import free_port, stop_process, wait_port
 from infera_worker_agent.engine_gpus import gpus_needed
 from infera_worker_agent.health import Canary, send_canary
 from infera_worker_agent.load import parse_engine_metrics
+from tests.slow.tiny_model import ADAPTER, chat_token_count, write_adapter, write_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL_SRC = ROOT / "libs" / "infera_common" / "models" / "SmolLM2-135M-Instruct"
 VLLM_PYTHON = os.environ.get("INFERA_TEST_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
 MODEL_NAME = "tiny-llama"
 ALIAS = "tiny-llama-latest"  # a second --served-model-name: vLLM lists it in /v1/models, Infera routes it
@@ -53,19 +55,6 @@ ENGINE_AUTH = {"Authorization": f"Bearer {ENGINE_KEY}"}
 WORKER_ID = "vllm-cpu-1"
 BLOCK_SIZE = 32
 START_TIMEOUT = 300.0  # the engine starts in ~30-60 s on 2 cores; generous for a loaded machine
-
-#: The tiny model: the bundled SmolLM2 config shrunk to 2 layers, hidden 128, 2 heads of 64.
-TINY_CONFIG = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "max_position_embeddings": 2048,
-    "torch_dtype": "bfloat16",
-}
-
 
 def vllm_python() -> str:
     """The interpreter holding vLLM, or skip with the reason and the fix."""
@@ -86,56 +75,6 @@ def kv_cache_dtype_args() -> list[str]:
     except OSError:
         flags = ""
     return [] if re.search(r"\b(avx512f|amx_tile)\b", flags) else ["--kv-cache-dtype", "auto"]
-
-
-def write_tiny_model(dest: Path) -> Path:
-    """A model directory vLLM loads with --load-format dummy: config + the bundled tokenizer."""
-    dest.mkdir(parents=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-        shutil.copyfile(MODEL_SRC / name, dest / name)
-    config = json.loads((MODEL_SRC / "config.json").read_text())
-    config.pop("transformers.js_config", None)
-    vocab = json.loads((MODEL_SRC / "tokenizer_config.json").read_text()).get("vocab_size", config["vocab_size"])
-    config.update(TINY_CONFIG, vocab_size=vocab)
-    (dest / "config.json").write_text(json.dumps(config, indent=2))
-    return dest
-
-
-#: A LoRA adapter of the tiny model (rank 8 on q_proj and v_proj, zero weights: vLLM loads and runs
-#: it as any adapter), written with the vLLM interpreter's torch and safetensors.
-WRITE_ADAPTER = """
-import json, sys
-from pathlib import Path
-import torch
-from safetensors.torch import save_file
-dest, hidden, layers = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-dest.mkdir(parents=True)
-(dest / "adapter_config.json").write_text(json.dumps({
-    "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
-    "bias": "none", "target_modules": ["q_proj", "v_proj"]}))
-weights = {}
-for i in range(layers):
-    for proj in ("q_proj", "v_proj"):
-        prefix = f"base_model.model.model.layers.{i}.self_attn.{proj}"
-        weights[prefix + ".lora_A.weight"] = torch.zeros(8, hidden)
-        weights[prefix + ".lora_B.weight"] = torch.zeros(hidden, 8)
-save_file(weights, str(dest / "adapter_model.safetensors"))
-"""
-ADAPTER = "sql-lora"
-
-
-def write_adapter(python: str, dest: Path) -> Path:
-    subprocess.run([python, "-c", WRITE_ADAPTER, str(dest), str(TINY_CONFIG["hidden_size"]),
-                    str(TINY_CONFIG["num_hidden_layers"])], check=True, timeout=120)
-    return dest
-
-
-def chat_token_count(model: Path, content: str) -> int:
-    """The prompt's token count as the model's own chat template and tokenizer give it (no BOS added)."""
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    text = jinja2.Environment().from_string(config["chat_template"]).render(
-        messages=[{"role": "user", "content": content}], add_generation_prompt=True)
-    return len(Tokenizer.from_file(str(model / "tokenizer.json")).encode(text, add_special_tokens=False).ids)
 
 
 class Procs:

@@ -9,12 +9,12 @@ still served), so for it an adapter once seen stays in the record (``sticky``). 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 
 import aiohttp
 import structlog
 
+from infera_common.tasks import stop_tasks
 from infera_worker_agent.health import ModelCard, served_model
 
 log = structlog.get_logger("infera.worker_agent")
@@ -56,10 +56,7 @@ class NamesWatch:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_tasks(task)
 
     async def check_once(self) -> bool:
         """Read the card once; register what changed. True when something did."""
