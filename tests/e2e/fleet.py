@@ -154,6 +154,19 @@ def process_tree(root: int) -> list[int]:
     return out
 
 
+def stop_with_children(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:
+    """Stop processes started by a test, then SIGKILL anything their trees still hold (what a killed
+    parent left behind)."""
+    pids = [pid for p in procs for pid in process_tree(p.pid)]
+    for proc in procs:
+        stop_process(proc, timeout=timeout)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def env_with(**values: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("INFERA_")}
     env.update(values)

@@ -14,9 +14,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from infera.procs import free_port, stop_process
+from infera.procs import free_port
 from infera_common.models import default_model_path
-from tests.e2e.fleet import env_with, process_tree
+from tests.e2e.fleet import env_with, stop_with_children
 
 NO_BROKER = ["--discovery-backend", "etcd", "--request-transport", "http", "--kv-event-transport", "zmq"]
 
@@ -111,12 +111,4 @@ class Runbook:
         self.workers[name].wait(timeout=30)
 
     def close(self) -> None:
-        procs = [p for p in [*self.workers.values(), self.server] if p is not None]
-        pids = [pid for p in procs for pid in process_tree(p.pid)]
-        for proc in procs:
-            stop_process(proc, timeout=10)
-        for pid in pids:  # anything a killed parent left behind
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_with_children([p for p in [*self.workers.values(), self.server] if p is not None])

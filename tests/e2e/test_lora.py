@@ -6,8 +6,6 @@ adapter loaded or unloaded while the engine serves (vLLM's run-time endpoints) j
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,10 +13,10 @@ import urllib.request
 
 import pytest
 
-from infera.procs import free_port, stop_process
+from infera.procs import free_port
 from infera_common.models import BUNDLED_MODEL_NAME
 from infera_router.inflight_blocks import LINGER
-from tests.e2e.fleet import PLANES, Fleet, env_with, process_tree
+from tests.e2e.fleet import PLANES, Fleet, env_with, stop_with_children
 from tests.e2e.runbook import http_json, wait_for
 
 ENGINE = "--engine-flavor vllm --speedup 20"  # vLLM's flavour: a model it does not serve is a 404
@@ -94,13 +92,7 @@ def test_adapters_are_listed_routed_to_their_workers_and_to_the_cache_they_compu
         assert status == 404 and body["error"]["code"] == "model_not_found"
     finally:
         if plain is not None:
-            pids = process_tree(plain.pid)
-            stop_process(plain, timeout=10)
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            stop_with_children([plain])
         fleet.stop()
 
 

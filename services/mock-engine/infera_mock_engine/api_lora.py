@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from infera_mock_engine.engine import RequestError
 from infera_mock_engine.http_common import engine_of, parse_body
-from infera_mock_engine.lora import LoraConfigError
+from infera_mock_engine.lora import LoraConfigError, LoraRegistry
 
 RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
@@ -63,15 +63,15 @@ async def sglang_unload(request: web.Request) -> web.Response:
     return _sglang_answer(lora)
 
 
-def _sglang_answer(lora, error: str | None = None) -> web.Response:
+def _sglang_answer(lora: LoraRegistry, error: str | None = None) -> web.Response:
     loaded = {m.name: m.path for m in lora.modules()}
     return web.json_response({"success": error is None, "error_message": error, "loaded_adapters": loaded},
                              status=400 if error else 200)
 
 
-def runtime_updates(env: dict[str, str] | os._Environ = os.environ) -> bool:
+def runtime_updates() -> bool:
     """Whether vLLM would serve the run-time endpoints (its env parse: "1" or "true")."""
-    return env.get(RUNTIME_ENV, "0").strip().lower() in ("1", "true")
+    return os.environ.get(RUNTIME_ENV, "0").strip().lower() in ("1", "true")
 
 
 def add_routes(app: web.Application, flavor: str) -> None:
