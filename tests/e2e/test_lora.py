@@ -1,6 +1,7 @@
 """LoRA adapters through the fleet (vLLM's ``--enable-lora --lora-modules``, in the mock engine): each
 adapter is listed with its base model, requests naming it go only to the workers that serve it, and
-routing finds the KV blocks that adapter computed, never the base model's for the same tokens; an
+routing finds the KV blocks that adapter computed, never the base model's for the same tokens (named
+alone or in SGLang's ``<model>:<adapter>`` form, whatever the engine); an
 adapter loaded or unloaded while the engine serves (vLLM's run-time endpoints) joins or leaves routing."""
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def test_adapters_are_listed_routed_to_their_workers_and_to_the_cache_they_compu
             again = _chat(fleet, "sql", prompt, sql)  # to the blocks the adapter computed
             assert again["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"]
             assert _cached(again) > 0, n
+        # SGLang's own form, <model>:<adapter>, names the same adapter on either engine, and its blocks
+        assert _cached(_chat(fleet, f"{BUNDLED_MODEL_NAME}:sql", prompts[1], sql)) > 0
         # the base model's blocks for the same tokens are its own: its first request computes them all
         base = _chat(fleet, BUNDLED_MODEL_NAME, prompts[0])
         assert _cached(base) == 0

@@ -213,12 +213,23 @@ def test_a_workers_adapters_are_served_and_listed_with_their_base_model():
     assert listed["sql"]["parent"] == "m" and "parent" not in listed["m"]
     assert model_entry(view, "sql")["parent"] == "m"
     assert [w.worker_id for w in view.active("sql")] == ["a"]  # only the worker that serves it
-    with pytest.raises(ApiError) as err:  # SGLang's own form, which Infera's clients do not use
-        table.check("m:sql")
-    assert err.value.status == 404 and "named alone, as /v1/models lists it: `sql`" in err.value.message
+    # SGLang's own form, <model>:<adapter> (split at the first colon), names the adapter too
+    assert table.resolve("m:sql") == "sql" and table.resolve("sql") == "sql" and table.resolve("m") == "m"
+    assert table.resolve("m:nope") == "m:nope" and table.resolve("x:sql") == "x:sql"
+    assert table.resolve("m:sql:x") == "m:sql:x"
+    with pytest.raises(ApiError) as err:  # with a model that does not serve it: the model that does
+        table.check("x:sql")
+    assert err.value.status == 404 and "The LoRA adapter `sql` is served with `m`: give `sql`" in err.value.message
     with pytest.raises(ApiError) as err:
         table.check("m:nope")
-    assert "named alone" not in err.value.message
+    assert "LoRA" not in err.value.message
+    # a name some worker serves whole wins over the form; the form ends with its last worker
+    table.apply(Change("join", _rec("c", "m:sql", WorkerStatus.ACTIVE)))
+    assert table.resolve("m:sql") == "m:sql"
+    table.apply(Change("leave", _rec("c", "m:sql", WorkerStatus.ACTIVE)))
+    assert table.resolve("m:sql") == "sql"
+    table.apply(Change("leave", _rec("a", "m", WorkerStatus.ACTIVE)))
+    assert table.resolve("x:y") == "x:y" and _status(table, "sql") == 503
 
 
 def test_the_models_that_lost_their_workers_are_remembered_within_a_bound(monkeypatch):

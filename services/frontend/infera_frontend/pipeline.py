@@ -12,6 +12,8 @@ import time
 import uuid
 from collections.abc import Callable
 
+import orjson
+
 from infera_common.logs import get_logger
 from infera_common.nats_conn import RepeatedErrors
 from infera_common.schemas import Endpoint
@@ -99,6 +101,10 @@ class Pipeline:
         If the caller is cancelled meanwhile, the running attempt gets a ``Cancel`` (``cancel_reason``, or
         what it returns then).
         """
+        name = self.models.resolve(parsed.model)
+        if name != parsed.model:  # SGLang's <model>:<adapter>: sent on as the adapter (the router names it per engine)
+            parsed.model = parsed.data["model"] = name
+            body = orjson.dumps(parsed.data)
         self.models.check(parsed.model)
         limit = self.models.context_limit(parsed.model)
         check_context_floor(parsed, self.tokenizer.min_tokens(longest_prompt_chars(parsed)), limit)

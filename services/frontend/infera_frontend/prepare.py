@@ -42,7 +42,9 @@ class ModelTable:
 
     def __init__(self, discovery: str = "", unlisted: UnlistedWorkers | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._workers: dict[str, tuple[tuple[str, ...], bool]] = {}  # worker_id -> (its served names, active)
+        # worker_id -> (its served names, active, its (model name, adapter) pairs: SGLang's ``base:adapter``)
+        self._workers: dict[str, tuple[tuple[str, ...], bool, tuple[tuple[str, str], ...]]] = {}
+        self._pairs: Counter[tuple[str, str]] = Counter()
         # model -> active worker_id -> (context length, whether its engine clamps max_tokens to fit)
         self._lengths: dict[str, dict[str, tuple[int | None, bool]]] = {}
         self._known: Counter[str] = Counter()
@@ -58,7 +60,8 @@ class ModelTable:
         rec = change.record
         old = self._workers.pop(rec.worker_id, None)
         if old is not None:
-            names, was_active = old
+            names, was_active, pairs = old
+            self._pairs.subtract(pairs)
             for name in names:
                 self._known[name] -= 1
                 if was_active:
@@ -70,7 +73,10 @@ class ModelTable:
         if change.kind != "leave":
             active = rec.status == WorkerStatus.ACTIVE
             names = tuple(rec.served_names)  # its model and its aliases: a request may give any of them
-            self._workers[rec.worker_id] = (names, active)
+            pairs = tuple((base, a) for base in dict.fromkeys([rec.model, *rec.aliases]) for a in rec.adapters
+                          if rec.adapter(a) is not None)
+            self._workers[rec.worker_id] = (names, active, pairs)
+            self._pairs.update(pairs)
             for name in names:
                 self._known[name] += 1
                 self._served.pop(name, None)
@@ -82,12 +88,24 @@ class ModelTable:
                     self._lengths.setdefault(name, {})[rec.worker_id] = (rec.context_length, rec.clamps_max_tokens)
             self.unlisted.listed(rec.worker_id)
 
-    def _adapter_hint(self, model: str) -> str:
-        """For SGLang's ``<model>:<adapter>`` form: the name to give instead (adapters are named alone here)."""
+    def resolve(self, model: str) -> str:
+        """The name a request's ``model`` is served under: itself when a registered worker serves that
+        name, else the adapter of SGLang's ``<model>:<adapter>`` form (split at the first colon, as SGLang
+        does) when a worker serves that model with that adapter."""
+        if self._known[model] > 0:
+            return model
         base, sep, name = model.partition(":")
-        if sep and self._known[base] > 0 and self._known[name] > 0:
-            return f" A LoRA adapter is named alone, as /v1/models lists it: `{name}`."
-        return ""
+        return name if sep and self._pairs[(base, name)] > 0 else model
+
+    def _adapter_hint(self, model: str) -> str:
+        """For SGLang's ``<model>:<adapter>`` form naming an adapter with a model that does not serve
+        it: the models that do."""
+        base, sep, name = model.partition(":")
+        bases = sorted({b for (b, a), count in self._pairs.items() if a == name and count > 0}) if sep else []
+        if not bases:
+            return ""
+        return (f" The LoRA adapter `{name}` is served with {', '.join(f'`{b}`' for b in bases)}: give `{name}`"
+                f" (or `{bases[0]}:{name}`).")
 
     def lists(self, worker_id: str) -> bool:
         """Whether discovery lists this worker."""
