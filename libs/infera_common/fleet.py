@@ -82,6 +82,13 @@ class FleetView:
         gone = [wid for wid, deadline in self._deadline.items() if deadline <= now_mono]
         return [c for wid in gone if (c := self.delete(wid)) is not None]
 
+    def clock_offset(self, worker_id: str) -> float | None:
+        """Seconds this clock reads ahead of ``worker_id``'s, from the least late of its last
+        heartbeats (None: none seen): the offset plus the transit of that heartbeat, so a time the
+        worker stamped, read here less this, gives the delay beyond that fastest transit."""
+        seen = self._late.get(worker_id)
+        return min(seen) if seen else None
+
     def get(self, worker_id: str) -> WorkerRecord | None:
         return self._records.get(worker_id)
 

@@ -66,6 +66,20 @@ def test_fleet_view_a_heartbeat_read_late_still_counts_its_delay():
     assert view.expire(111.9) == [] and [c.record.worker_id for c in view.expire(112.0)] == ["a"]
 
 
+def test_fleet_view_says_how_far_a_workers_clock_is_from_the_least_late_of_its_heartbeats():
+    """What a reader of a time the worker stamped (a KV relay's) takes off: its clock 30 s ahead and
+    the fastest of its last heartbeats 0.01 s on the way gives -29.99; a worker gone has none."""
+    view = FleetView()
+    assert view.clock_offset("a") is None
+    t = time.time()
+    for beat, transit in enumerate((0.5, 0.01, 0.2)):
+        view.put(_record("a", ttl=6.0).model_copy(update={"heartbeat_at": t + 2 * beat + 30}), 100.0 + 2 * beat,
+                 t + 2 * beat + transit)
+    assert abs(view.clock_offset("a") - (0.01 - 30)) < 1e-6
+    view.delete("a")
+    assert view.clock_offset("a") is None
+
+
 def test_draining_worker_is_known_but_not_active():
     view = FleetView()
     view.put(_record("a", status=WorkerStatus.DRAINING), 1.0, time.time())

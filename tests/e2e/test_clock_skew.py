@@ -30,21 +30,22 @@ def shifted(tmp_path, seconds: float) -> dict[str, str]:
     return {"PYTHONPATH": path, "TEST_CLOCK_SHIFT_S": str(seconds)}
 
 
-def _router_metric(fleet: ManualFleet, name: str) -> float:
-    spec = fleet.specs["router"][0]
+def _metric(fleet: ManualFleet, service: str, name: str) -> float:
+    spec = fleet.specs[service][0]
     port = spec.args[spec.args.index("--metrics-port") + 1]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         for line in resp.read().decode().splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[1])
-    raise AssertionError(f"{name} not in the router's metrics")
+    raise AssertionError(f"{name} not in the {service}'s metrics")
 
 
 def test_a_fleet_whose_clocks_disagree_by_more_than_a_ttl_serves_and_keeps_its_workers(tmp_path):
     """One worker's host 20 s behind the frontend's, the other 20 s ahead, the router's 8 s ahead
     (more than --route-timeout), the kv-indexer's 3 s behind. Before: the worker 20 s behind was
     dropped from every view right after each heartbeat (each looked 20 s old against a 3 s TTL),
-    and the router refused every request as past its route deadline (504)."""
+    and the router refused every request as past its route deadline (504); until session 32 the
+    kv-indexer counted the offset of a relaying worker's clock as the relay's lag."""
     fleet = ManualFleet(tmp_path)
     try:
         fleet.start(service_env={"worker-1": shifted(tmp_path, -20), "worker-2": shifted(tmp_path, 20),
@@ -61,9 +62,12 @@ def test_a_fleet_whose_clocks_disagree_by_more_than_a_ttl_serves_and_keeps_its_w
         first, again = chat(fleet.url, prompt), chat(fleet.url, prompt)
         assert first[0] == again[0] == 200
         assert again[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # routed to its cache
-        wait_for(lambda: abs(_router_metric(fleet, "infera_router_requester_clock_offset_seconds") - 8) < 0.5,
+        wait_for(lambda: abs(_metric(fleet, "router", "infera_router_requester_clock_offset_seconds") - 8) < 0.5,
                  10, "the router's measured offset to the frontend")
-        assert _router_metric(fleet, "infera_router_route_expired_total") == 0
+        assert _metric(fleet, "router", "infera_router_route_expired_total") == 0
+        # the indexer reads the relays' times with each worker's offset: no relay is 20 s late
+        relays = _metric(fleet, "kv-indexer", "infera_kv_indexer_lag_seconds_count")
+        assert relays > 0 and _metric(fleet, "kv-indexer", 'infera_kv_indexer_lag_seconds_bucket{le="5.0"}') == relays
     except BaseException:
         print(fleet.logs())
         raise

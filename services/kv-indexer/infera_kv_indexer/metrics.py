@@ -53,7 +53,8 @@ class KvIndexerMetrics:
         )
         self.lag = Histogram(
             "infera_kv_indexer_lag_seconds",
-            "Seconds from the agent relaying a message to the index applying it (live messages: not those of the "
+            "Seconds from the agent relaying a message to the index applying it, beyond the transit of the agent's "
+            "least late recent heartbeat (so another host's clock offset drops out; live messages: not those of the "
             "stream's replay at start, whose age is the history's).",
             buckets=LAG_BUCKETS, registry=r,
         )

@@ -188,11 +188,18 @@ class KvIndexerService:
                 self.metrics.relay_message(relay.kind)
                 stream = self._stream
                 if stream is None or not stream.replaying:  # (a replayed message's age is the history's)
-                    self.metrics.lag.observe(max(0.0, now - relay.ts))
+                    self.metrics.lag.observe(max(0.0, now - relay.ts - self._clock_offset(relay.worker_id)))
             self._record(result)
         except Exception:  # a bug must not stop the consumer
             self.metrics.malformed.labels("relay").inc()
             log.exception("event_failed", subject=subject)
+
+    def _clock_offset(self, worker_id: str) -> float:
+        """How far this clock reads ahead of the worker's, its heartbeats' transit included
+        (``FleetView.clock_offset``): a relay's lag is then its delay beyond that, not the hosts'
+        offset. 0 for a worker discovery has not shown (its relay is read on this clock)."""
+        offset = self._watcher.view.clock_offset(worker_id) if self._watcher is not None else None
+        return offset or 0.0
 
     def _apply_zmq(self, worker_id: str, dp_rank: int, seq: int, payload: bytes) -> Iterator[None]:
         """Apply one batch read from ZMQ; yields between slices of it (the reader lets the loop run then)."""
