@@ -13,6 +13,7 @@ a deadline passing mid-request gives ``error`` 504. The outcome is returned for 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -123,6 +124,23 @@ class FrameSink:
         await self._publish(self._subject, encode_frame("alive", self.seq))
 
 
+def model_renamer(answer_model: tuple[str, str] | None) -> Callable[[bytes], bytes] | None:
+    """For ``WorkEnvelope.answer_model`` (engine name, served name): a function giving an answer's
+    JSON (a whole body or one SSE payload) the served name as its ``model`` (None: nothing to do).
+    Engines write ``"model":<name>`` compact (pydantic, orjson, Starlette); the spaced form is taken too."""
+    if answer_model is None:
+        return None
+    engine, served = (json.dumps(name, ensure_ascii=False).encode() for name in answer_model)
+    pairs = [(key + engine, key + served) for key in (b'"model":', b'"model": ')]
+
+    def rename(answer: bytes) -> bytes:
+        for old, new in pairs:
+            answer = answer.replace(old, new, 1)
+        return answer
+
+    return rename
+
+
 class Relay:
     def __init__(self, session: aiohttp.ClientSession, base_url: str) -> None:
         self._session = session
@@ -173,9 +191,10 @@ class Relay:
             streaming = (
                 env.stream and resp.status < 400 and resp.content_type == SSE_CONTENT_TYPE
             )
+            rename = model_renamer(env.answer_model)
             if not streaming:
                 body = await resp.read()
-                await sink.send("head", status=resp.status, body=body, final=True)
+                await sink.send("head", status=resp.status, body=rename(body) if rename else body, final=True)
                 return outcome_for_status(resp.status)
             await sink.send("head", status=resp.status)
             decoder = SseDecoder()
@@ -184,10 +203,10 @@ class Relay:
                     if is_done(payload):
                         await sink.send("end")
                         return outcome_for_status(resp.status)
-                    await sink.send("data", body=payload)
+                    await sink.send("data", body=rename(payload) if rename else payload)
             for payload in decoder.close():
                 if not is_done(payload):
-                    await sink.send("data", body=payload)
+                    await sink.send("data", body=rename(payload) if rename else payload)
             await sink.send("end")  # the engine closed the stream cleanly without [DONE]
             return outcome_for_status(resp.status)
 

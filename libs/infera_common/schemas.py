@@ -136,6 +136,12 @@ class WorkerRecord(_Msg):
             return name
         return None
 
+    def answer_model(self, name: str) -> tuple[str, str] | None:
+        """``WorkEnvelope.answer_model`` for a request naming ``name``: (the engine's name, ``name``)
+        when the engine is sent a name of its own."""
+        named = self.engine_model(name)
+        return None if named is None else (named, name)
+
     def engine_model(self, name: str) -> str | None:
         """The ``model`` this worker's engine must be sent for a request naming ``name`` (None: ``name``
         as it is): an adapter after the served name, for an engine that names adapters so."""
@@ -297,6 +303,10 @@ class WorkEnvelope(_Msg):
     #: decoding reads; the worker-agent reports them per router (``LoadReport.by_router_work``)
     prefill_tokens: int | None = None
     decode_tokens: int | None = None
+    #: (the engine's name for the model, the name the fleet serves it by): set when the router wrote
+    #: the engine's own name into ``body`` (SGLang's ``<model>:<adapter>``, ``WorkerRecord.engine_model``);
+    #: the answer's ``model`` is given back the served name, as every engine answers it elsewhere
+    answer_model: tuple[str, str] | None = None
 
 
 FrameKind = Literal["head", "data", "end", "error", "alive"]

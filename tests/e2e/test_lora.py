@@ -39,11 +39,23 @@ def _plain_worker(fleet: Fleet, plane: str, etcd_port: int, flavor: str) -> subp
 
 
 def _chat(fleet: Fleet, model: str, content: str, answered_as: str | None = None) -> dict:
+    """A chat answer, which names the model as the fleet serves it (``answered_as``, else ``model``)."""
     status, body = http_json(fleet.url + "/v1/chat/completions", {
         "model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 2})
     assert status == 200, (model, body)
     assert body["model"] == (answered_as or model)
     return body
+
+
+def _streamed_models(fleet: Fleet, model: str) -> set[str]:
+    """The ``model`` of every chunk of a streamed chat answer."""
+    ask = urllib.request.Request(fleet.url + "/v1/chat/completions", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"model": model, "stream": True, "max_tokens": 4,
+                                                  "messages": [{"role": "user", "content": "a stream"}]}).encode())
+    with urllib.request.urlopen(ask, timeout=30) as resp:
+        events = [line[6:] for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) > 2
+    return {json.loads(e)["model"] for e in events[:-1]}
 
 
 def _cached(body: dict) -> int:
@@ -57,9 +69,6 @@ def test_adapters_are_listed_routed_to_their_workers_and_to_the_cache_they_compu
     etcd = ["--etcd-port", str(etcd_port)] if plane == "no-broker" else []
     fleet = Fleet(tmp_path, workers=2, plane=plane, env=env_with(),
                   extra=[*etcd, f"--engine-arg=--engine-flavor {flavor} --speedup 20 {ADAPTERS[flavor]}"]).start()
-    # SGLang takes (and answers with) the adapter after the served name: the router names it so
-    sql = "sql" if flavor == "vllm" else f"{BUNDLED_MODEL_NAME}:sql"
-    chat = "chat" if flavor == "vllm" else f"{BUNDLED_MODEL_NAME}:chat"
     plain = None
     try:
         plain = _plain_worker(fleet, plane, etcd_port, flavor)
@@ -77,16 +86,18 @@ def test_adapters_are_listed_routed_to_their_workers_and_to_the_cache_they_compu
         # every request naming an adapter reaches a worker that serves it (the plain one would answer 404)
         prompts = [f"adapter question {n}, long enough to fill several KV blocks of the engine " * 20
                    for n in range(4)]
-        firsts = [_chat(fleet, "sql", p, sql) for p in prompts]
+        # (SGLang is sent "<model>:sql" and answers with that name: the answer names "sql" all the same)
+        firsts = [_chat(fleet, "sql", p) for p in prompts]
         for n in range(6):
-            _chat(fleet, "chat", f"a short one {n}", chat)
+            _chat(fleet, "chat", f"a short one {n}")
+        assert _streamed_models(fleet, "chat") == {"chat"}
         time.sleep(LINGER + 0.5)  # past the router's memory of what it sent: the index alone
         for n, (prompt, first) in enumerate(zip(prompts, firsts)):
-            again = _chat(fleet, "sql", prompt, sql)  # to the blocks the adapter computed
+            again = _chat(fleet, "sql", prompt)  # to the blocks the adapter computed
             assert again["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"]
             assert _cached(again) > 0, n
         # SGLang's own form, <model>:<adapter>, names the same adapter on either engine, and its blocks
-        assert _cached(_chat(fleet, f"{BUNDLED_MODEL_NAME}:sql", prompts[1], sql)) > 0
+        assert _cached(_chat(fleet, f"{BUNDLED_MODEL_NAME}:sql", prompts[1], "sql")) > 0
         # the base model's blocks for the same tokens are its own: its first request computes them all
         base = _chat(fleet, BUNDLED_MODEL_NAME, prompts[0])
         assert _cached(base) == 0
@@ -117,7 +128,6 @@ def test_an_adapter_loaded_at_run_time_joins_routing_and_one_unloaded_leaves_whe
     fleet = Fleet(tmp_path, workers=2, env=env,
                   extra=[f"--engine-arg=--engine-flavor {flavor} --speedup 20 --enable-lora"]).start()
     load, unload = RUNTIME[flavor]
-    answered_as = "late" if flavor == "vllm" else f"{BUNDLED_MODEL_NAME}:late"
     try:
         engines = [r["url"] for r in fleet.workers_list()]
         assert [r["adapters"] for r in fleet.workers_list()] == [[], []]
@@ -129,7 +139,7 @@ def test_an_adapter_loaded_at_run_time_joins_routing_and_one_unloaded_leaves_whe
         wait_for(lambda: "late" in listed(), 15, "the loaded adapter listed")
         assert listed()["late"]["parent"] == BUNDLED_MODEL_NAME
         for n in range(6):  # only the engine that loaded it is sent its requests (the other would refuse them)
-            _chat(fleet, "late", f"a question for the adapter loaded late, number {n}", answered_as)
+            _chat(fleet, "late", f"a question for the adapter loaded late, number {n}")
         assert _engine_post(engines[0], unload, {"lora_name": "late"}) == 200
         if flavor == "vllm":
             wait_for(lambda: "late" not in listed(), 15, "the unloaded adapter gone from the list")
@@ -139,6 +149,6 @@ def test_an_adapter_loaded_at_run_time_joins_routing_and_one_unloaded_leaves_whe
         else:  # SGLang loads again, when a request names it, any adapter it loaded before
             time.sleep(2)  # four reads of its /v1/models, which no longer lists it
             assert "late" in listed()
-            _chat(fleet, "late", "asked after the unload", answered_as)
+            _chat(fleet, "late", "asked after the unload")
     finally:
         fleet.stop()

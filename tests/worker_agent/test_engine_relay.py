@@ -128,3 +128,17 @@ async def test_a_sink_keeps_its_last_frames_to_send_them_again():
     sink.forget_frames()
     assert sink.kept_from(4) is None and sink.seq == 5
     assert FrameSink(publish, "inbox.2").kept_from(0) is None  # keeps nothing unless asked
+
+
+def test_an_answer_gets_back_the_name_the_fleet_serves_its_model_by():
+    """SGLang answers with the ``<model>:<adapter>`` it was sent; the client named the adapter."""
+    from infera_common.engine_relay import model_renamer
+
+    assert model_renamer(None) is None
+    rename = model_renamer(("smol:sql", "sql"))
+    assert rename(b'{"id":"x","model":"smol:sql","choices":[]}') == b'{"id":"x","model":"sql","choices":[]}'
+    assert rename(b'{"model": "smol:sql"}') == b'{"model": "sql"}'
+    # text that merely says the name, inside a string, is left as it is
+    quoted = json.dumps({"model": "smol:sql", "text": 'say "model":"smol:sql"'}, separators=(",", ":")).encode()
+    assert json.loads(rename(quoted)) == {"model": "sql", "text": 'say "model":"smol:sql"'}
+    assert rename(b'{"model":"smol:sqlx"}') == b'{"model":"smol:sqlx"}'
