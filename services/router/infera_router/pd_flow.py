@@ -158,7 +158,8 @@ class PdFlow:
             self._on_lease_change(lease)
             env = WorkEnvelope(
                 request_id=request.request_id, endpoint=request.endpoint, body=body(worker), stream=request.stream,
-                answer_model=worker.record.answer_model(request.model), reply_subject=request.reply_subject, deadline=request.deadline, lease_id=lease.lease_id,
+                answer_model=worker.record.answer_model(request.model),
+                reply_subject=request.reply_subject, deadline=request.deadline, lease_id=lease.lease_id,
                 router_id=self._router_id, keepalive=request.keepalive, prefill_tokens=lease.prefill_tokens,
                 decode_tokens=lease.decode_tokens,
                 headers={**rank_headers(worker.rank), **engine_headers(request.traceparent)},

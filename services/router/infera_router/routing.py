@@ -207,7 +207,8 @@ class RoutePath:
             env = WorkEnvelope(
                 request_id=request.request_id, endpoint=request.endpoint,
                 body=pin_bytes(request.body, worker.rank, worker.record.engine_model(request.model)),
-                answer_model=worker.record.answer_model(request.model), stream=request.stream, reply_subject=request.reply_subject, deadline=request.deadline,
+                answer_model=worker.record.answer_model(request.model),
+                stream=request.stream, reply_subject=request.reply_subject, deadline=request.deadline,
                 lease_id=lease.lease_id, router_id=self.router_id, sequences=request.sequences,
                 keepalive=request.keepalive, prefill_tokens=lease.prefill_tokens, decode_tokens=lease.decode_tokens,
                 headers={**rank_headers(worker.rank), **engine_headers(request.traceparent)},
