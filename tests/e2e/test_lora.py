@@ -152,3 +152,30 @@ def test_an_adapter_loaded_at_run_time_joins_routing_and_one_unloaded_leaves_whe
             _chat(fleet, "late", "asked after the unload")
     finally:
         fleet.stop()
+
+
+def test_adapters_vllms_resolver_would_load_on_first_use_are_routed_before_any_engine_lists_them(tmp_path):
+    """vLLM's filesystem LoRA resolver loads an adapter only when a request names it, so no
+    ``/v1/models`` lists it before: the worker-agent reads the resolver's directory instead."""
+    loras = tmp_path / "loras"
+    loras.mkdir()
+    env = env_with(VLLM_ALLOW_RUNTIME_LORA_UPDATING="true", VLLM_LORA_RESOLVER_CACHE_DIR=str(loras),
+                   INFERA_MODELS_INTERVAL="0.5")
+    fleet = Fleet(tmp_path, workers=2, env=env,
+                  extra=["--engine-arg=--engine-flavor vllm --speedup 20 --enable-lora"]).start()
+    try:
+        engine = fleet.workers_list()[0]["url"]  # its model path, as its /v1/models says it
+        with urllib.request.urlopen(engine + "/v1/models", timeout=10) as resp:
+            base = json.loads(resp.read())["data"][0]["root"]
+        (loras / "found").mkdir()
+        (loras / "found" / "adapter_config.json").write_text(
+            json.dumps({"peft_type": "LORA", "base_model_name_or_path": base}))
+        wait_for(lambda: [r["adapters"] for r in fleet.workers_list()] == [["found"], ["found"]], 15,
+                 "the resolvable adapter registered by both workers")
+        assert fleet.get_json("/v1/models/found")["parent"] == BUNDLED_MODEL_NAME
+        prompt = "a question for an adapter no engine has loaded yet, long enough for KV blocks " * 12
+        assert _cached(_chat(fleet, "found", prompt)) == 0  # the engine loads it now
+        time.sleep(LINGER + 0.5)
+        assert _cached(_chat(fleet, "found", prompt)) > 0  # and its blocks are routed to
+    finally:
+        fleet.stop()

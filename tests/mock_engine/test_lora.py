@@ -185,3 +185,37 @@ async def test_a_salted_prompt_keeps_a_cache_of_its_own_and_its_events_say_the_s
         held |= translator.apply(decode_batch(payload).events).stored.get(PAGE, set())
     for salt in ("t1", None, "t2"):
         assert set(block_hashes(PROMPT_A[:48], PAGE, salted_root(ROOT, salt))) <= held
+
+
+def _adapter_dir(root, name: str, base: str, peft_type: str = "LORA") -> None:
+    import json
+
+    (root / name).mkdir()
+    (root / name / "adapter_config.json").write_text(
+        json.dumps({"peft_type": peft_type, "base_model_name_or_path": base, "r": 8}))
+
+
+async def test_vllms_filesystem_resolver_loads_an_adapter_when_a_request_first_names_it(
+        kv_engine, monkeypatch, tmp_path):
+    """vLLM 0.32's lora_filesystem_resolver: with run-time updates on and VLLM_LORA_RESOLVER_CACHE_DIR
+    set, an unknown model name that is a LoRA directory there for this engine's model is loaded."""
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    monkeypatch.setenv("VLLM_LORA_RESOLVER_CACHE_DIR", str(tmp_path))
+    client = await kv_engine("vllm", "--enable-lora")
+    base = client.server.engine.config.model_path
+    _adapter_dir(tmp_path, "found", base)
+    _adapter_dir(tmp_path, "other-base", "/another/model")
+    _adapter_dir(tmp_path, "not-lora", base, peft_type="IA3")
+    _, models = await client.get_json("/v1/models")
+    assert [m["id"] for m in models["data"]] == ["smol"]  # not listed until a request names it
+    assert await cached(client, "found", PROMPT_A) == 0
+    assert await cached(client, "found", PROMPT_A) == 48  # loaded once, its blocks its own
+    _, models = await client.get_json("/v1/models")
+    assert [(m["id"], m["parent"]) for m in models["data"]] == [("smol", None), ("found", "smol")]
+    for name in ("other-base", "not-lora", "absent"):
+        status, _ = await client.post("/v1/completions", {"model": name, "prompt": PROMPT_A, "max_tokens": 2})
+        assert status == 404, name
+    monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin")  # the resolver's plugin not loaded
+    _adapter_dir(tmp_path, "later", base)
+    status, _ = await client.post("/v1/completions", {"model": "later", "prompt": PROMPT_A, "max_tokens": 2})
+    assert status == 404

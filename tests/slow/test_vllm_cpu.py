@@ -12,7 +12,9 @@ cache hit (router ``infera_router_kv_hit_blocks``) and served from vLLM's prefix
 
 A LoRA adapter (``--enable-lora --lora-modules``, a rank-8 adapter the test writes:
 ``tiny_model.py``) is listed with its base model, a prompt under it is routed to the cache it
-computed, and the same tokens asked of the base model get no hit from it.
+computed, and the same tokens asked of the base model get no hit from it. A second adapter lies only
+in the directory of vLLM's filesystem LoRA resolver (``VLLM_LORA_RESOLVER_CACHE_DIR``): vLLM does not
+list it, the agent registers it, and the first request for it, routed there, has vLLM load it.
 
 The same runs on the no-broker plane: etcd, one ``python -m infera.server`` whose router calls vLLM's
 HTTP API itself and whose index reads vLLM's ZMQ publisher directly (no nats-server at all).
@@ -27,6 +29,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -43,6 +46,8 @@ from infera_worker_agent.engine_gpus import gpus_needed
 from infera_worker_agent.health import Canary, send_canary
 from infera_worker_agent.load import parse_engine_metrics
 from tests.slow.tiny_model import ADAPTER, chat_token_count, write_adapter, write_tiny_model
+
+LATE = "late-lora"  # an adapter in vLLM's filesystem resolver's directory, not on its command line
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -162,6 +167,11 @@ def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cac
     python = vllm_python()
     model = write_tiny_model(tmp_path / "tiny-llama")
     adapter = write_adapter(python, tmp_path / ADAPTER)
+    # a second adapter only vLLM's filesystem resolver knows of (loaded when a request first names it)
+    resolvable = tmp_path / "resolver"
+    shutil.copytree(adapter, resolvable / LATE)
+    config = json.loads((resolvable / LATE / "adapter_config.json").read_text())
+    (resolvable / LATE / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(model)}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("INFERA_", "VLLM_"))}
     env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                DO_NOT_TRACK="1")
@@ -190,6 +200,7 @@ def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cac
             **env,
             "VLLM_HOST_IP": "127.0.0.1",
             "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache: plenty for a 2-layer model
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true", "VLLM_LORA_RESOLVER_CACHE_DIR": str(resolvable),
         }
         procs.start("worker-agent", [
             sys.executable, "-m", "infera_worker_agent", *common, "--advertise-host", "127.0.0.1", "--engine", "vllm",
@@ -236,7 +247,8 @@ def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cac
         print("vLLM /v1/models:", json.dumps(listed))
         assert [(m["id"], m.get("parent")) for m in listed["data"]] == [
             (MODEL_NAME, None), (ALIAS, None), (ADAPTER, MODEL_NAME)]
-        assert worker["adapters"] == [ADAPTER] and worker["adapter_naming"] == "name"
+        # the resolver's adapter, which vLLM does not list before its first request, is registered too
+        assert worker["adapters"] == [ADAPTER, LATE] and worker["adapter_naming"] == "name"
         assert ENGINE_KEY not in procs.log_path("worker-agent").read_text(errors="replace")
         status, sources = http_json(worker["url"] + "/kv_event_sources", timeout=10, headers=ENGINE_AUTH)
         assert status == 200
@@ -395,6 +407,11 @@ def test_real_vllm_engine_serves_through_the_fleet_and_its_kv_events_route_a_cac
         assert not (base["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
         assert total(scrape(frontend), "infera_frontend_token_mismatch_total") == 0
         print(f"LoRA: {lora_blocks} blocks, router hit {lora_hit:.0f} under the adapter, 0 for the base model")
+        # 8. the resolver's adapter: routed here before vLLM lists it, and loaded by that request
+        status, late = http_json(frontend + "/v1/chat/completions", {**lora_prompt, "model": LATE})
+        assert status == 200 and late["model"] == LATE, (late, procs.tails())
+        status, listed = http_json(worker["url"] + "/v1/models", timeout=10, headers=ENGINE_AUTH)
+        assert (LATE, MODEL_NAME) in [(m["id"], m.get("parent")) for m in listed["data"]], listed
     finally:
         procs.stop_all()
 

@@ -2,20 +2,24 @@
 (plain-text success, OpenAI-style errors), served (as vLLM 0.32 serves them) only when
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is true; SGLang's ``POST /load_lora_adapter`` and
 ``/unload_lora_adapter`` (``{"success", "error_message", "loaded_adapters"}``, 400 on failure),
-always served. The adapters themselves are in ``lora.py``."""
+always served; vLLM's filesystem resolver (``resolve``), which loads an adapter when a request first
+names it. The adapters themselves are in ``lora.py``."""
 
 from __future__ import annotations
 
+import json
 import os
 
 from aiohttp import web
 from pydantic import BaseModel
 
-from infera_mock_engine.engine import RequestError
+from infera_mock_engine.engine import Engine, RequestError
 from infera_mock_engine.http_common import engine_of, parse_body
 from infera_mock_engine.lora import LoraConfigError, LoraRegistry
 
 RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+#: vLLM's filesystem resolver: the directory it looks in, and its plugin's name in ``VLLM_PLUGINS``
+RESOLVER_DIR_ENV, RESOLVER = "VLLM_LORA_RESOLVER_CACHE_DIR", "lora_filesystem_resolver"
 
 
 class _Load(BaseModel):
@@ -72,6 +76,31 @@ def _sglang_answer(lora: LoraRegistry, error: str | None = None) -> web.Response
 def runtime_updates() -> bool:
     """Whether vLLM would serve the run-time endpoints (its env parse: "1" or "true")."""
     return os.environ.get(RUNTIME_ENV, "0").strip().lower() in ("1", "true")
+
+
+def resolve(engine: Engine, name: str) -> bool:
+    """vLLM's filesystem LoRA resolver, for a request naming ``name``, no served name: with run-time
+    updates on and ``VLLM_LORA_RESOLVER_CACHE_DIR`` set (its plugin not left out of ``VLLM_PLUGINS``),
+    ``<dir>/<name>/adapter_config.json`` of a LoRA for this engine's model is loaded under ``name``.
+    False when nothing is found (the request is then a 404); 400 when found but not loadable."""
+    directory = os.environ.get(RESOLVER_DIR_ENV)
+    plugins = os.environ.get("VLLM_PLUGINS")
+    if not runtime_updates() or not directory or (plugins is not None and RESOLVER not in plugins.split(",")):
+        return False
+    path = os.path.join(directory, name)
+    try:
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA" \
+            or config.get("base_model_name_or_path") != engine.config.model_path:
+        return False
+    try:
+        engine.lora.load(name, path)
+    except LoraConfigError:
+        raise RequestError(f"LoRA adapter '{name}' was found but could not be loaded.", param="model") from None
+    return True
 
 
 def add_routes(app: web.Application, flavor: str) -> None:

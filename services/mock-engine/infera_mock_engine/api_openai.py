@@ -23,6 +23,7 @@ from aiohttp import web
 from infera_mock_engine.engine import Engine, GenerationFailed, GenerationParams, GenerationStream, Output, RequestError
 from infera_mock_engine.errors import stream_error_event
 from infera_mock_engine.kv_events import Adapter
+from infera_mock_engine.api_lora import resolve
 from infera_mock_engine.lora import requested
 from infera_mock_engine.logprobs import LogprobBuilder
 from infera_mock_engine.http_common import (
@@ -73,7 +74,8 @@ VLLM_MAX_STOP = 4
 def _check_common(engine: Engine, body: _OpenAIRequest) -> None:
     if engine.config.engine_flavor != "vllm":
         return
-    if body.model and body.model not in engine.config.served_model_names and engine.lora.get(body.model) is None:
+    if body.model and body.model not in engine.config.served_model_names and engine.lora.get(body.model) is None \
+            and not resolve(engine, body.model):
         raise RequestError(f"The model `{body.model}` does not exist.", status=404, param="model")
     max_n = int(os.environ.get(VLLM_MAX_N_ENV, VLLM_MAX_N_DEFAULT))
     if body.n > max_n:

@@ -46,10 +46,12 @@ class EngineWatch:
                  by_rank: Callable[[], dict[int, tuple[int, int]]],
                  publish_load: Callable[[LoadReport], Awaitable[None]], on_health: Callable[[bool], Awaitable[None]],
                  health_generates: bool = False, dp_size: int = 1, names: ModelCard | None = None,
-                 on_names: Callable[[ModelCard], Awaitable[None]] | None = None) -> None:
+                 on_names: Callable[[ModelCard], Awaitable[None]] | None = None,
+                 resolvable: Callable[[ModelCard], Awaitable[ModelCard]] | None = None) -> None:
         self._metrics = metrics
         self.names = None if names is None or on_names is None else NamesWatch(
-            session, local_url, settings.models_interval, names, on_names, sticky=family == "sglang")
+            session, local_url, settings.models_interval, names, on_names, sticky=family == "sglang",
+            resolvable=resolvable)
         self.reporter: LoadReporter | None = LoadReporter(
             worker_id=settings.worker_id or "", session=session, metrics_url=f"{local_url}/metrics",
             interval=settings.load_interval, in_flight=in_flight, sequences=sequences, by_router=by_router,

@@ -317,12 +317,14 @@ class ModelCard:
     (SGLang and vLLM both give the model's context length there; None when absent), and the ids of
     the entries after it that name the same model (``aliases``: vLLM lists one entry per
     ``--served-model-name``), and those of its LoRA adapters (``adapters``: an adapter's entry names
-    its base model in ``parent``)."""
+    its base model in ``parent``), and its ``root`` (the model path the engine loaded: vLLM's
+    ``--model``)."""
 
     id: str
     max_model_len: int | None = None
     aliases: tuple[str, ...] = ()
     adapters: tuple[str, ...] = ()
+    root: str | None = None
 
 
 def read_models(data: object) -> ModelCard | None:
@@ -338,7 +340,9 @@ def read_models(data: object) -> ModelCard | None:
     adapters = dict.fromkeys(str(e["id"]) for e in entries if e.get("parent") is not None)
     for name in (first, *aliases):
         adapters.pop(name, None)
-    return ModelCard(first, length if valid else None, tuple(aliases), tuple(adapters))
+    root = data[0].get("root")
+    return ModelCard(first, length if valid else None, tuple(aliases), tuple(adapters),
+                     root if isinstance(root, str) and root else None)
 
 
 def refused_length(card: ModelCard | None, server_info: dict[str, Any] | None) -> int | None:

@@ -3,13 +3,15 @@ seconds, so that LoRA adapters loaded or unloaded at run time (vLLM's ``/v1/load
 SGLang's ``/load_lora_adapter``) join or leave the worker's record, and requests for them are routed
 here or no longer. SGLang reloads any adapter it ever loaded when a request names it (its LoRA
 reference cache: one evicted by ``--max-loaded-loras`` or unloaded leaves its ``/v1/models`` but is
-still served), so for it an adapter once seen stays in the record (``sticky``). ``changed`` and
-``merged`` are the pure part."""
+still served), so for it an adapter once seen stays in the record (``sticky``). A vLLM engine's
+filesystem LoRA resolver loads adapters that are in no list until a request names them: those are
+added (``resolvable``, ``lora_resolver.py``). ``changed`` and ``merged`` are the pure part."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 import aiohttp
 import structlog
@@ -36,18 +38,20 @@ def merged(old: ModelCard, new: ModelCard) -> ModelCard:
     """``new`` with every adapter of ``old`` kept (those first, in their order): an engine that still
     serves what it no longer lists (SGLang)."""
     adapters = tuple(dict.fromkeys([*old.adapters, *new.adapters]))
-    return ModelCard(new.id, new.max_model_len, new.aliases, tuple(a for a in adapters if a not in new.aliases))
+    return replace(new, adapters=tuple(a for a in adapters if a not in new.aliases))
 
 
 class NamesWatch:
     def __init__(self, session: aiohttp.ClientSession, base_url: str, interval: float, current: ModelCard,
-                 on_change: Callable[[ModelCard], Awaitable[None]], sticky: bool = False) -> None:
+                 on_change: Callable[[ModelCard], Awaitable[None]], sticky: bool = False,
+                 resolvable: Callable[[ModelCard], Awaitable[ModelCard]] | None = None) -> None:
         self._session = session
         self._url = base_url
         self.interval = interval
         self.current = current
         self._on_change = on_change
         self._sticky = sticky
+        self._resolvable = resolvable  # the card with the adapters the engine loads on first use
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -63,6 +67,8 @@ class NamesWatch:
         card = await served_model(self._session, self._url, attempts=1)
         if card is not None and self._sticky:
             card = merged(self.current, card)
+        if card is not None and self._resolvable is not None:
+            card = await self._resolvable(card)
         diff = changed(self.current, card) if card is not None else {}
         if not diff:
             return False

@@ -49,6 +49,7 @@ from infera_worker_agent.kv_learn import EngineKv
 from infera_worker_agent.kv_follow import STATE_PATH, KvFollower, serve_state, state_url
 from infera_worker_agent.kv_relay import KvRelayer
 from infera_worker_agent.kv_resync import ResyncListener
+from infera_worker_agent.lora_resolver import adapters_in, resolver_dir, with_adapters
 from infera_worker_agent.metrics import AgentMetrics
 from infera_worker_agent.pd_report import (
     PdState, bootstrap_query_url, needs_bootstrap_query, planned_state, reported_state,
@@ -91,9 +92,11 @@ class Agent(Endings):
         assert plan.pd is not None, "plan_engine reads the role from the engine's flags"
         self._pd_plan: PdPlan = plan.pd
         self._pd: PdState = planned_state(self._pd_plan, plan.advertise_host)
+        engine_environ = {**os.environ, **dict(plan.env_changes)}
         # whether the engine's own /health runs a generation (the plan's arguments and environment)
-        self._health_generates = health_generates(plan.engine, plan.engine_args,
-                                                  {**os.environ, **dict(plan.env_changes)})
+        self._health_generates = health_generates(plan.engine, plan.engine_args, engine_environ)
+        # where a vLLM engine's LoRA resolver finds adapters it loads on first use (None: it has none)
+        self._resolver_dir = resolver_dir(self._pd_plan.family, engine_environ, plan.engine_args)
 
     # --- entry point ---------------------------------------------------------------------------
     async def run(self) -> int:
@@ -158,6 +161,8 @@ class Agent(Endings):
             return await self._startup_failed(startup)
 
         card = await served_model(self._session, self.plan.local_url)
+        if card is not None and self._resolver_dir is not None:
+            card = await self._resolvable(card)
         model = card.id if card else self.plan.model_hint or "unknown"
         self._names = card or ModelCard(model)
         info = await engine_json(self._session, f"{self.plan.local_url}/server_info")
@@ -184,6 +189,7 @@ class Agent(Endings):
             by_rank=lambda: self._worker.in_flight_by_rank() if self._worker else {},
             publish_load=self._publish_load, on_health=self._on_health, health_generates=self._health_generates,
             dp_size=self._pd.dp_size, names=self._names, on_names=self._on_names,
+            resolvable=self._resolvable if self._resolver_dir is not None else None,
         )
         self._watch.start()
         log.info("worker_active", worker_id=self.worker_id, model=model, url=self.plan.url, frozen_objects=frozen)
@@ -340,6 +346,12 @@ class Agent(Endings):
         self._kv.set_block_size(size)
         self._kv.note_block_size()
         await self._reregister()
+
+    async def _resolvable(self, card: ModelCard) -> ModelCard:
+        """``card`` with the adapters the engine's LoRA resolver would load (``lora_resolver.py``)."""
+        assert self._resolver_dir is not None
+        found = await asyncio.to_thread(adapters_in, self._resolver_dir, card.root)
+        return with_adapters(card, found)
 
     async def _on_names(self, card: ModelCard) -> None:
         """The engine serves other names now (a LoRA adapter loaded or unloaded): register them."""
