@@ -208,11 +208,16 @@ def test_infera_up_starts_its_nats_server_and_control_services_again_and_the_fle
 
             [old] = with_marker()
             os.kill(old, signal.SIGKILL)
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not (with_marker() and old not in with_marker()
-                                                       and _chat_or_down(fleet.url) == 200):
+            deadline, seen = time.monotonic() + 30, []
+            while time.monotonic() < deadline:
+                # one new process, the same one before and after a request is served: a snapshot of
+                # the process table once showed a process with the marker that the next one did not
+                # (CI, session 32, then 1 of 27 isolated runs; cause not found)
+                seen = with_marker()
+                if len(seen) == 1 and old not in seen and _chat_or_down(fleet.url) == 200 and with_marker() == seen:
+                    break
                 time.sleep(0.2)
-            assert len(with_marker()) == 1 and old not in with_marker(), (marker, fleet.logs())  # started again
+            assert len(seen) == 1 and old not in seen, (marker, seen, fleet.logs())  # started again
             assert _chat_or_down(fleet.url) == 200 and fleet.proc.poll() is None, (marker, fleet.logs())
         assert len([w for w in fleet.workers_list() if w["status"] == "active"]) == 2
         long_prompt = {"model": BUNDLED_MODEL_NAME, "max_tokens": 2,  # several KV blocks: the index is asked
