@@ -7,13 +7,10 @@ import pytest
 
 from infera_common.models import BUNDLED_MODEL_NAME
 from tests.e2e.fleet import Fleet, env_with
+from tests.e2e.test_lora import _cached
 from tests.e2e.runbook import http_json
 
 PROMPT = "a question for the adapter through the pair, long enough for several KV blocks " * 12
-
-
-def _cached(body: dict) -> int:
-    return (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
 @pytest.mark.parametrize("plane", ["nats", "no-broker"])
